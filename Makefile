@@ -1,0 +1,44 @@
+# Every target does the set-up it needs: a virtualenv in .venv, torch (CPU), the patched Horovod
+# wheel (built once, cached in $(NIGHTSHIFT_CACHE)), and this project with its pinned dependencies.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+export NIGHTSHIFT_CACHE ?= $(HOME)/.cache/nightshift
+STAMP := $(VENV)/.nightshift-installed
+PIP := $(BIN)/python -m pip --disable-pip-version-check
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast airflow bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt scripts/horovod-wheel.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "pip==26.3"
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q "$$(scripts/horovod-wheel.sh $(BIN)/python)"
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/python scripts/demo.py
+
+test: setup
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -m "not integration" $(PYTEST_ARGS)
+
+airflow: setup
+	scripts/airflow.sh standalone
+
+bench: setup
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m bench
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,62 @@
+"""The `nightshift` command: every step of the DAG as a subcommand.
+
+Results go to stdout as JSON; errors go to stderr as one line a person can act on.
+Each step module exposes `add_parser(subparsers)`; the subparser's `func` returns a JSON-able
+result (printed) or an int exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from nightshift.errors import NightshiftError
+
+# Modules that contribute subcommands, imported only when the parser is built.
+COMMAND_MODULES: tuple[str, ...] = (
+    "nightshift.data.cli",
+    "nightshift.train.cli",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse already exits 2 on usage errors; keep its one-line form.
+        self.exit(2, f"nightshift: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="nightshift", description=__doc__.splitlines()[0] if __doc__ else None)
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def emit(result: Any) -> None:
+    """Print a command's result as JSON on stdout."""
+    json.dump(result, sys.stdout, indent=2, sort_keys=True, default=str)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except NightshiftError as err:
+        print(f"nightshift {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+    if isinstance(result, int):
+        return result
+    if result is not None:
+        emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: the demo dataset, validation (Great Expectations) and staging (DVC)."""

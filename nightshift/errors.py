@@ -1,0 +1,31 @@
+"""Project exceptions. Each names one kind of failure; its message says what and what to do."""
+
+from __future__ import annotations
+
+
+class NightshiftError(Exception):
+    """Base class: an error a person can act on. The CLI prints it on one line and exits 2."""
+
+    exit_code = 2
+
+
+class UsageError(NightshiftError):
+    """A bad argument or configuration value."""
+
+
+class DataError(NightshiftError):
+    """Input data is missing, empty or unreadable."""
+
+
+class DataValidationFailed(NightshiftError):
+    """The data did not pass its expectation suite."""
+
+    exit_code = 1
+
+
+class CheckpointCorrupt(NightshiftError):
+    """A checkpoint file is truncated, unreadable or not a Nightshift checkpoint."""
+
+
+class CheckpointMismatch(NightshiftError):
+    """A checkpoint was written for a different model or configuration."""

@@ -1,0 +1,41 @@
+"""Where Nightshift keeps its state outside the repository, overridable by environment variables.
+
+`NIGHTSHIFT_HOME` (default `~/.nightshift`) holds, unless set one by one:
+- the MLflow tracking store `mlflow.db` and artifacts `mlartifacts/` (`MLFLOW_TRACKING_URI` wins),
+- the DVC remote `dvc-remote/` (`NIGHTSHIFT_DVC_REMOTE`),
+- per-run workspaces `workspaces/` and checkpoints `checkpoints/`,
+- the local serving record `serving/`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def home() -> Path:
+    return Path(os.environ.get("NIGHTSHIFT_HOME", Path.home() / ".nightshift")).expanduser()
+
+
+def mlflow_tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
+
+
+def mlflow_artifact_root() -> str:
+    return os.environ.get("NIGHTSHIFT_MLFLOW_ARTIFACTS") or str(home() / "mlartifacts")
+
+
+def dvc_remote() -> str:
+    return os.environ.get("NIGHTSHIFT_DVC_REMOTE") or str(home() / "dvc-remote")
+
+
+def workspaces_dir() -> Path:
+    return Path(os.environ.get("NIGHTSHIFT_WORKSPACES") or home() / "workspaces")
+
+
+def checkpoints_dir() -> Path:
+    return Path(os.environ.get("NIGHTSHIFT_CHECKPOINTS") or home() / "checkpoints")
+
+
+def serving_dir() -> Path:
+    return Path(os.environ.get("NIGHTSHIFT_SERVING") or home() / "serving")

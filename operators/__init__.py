@@ -1,0 +1,1 @@
+"""Airflow glue for Nightshift: the HorovodKubernetesOperator and its launcher, trigger and spec builder."""
