@@ -29,3 +29,25 @@ class CheckpointCorrupt(NightshiftError):
 
 class CheckpointMismatch(NightshiftError):
     """A checkpoint was written for a different model or configuration."""
+
+
+class TrackingError(NightshiftError):
+    """An MLflow run could not be logged or found."""
+
+
+class EvaluationError(NightshiftError):
+    """A model could not be scored on the held-out split."""
+
+
+class RegistryError(NightshiftError):
+    """A model version could not be registered, found or aliased."""
+
+
+class ChallengerRejected(NightshiftError):
+    """The gate decided the new model does not replace the champion."""
+
+    exit_code = 1
+
+
+class DeploymentFailed(NightshiftError):
+    """A deployment did not become healthy or answer correctly; the previous version keeps serving."""
