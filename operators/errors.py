@@ -1,0 +1,49 @@
+"""Exceptions of the Horovod operator: one class per failure kind; messages name the job and the reason."""
+
+from __future__ import annotations
+
+from airflow.sdk.exceptions import AirflowException
+
+
+class HorovodJobError(AirflowException):
+    """Base class: a Horovod training job (MPIJob or local horovodrun) did not succeed."""
+
+
+class InvalidJobConfig(HorovodJobError, ValueError):
+    """An operator or spec-builder argument is invalid; the message names the field."""
+
+
+class MPIJobFailed(HorovodJobError):
+    """The MPIJob reached the Failed condition (launcher exited non-zero, a worker died...)."""
+
+
+class MPIJobWorkerOOMKilled(MPIJobFailed):
+    """A pod of the MPIJob was killed for exceeding its memory limit."""
+
+
+class MPIJobImagePullFailed(MPIJobFailed):
+    """A pod of the MPIJob cannot pull its image (ErrImagePull, ImagePullBackOff, InvalidImageName)."""
+
+
+class MPIJobUnschedulable(MPIJobFailed):
+    """Pods of the MPIJob stayed unschedulable past startup_timeout."""
+
+
+class MPIJobStartupTimeout(MPIJobFailed):
+    """The MPIJob did not start running within startup_timeout."""
+
+
+class MPIJobDeleted(MPIJobFailed):
+    """The MPIJob disappeared (404) while the task was waiting for it."""
+
+
+class MPIJobConflict(HorovodJobError):
+    """An MPIJob with the same name exists but belongs to another task try."""
+
+
+class HorovodRunFailed(HorovodJobError):
+    """The local `horovodrun` exited non-zero."""
+
+
+class HorovodRunTimeout(HorovodJobError):
+    """The local `horovodrun` ran past its timeout and was killed."""

@@ -1,0 +1,448 @@
+"""`HorovodKubernetesOperator`: multi-node Horovod training as a Kubeflow MPIJob, or locally with horovodrun.
+
+The operator holds per-task state (the job's name, the local process) and chooses the backend; the
+spec builder (`mpijob_spec`), the launchers (`mpijob_launcher`, `local_launcher`) and the trigger
+(`triggers.MPIJobTrigger`) do the work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.configuration import conf
+from airflow.sdk.exceptions import AirflowNotFoundException
+
+from operators.errors import InvalidJobConfig, MPIJobFailed
+from operators.mpijob_spec import (
+    MPIJobConfig,
+    TaskIdentity,
+    build_mpijob,
+    checkpoint_subdir,
+    job_name,
+    pool_slots_for,
+    split_command,
+    with_checkpoint_dir,
+)
+
+if TYPE_CHECKING:
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+    from airflow.sdk import Context
+
+    from operators.local_launcher import LocalHorovodLauncher
+    from operators.mpijob_launcher import MPIJobLauncher
+
+Backend = Literal["kubernetes", "local", "auto"]
+CleanupPolicy = Literal["always", "on_success", "never"]
+BACKENDS = ("kubernetes", "local", "auto")
+CLEANUP_POLICIES = ("always", "on_success", "never")
+DEFAULT_CHECKPOINT_ROOT = "/workspace/checkpoints"
+GPU_POOL = "gpu"
+
+
+class HorovodKubernetesOperator(BaseOperator):
+    """Run a Horovod training command on `num_workers` workers, on Kubernetes (MPIJob) or locally.
+
+    :param num_workers: number of worker pods (Kubernetes) or local processes.
+    :param gpus_per_worker: GPUs each worker asks for (`nvidia.com/gpu`); also MPI slots per worker.
+        The task takes `num_workers * gpus_per_worker` slots (at least 1) of the `gpu` pool.
+    :param image: the trainer image (Kubernetes backend).
+    :param command: the training entrypoint, as a list or one shell-like string, e.g.
+        `["python", "-m", "nightshift.train", "--data", "/workspace/data", "--out", "/workspace/model"]`.
+        `--checkpoint-dir` is appended unless the command passes one.
+    :param checkpoint_dir: where checkpoints live; default `<checkpoint_root>/<dag_id>/<run_id>/<task_id>`
+        (never the try number, so a retry resumes). `checkpoint_root` defaults to NIGHTSHIFT_HOME's
+        checkpoints directory locally and to `/workspace/checkpoints` (the workspace PVC) on Kubernetes.
+    :param backend: "kubernetes", "local", or "auto" (kubernetes when the `kubernetes_conn_id`
+        connection exists, else local).
+    :param deferrable: on Kubernetes, wait in the triggerer (`MPIJobTrigger`) instead of a worker slot.
+    :param poll_interval: seconds between status polls.
+    :param startup_timeout: seconds the job may take to start running before it is failed and deleted.
+    :param cleanup: delete the MPIJob when the task ends "always", "on_success" (keep failed jobs for
+        inspection; ttl_seconds_after_finished removes them) or "never". Jobs that never started
+        (unschedulable, image pull failure, startup timeout) are deleted unless cleanup is "never".
+    :param timeout: local backend only: seconds before the horovodrun process tree is killed.
+    """
+
+    template_fields: Sequence[str] = (
+        "image",
+        "command",
+        "env",
+        "checkpoint_dir",
+        "checkpoint_root",
+        "namespace",
+        "labels",
+        "annotations",
+        "volumes",
+        "volume_mounts",
+        "node_selector",
+        "tolerations",
+        "service_account_name",
+        "priority_class_name",
+        "cpu_request",
+        "cpu_limit",
+        "memory_request",
+        "memory_limit",
+    )
+    template_fields_renderers = {"command": "py", "env": "json", "volumes": "json", "labels": "json"}
+    ui_color = "#c9e4f6"
+
+    def __init__(
+        self,
+        *,
+        num_workers: int,
+        gpus_per_worker: int = 0,
+        image: str = "",
+        command: str | Sequence[str],
+        cpu_request: str | None = None,
+        cpu_limit: str | None = None,
+        memory_request: str | None = None,
+        memory_limit: str | None = None,
+        namespace: str | None = None,
+        service_account_name: str | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        tolerations: Sequence[Mapping[str, Any]] | None = None,
+        priority_class_name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        volumes: Sequence[Mapping[str, Any]] | None = None,
+        volume_mounts: Sequence[Mapping[str, Any]] | None = None,
+        image_pull_policy: str | None = None,
+        image_pull_secrets: Sequence[str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_root: str | None = None,
+        backend: Backend = "auto",
+        kubernetes_conn_id: str = "kubernetes_default",
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        poll_interval: float = 10.0,
+        startup_timeout: float = 600.0,
+        cleanup: CleanupPolicy = "on_success",
+        clean_pod_policy: str = "Running",
+        backoff_limit: int = 0,
+        ttl_seconds_after_finished: int | None = 3600,
+        active_deadline_seconds: int | None = None,
+        launcher_resources: Mapping[str, Mapping[str, str]] | None = None,
+        worker_command: Sequence[str] | None = None,
+        ssh_auth_mount_path: str | None = None,
+        timeout: float | None = None,
+        pool: str | None = None,
+        pool_slots: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise InvalidJobConfig(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if cleanup not in CLEANUP_POLICIES:
+            raise InvalidJobConfig(f"cleanup must be one of {CLEANUP_POLICIES}, got {cleanup!r}")
+        counts = (("num_workers", num_workers, 1), ("gpus_per_worker", gpus_per_worker, 0))
+        for name, value, minimum in counts:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise InvalidJobConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
+        super().__init__(
+            pool=pool or GPU_POOL,
+            pool_slots=pool_slots or pool_slots_for(num_workers, gpus_per_worker),
+            **kwargs,
+        )
+        self.num_workers = num_workers
+        self.gpus_per_worker = gpus_per_worker
+        self.image = image
+        self.command = command
+        self.cpu_request = cpu_request
+        self.cpu_limit = cpu_limit
+        self.memory_request = memory_request
+        self.memory_limit = memory_limit
+        self.namespace = namespace
+        self.service_account_name = service_account_name
+        self.node_selector = node_selector
+        self.tolerations = tolerations
+        self.priority_class_name = priority_class_name
+        self.env = env
+        self.volumes = volumes
+        self.volume_mounts = volume_mounts
+        self.image_pull_policy = image_pull_policy
+        self.image_pull_secrets = image_pull_secrets
+        self.labels = labels
+        self.annotations = annotations
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_root = checkpoint_root
+        self.backend = backend
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.deferrable = deferrable
+        self.poll_interval = poll_interval
+        self.startup_timeout = startup_timeout
+        self.cleanup = cleanup
+        self.clean_pod_policy = clean_pod_policy
+        self.backoff_limit = backoff_limit
+        self.ttl_seconds_after_finished = ttl_seconds_after_finished
+        self.active_deadline_seconds = active_deadline_seconds
+        self.launcher_resources = launcher_resources
+        self.worker_command = worker_command
+        self.ssh_auth_mount_path = ssh_auth_mount_path
+        self.timeout = timeout
+        # Per-try state that on_kill needs.
+        self.job_name: str | None = None
+        self._job_namespace: str | None = None
+        self._local: LocalHorovodLauncher | None = None
+
+    # -- clients -----------------------------------------------------------------------------------
+
+    @cached_property
+    def hook(self) -> KubernetesHook:
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        return KubernetesHook(conn_id=self.kubernetes_conn_id)
+
+    def make_launcher(self, namespace: str) -> MPIJobLauncher:
+        from operators.mpijob_launcher import MPIJobLauncher
+
+        return MPIJobLauncher(
+            self.hook.custom_object_client,
+            self.hook.core_v1_client,
+            namespace,
+            poll_interval=self.poll_interval,
+            startup_timeout=self.startup_timeout,
+            logger=self.log,
+        )
+
+    # -- pure derivations --------------------------------------------------------------------------
+
+    def resolve_backend(self) -> str:
+        """The backend this run uses; "auto" looks for the Kubernetes connection."""
+        if self.backend != "auto":
+            return self.backend
+        from airflow.sdk import BaseHook
+
+        try:
+            BaseHook.get_connection(self.kubernetes_conn_id)
+        except AirflowNotFoundException:
+            self.log.info("No connection %r: using the local backend", self.kubernetes_conn_id)
+            return "local"
+        return "kubernetes"
+
+    def resolve_namespace(self) -> str:
+        if self.namespace:
+            return self.namespace
+        try:
+            return self.hook.get_namespace() or "default"
+        except AirflowNotFoundException:
+            return "default"
+
+    @staticmethod
+    def identity_from(context: Context | Mapping[str, Any]) -> TaskIdentity:
+        ti = context["ti"]
+        return TaskIdentity(
+            dag_id=ti.dag_id,
+            task_id=ti.task_id,
+            run_id=ti.run_id,
+            try_number=int(ti.try_number or 1),
+            map_index=int(getattr(ti, "map_index", -1) if getattr(ti, "map_index", None) is not None else -1),
+        )
+
+    def resolve_checkpoint_dir(self, identity: TaskIdentity, backend: str) -> str:
+        if self.checkpoint_dir:
+            return str(self.checkpoint_dir)
+        root = self.checkpoint_root
+        if not root:
+            if backend == "local":
+                from nightshift.settings import checkpoints_dir
+
+                root = str(checkpoints_dir())
+            else:
+                root = DEFAULT_CHECKPOINT_ROOT
+        sub = checkpoint_subdir(identity.dag_id, identity.run_id, identity.task_id)
+        if identity.map_index >= 0:
+            sub += f"/{identity.map_index}"
+        return f"{str(root).rstrip('/')}/{sub}"
+
+    def job_config(self, command: Sequence[str], namespace: str) -> MPIJobConfig:
+        optional: dict[str, Any] = {}
+        if self.launcher_resources is not None:
+            optional["launcher_resources"] = self.launcher_resources
+        if self.worker_command is not None:
+            optional["worker_command"] = tuple(self.worker_command)
+        if self.ssh_auth_mount_path is not None:
+            optional["ssh_auth_mount_path"] = self.ssh_auth_mount_path
+        return MPIJobConfig(
+            image=self.image,
+            command=list(command),
+            num_workers=self.num_workers,
+            gpus_per_worker=self.gpus_per_worker,
+            namespace=namespace,
+            cpu_request=self.cpu_request,
+            cpu_limit=self.cpu_limit,
+            memory_request=self.memory_request,
+            memory_limit=self.memory_limit,
+            env=dict(self.env or {}),
+            volumes=[_plain(v) for v in self.volumes or ()],
+            volume_mounts=[_plain(m) for m in self.volume_mounts or ()],
+            service_account_name=self.service_account_name,
+            node_selector=dict(self.node_selector or {}),
+            tolerations=[_plain(t) for t in self.tolerations or ()],
+            priority_class_name=self.priority_class_name,
+            image_pull_policy=self.image_pull_policy,
+            image_pull_secrets=tuple(self.image_pull_secrets or ()),
+            labels=dict(self.labels or {}),
+            annotations=dict(self.annotations or {}),
+            clean_pod_policy=self.clean_pod_policy,
+            backoff_limit=self.backoff_limit,
+            ttl_seconds_after_finished=self.ttl_seconds_after_finished,
+            active_deadline_seconds=self.active_deadline_seconds,
+            **optional,
+        )
+
+    def build_manifest(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
+        """The MPIJob this task submits for `identity` (pure; no cluster needed)."""
+        namespace = namespace or self.namespace or "default"
+        checkpoint_dir = self.resolve_checkpoint_dir(identity, "kubernetes")
+        command = with_checkpoint_dir(split_command(self.command), checkpoint_dir)
+        return build_mpijob(self.job_config(command, namespace), identity)
+
+    def dry_run(self) -> None:
+        """Print the MPIJob this task would submit, as YAML, without a cluster or a task instance."""
+        import yaml
+
+        identity = TaskIdentity(
+            dag_id=self.dag_id if self.has_dag() else "dry-run",
+            task_id=self.task_id,
+            run_id="dry_run",
+            try_number=1,
+        )
+        print(yaml.safe_dump(self.build_manifest(identity), sort_keys=False))
+
+    # -- execution ---------------------------------------------------------------------------------
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        identity = self.identity_from(context)
+        backend = self.resolve_backend()
+        if backend == "local":
+            return self.execute_local(identity)
+        return self.execute_kubernetes(identity)
+
+    def execute_local(self, identity: TaskIdentity) -> dict[str, Any]:
+        from operators.local_launcher import LocalHorovodLauncher
+
+        checkpoint_dir = self.resolve_checkpoint_dir(identity, "local")
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        command = with_checkpoint_dir(split_command(self.command), checkpoint_dir)
+        self.log.info("Checkpoints of this task (every try): %s", checkpoint_dir)
+        self._local = LocalHorovodLauncher(
+            self.num_workers,
+            command,
+            env=dict(self.env or {}),
+            timeout=self.timeout,
+            logger=self.log,
+        )
+        try:
+            self._local.run()
+        finally:
+            if self._local.process is not None and self._local.process.poll() is None:
+                self._local.kill()
+        return {"backend": "local", "checkpoint_dir": checkpoint_dir, "num_workers": self.num_workers}
+
+    def execute_kubernetes(self, identity: TaskIdentity) -> dict[str, Any]:
+        namespace = self.resolve_namespace()
+        body = self.build_manifest(identity, namespace)
+        name = body["metadata"]["name"]
+        self.job_name, self._job_namespace = name, namespace
+        launcher = self.make_launcher(namespace)
+        result = {
+            "backend": "kubernetes",
+            "name": name,
+            "namespace": namespace,
+            "checkpoint_dir": self.resolve_checkpoint_dir(identity, "kubernetes"),
+        }
+        submitted_at = time.time()
+        launcher.submit(body)
+        if self.deferrable:
+            from operators.triggers import MPIJobTrigger
+
+            self.defer(
+                trigger=MPIJobTrigger(
+                    name=name,
+                    namespace=namespace,
+                    submitted_at=submitted_at,
+                    kubernetes_conn_id=self.kubernetes_conn_id,
+                    poll_interval=self.poll_interval,
+                    startup_timeout=self.startup_timeout,
+                ),
+                method_name="execute_complete",
+                kwargs={"result": result},
+            )
+        try:
+            launcher.wait(name)
+        except BaseException as err:
+            # A job that ended badly follows the policy; one still running (timeout, kill) is deleted.
+            self._cleanup(launcher, name, succeeded=False, error=err, force=not isinstance(err, MPIJobFailed))
+            raise
+        self._cleanup(launcher, name, succeeded=True)
+        return result
+
+    def execute_complete(
+        self, context: Context, event: Mapping[str, Any], result: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Resume after `MPIJobTrigger`: copy the launcher's log, clean up, succeed or raise."""
+        from operators.mpijob_launcher import error_for
+
+        name, namespace = event["name"], event["namespace"]
+        self.job_name, self._job_namespace = name, namespace
+        launcher = self.make_launcher(namespace)
+        status = event.get("status")
+        try:
+            if launcher.get(name) is not None:
+                launcher.stream_unread_logs(launcher.pods(name))
+        except Exception as err:  # the logs are a courtesy; the event decides the outcome
+            self.log.warning("Could not fetch the launcher log of MPIJob %s: %s", name, err)
+        if status == "success":
+            self._cleanup(launcher, name, succeeded=True)
+            return dict(result or {"backend": "kubernetes", "name": name, "namespace": namespace})
+        error = error_for(event.get("error_kind"), str(event.get("message") or f"MPIJob {name} failed"))
+        # "error": the trigger lost track of the job; do not leave it running unobserved.
+        self._cleanup(launcher, name, succeeded=False, error=error, force=status != "failed")
+        raise error
+
+    def _cleanup(
+        self,
+        launcher: MPIJobLauncher,
+        name: str,
+        *,
+        succeeded: bool,
+        error: BaseException | None = None,
+        force: bool = False,
+    ) -> None:
+        from operators.mpijob_launcher import STARTUP_FAILURES
+
+        if self.cleanup == "never":
+            self.log.info("Keeping MPIJob %s (cleanup='never')", name)
+            return
+        never_started = error is not None and type(error).__name__ in STARTUP_FAILURES
+        if force or never_started or self.cleanup == "always" or (succeeded and self.cleanup == "on_success"):
+            try:
+                launcher.delete(name)
+            except Exception as err:
+                self.log.warning("Could not delete MPIJob %s: %s", name, err)
+        else:
+            self.log.info("Keeping failed MPIJob %s for inspection (cleanup=%r)", name, self.cleanup)
+
+    def on_kill(self) -> None:
+        if self._local is not None:
+            self._local.kill()
+        if self.job_name is not None:
+            namespace = self._job_namespace or self.resolve_namespace()
+            self.make_launcher(namespace).delete(self.job_name)
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    """A Kubernetes model object or mapping as a plain camelCase dict."""
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    from operators.mpijob_launcher import to_plain
+
+    return dict(to_plain(obj))
+
+
+# The job name for a task instance, re-exported for DAG authors and tests.
+__all__ = ["HorovodKubernetesOperator", "job_name"]

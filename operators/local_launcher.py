@@ -1,0 +1,201 @@
+"""Run a Horovod job on this machine: `horovodrun -np N -H localhost:N --gloo <command>` as a subprocess.
+
+The subprocess gets its own session (process group); its output is copied line by line into the task
+log; on timeout or `kill()` the whole process tree is terminated (horovodrun starts each rank through a
+middleman in a session of its own, so the tree is walked, not just the group signalled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from operators.errors import HorovodRunFailed, HorovodRunTimeout, InvalidJobConfig
+
+log = logging.getLogger(__name__)
+
+TAIL_LINES = 30
+KILL_GRACE_SECONDS = 5.0
+
+
+def find_horovodrun() -> str:
+    """`horovodrun` beside this interpreter (a virtualenv), else on PATH."""
+    beside = Path(sys.executable).with_name("horovodrun")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("horovodrun")
+    if found is None:
+        raise InvalidJobConfig("horovodrun not found beside the Python interpreter or on PATH")
+    return found
+
+
+def horovodrun_argv(
+    num_processes: int, command: Sequence[str], *, horovodrun: str | None = None
+) -> list[str]:
+    """The local launch command; a bare `python` in `command` becomes this interpreter."""
+    if num_processes < 1:
+        raise InvalidJobConfig(f"num_workers must be >= 1, got {num_processes}")
+    args = list(command)
+    if args and args[0] in {"python", "python3"}:
+        args[0] = sys.executable
+    return [
+        horovodrun or find_horovodrun(),
+        "-np",
+        str(num_processes),
+        "-H",
+        f"localhost:{num_processes}",
+        "--gloo",
+        *args,
+    ]
+
+
+def _descendants(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return []
+
+
+class LocalHorovodLauncher:
+    """One local horovodrun: start, stream, wait (with timeout), kill."""
+
+    def __init__(
+        self,
+        num_processes: int,
+        command: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        horovodrun: str | None = None,
+        logger: logging.Logger | Any = None,
+        tail_lines: int = TAIL_LINES,
+    ) -> None:
+        self.argv = horovodrun_argv(num_processes, command, horovodrun=horovodrun)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.cwd = cwd
+        self.timeout = timeout
+        self.log = logger or log
+        self.tail: deque[str] = deque(maxlen=tail_lines)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self) -> subprocess.Popen[bytes]:
+        self.log.info("Running: %s", " ".join(self.argv))
+        self.process = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
+        )
+        return self.process
+
+    def run(self) -> int:
+        """Start and wait; return 0, or raise HorovodRunFailed / HorovodRunTimeout with the last log lines."""
+        process = self.start()
+        lines: queue.Queue[str | None] = queue.Queue()
+        reader = threading.Thread(target=self._read, args=(process, lines), daemon=True)
+        reader.start()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            while True:
+                wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+                try:
+                    line = lines.get(timeout=wait)
+                except queue.Empty:
+                    line = ""
+                if line is None:
+                    break
+                if line:
+                    self.tail.append(line)
+                    self.log.info("%s", line)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.kill()
+                    raise HorovodRunTimeout(
+                        f"horovodrun (pid {process.pid}) ran longer than {self.timeout:.0f}s and was killed; "
+                        f"last log lines:\n{self._tail_text()}"
+                    )
+            code = process.wait()
+        finally:
+            if process.poll() is None:
+                self.kill()
+        if code != 0:
+            raise HorovodRunFailed(
+                f"horovodrun (pid {process.pid}) exited with code {code}; "
+                f"last log lines:\n{self._tail_text()}"
+            )
+        return code
+
+    def _tail_text(self) -> str:
+        return "\n".join(self.tail) or "(no output)"
+
+    @staticmethod
+    def _read(process: subprocess.Popen[bytes], lines: queue.Queue[str | None]) -> None:
+        assert process.stdout is not None
+        for raw in iter(process.stdout.readline, b""):
+            lines.put(raw.decode("utf-8", errors="replace").rstrip("\n"))
+        lines.put(None)
+
+    def kill(self) -> None:
+        """Terminate horovodrun and every process under it: SIGTERM, then SIGKILL after a grace period."""
+        import psutil
+
+        with self._lock:
+            process = self.process
+            if process is None or process.poll() is not None:
+                # horovodrun is gone; its ranks may not be (they live in sessions of their own).
+                tree = _descendants(process.pid) if process else []
+                for child in tree:
+                    with _suppress_gone():
+                        child.kill()
+                return
+            tree = [psutil.Process(process.pid), *_descendants(process.pid)]
+            self.log.warning(
+                "Stopping horovodrun (pid %s) and %d processes under it", process.pid, len(tree) - 1
+            )
+            with _suppress_gone():
+                os.killpg(process.pid, signal.SIGTERM)
+            for proc in tree:
+                with _suppress_gone():
+                    proc.terminate()
+            _gone, alive = psutil.wait_procs(tree, timeout=KILL_GRACE_SECONDS)
+            for proc in alive:
+                with _suppress_gone():
+                    proc.kill()
+            with _suppress_gone():
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+class _suppress_gone:
+    """Ignore errors from signalling a process that has already exited."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc_type is None:
+            return False
+        import psutil
+
+        return issubclass(exc_type, ProcessLookupError | PermissionError | psutil.NoSuchProcess)

@@ -1,0 +1,331 @@
+"""Pure builder of Kubeflow `MPIJob` (kubeflow.org/v2beta1) manifests for Horovod training.
+
+Nothing here talks to a cluster or imports the Kubernetes client: a config dataclass and the task's
+identity go in, a plain dict comes out (what `kubectl apply` would take). Names, labels and the
+checkpoint directory are derived here too, so the local and Kubernetes backends agree on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from operators.errors import InvalidJobConfig
+
+API_GROUP = "kubeflow.org"
+API_VERSION = "v2beta1"
+KIND = "MPIJob"
+PLURAL = "mpijobs"
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# Labels the MPI Operator (v2) puts on the pods it creates for a job.
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+JOB_ROLE_LABEL = "training.kubeflow.org/job-role"
+LAUNCHER_CONTAINER = "launcher"
+WORKER_CONTAINER = "worker"
+
+# The MPI Operator names pods "<job>-worker-<i>" and a Service "<job>"; keep the job name short enough
+# that every derived name stays a valid DNS label (63 characters).
+MAX_JOB_NAME_LEN = 40
+MAX_LABEL_LEN = 63
+
+CLEAN_POD_POLICIES = ("None", "Running", "All")
+IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+# Defaults match the MPI Operator's non-root example: workers run sshd for the launcher's mpirun.
+DEFAULT_SSH_AUTH_MOUNT_PATH = "/home/mpiuser/.ssh"
+DEFAULT_WORKER_COMMAND = ("/usr/sbin/sshd", "-De", "-f", "/home/mpiuser/.sshd_config")
+DEFAULT_LAUNCHER_RESOURCES: Mapping[str, Mapping[str, str]] = {
+    "requests": {"cpu": "250m", "memory": "256Mi"},
+}
+# Passed from the launcher to every rank by mpirun (-x NAME), as Horovod's docs do; each is set in the
+# image (PATH, LD_LIBRARY_PATH) or in the container env the builder writes.
+MPIRUN_EXPORTED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED")
+
+
+@dataclass(frozen=True)
+class TaskIdentity:
+    """Who a job belongs to: the Airflow task instance it runs for."""
+
+    dag_id: str
+    task_id: str
+    run_id: str
+    try_number: int = 1
+    map_index: int = -1
+
+
+@dataclass(frozen=True)
+class MPIJobConfig:
+    """Everything the MPIJob needs besides the task identity. Validated on construction."""
+
+    image: str
+    command: Sequence[str]
+    num_workers: int
+    gpus_per_worker: int = 0
+    namespace: str = "default"
+    cpu_request: str | None = None
+    cpu_limit: str | None = None
+    memory_request: str | None = None
+    memory_limit: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    volumes: Sequence[Mapping[str, Any]] = ()
+    volume_mounts: Sequence[Mapping[str, Any]] = ()
+    service_account_name: str | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: Sequence[Mapping[str, Any]] = ()
+    priority_class_name: str | None = None
+    image_pull_policy: str | None = None
+    image_pull_secrets: Sequence[str] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    clean_pod_policy: str = "Running"
+    backoff_limit: int = 0
+    ttl_seconds_after_finished: int | None = 3600
+    active_deadline_seconds: int | None = None
+    launcher_resources: Mapping[str, Mapping[str, str]] = field(
+        default_factory=lambda: {k: dict(v) for k, v in DEFAULT_LAUNCHER_RESOURCES.items()}
+    )
+    worker_command: Sequence[str] = DEFAULT_WORKER_COMMAND
+    ssh_auth_mount_path: str = DEFAULT_SSH_AUTH_MOUNT_PATH
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.image, str) or not self.image.strip():
+            raise InvalidJobConfig("image must be a non-empty string")
+        if not self.command or not all(isinstance(part, str) for part in self.command):
+            raise InvalidJobConfig(f"command must be a non-empty list of strings, got {self.command!r}")
+        _check_int("num_workers", self.num_workers, minimum=1)
+        _check_int("gpus_per_worker", self.gpus_per_worker, minimum=0)
+        _check_int("backoff_limit", self.backoff_limit, minimum=0)
+        if self.ttl_seconds_after_finished is not None:
+            _check_int("ttl_seconds_after_finished", self.ttl_seconds_after_finished, minimum=0)
+        if self.active_deadline_seconds is not None:
+            _check_int("active_deadline_seconds", self.active_deadline_seconds, minimum=1)
+        if self.clean_pod_policy not in CLEAN_POD_POLICIES:
+            raise InvalidJobConfig(
+                f"clean_pod_policy must be one of {CLEAN_POD_POLICIES}, got {self.clean_pod_policy!r}"
+            )
+        if self.image_pull_policy is not None and self.image_pull_policy not in IMAGE_PULL_POLICIES:
+            raise InvalidJobConfig(
+                f"image_pull_policy must be one of {IMAGE_PULL_POLICIES}, got {self.image_pull_policy!r}"
+            )
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace or ""):
+            raise InvalidJobConfig(f"namespace must be a DNS label, got {self.namespace!r}")
+        for key, value in self.env.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", str(key)):
+                raise InvalidJobConfig(f"env name {key!r} is not a valid environment variable name")
+            if not isinstance(value, str):
+                raise InvalidJobConfig(f"env {key} must be a string, got {type(value).__name__}")
+
+    @property
+    def slots_per_worker(self) -> int:
+        """One MPI slot per GPU; a CPU-only worker runs one rank."""
+        return max(self.gpus_per_worker, 1)
+
+    @property
+    def total_processes(self) -> int:
+        return self.num_workers * self.slots_per_worker
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidJobConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def split_command(command: str | Sequence[str]) -> list[str]:
+    """A command given as one shell-like string or as a list, as a list of arguments."""
+    if isinstance(command, str):
+        return shlex.split(command)
+    return [str(part) for part in command]
+
+
+def pool_slots_for(num_workers: int, gpus_per_worker: int) -> int:
+    """Slots taken in the `gpu` pool: the GPUs the job asks for, at least one."""
+    return max(1, num_workers * gpus_per_worker)
+
+
+def safe_label_value(value: str) -> str:
+    """`value` as a valid Kubernetes label value: <= 63 chars of [A-Za-z0-9_.-], alphanumeric at both ends.
+
+    A value that had to change gets a short hash of the original, so two different values never collide.
+    """
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "-", value)
+    cleaned = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
+    if cleaned == value and len(cleaned) <= MAX_LABEL_LEN:
+        return cleaned
+    digest = hashlib.sha256(value.encode()).hexdigest()[:8]
+    head = cleaned[: MAX_LABEL_LEN - len(digest) - 1].rstrip("-_.")
+    return f"{head}-{digest}" if head else digest
+
+
+def task_labels(identity: TaskIdentity) -> dict[str, str]:
+    """Labels that let a retry or `on_kill` find what this task instance created."""
+    labels = {
+        "dag_id": safe_label_value(identity.dag_id),
+        "task_id": safe_label_value(identity.task_id),
+        "run_id": safe_label_value(identity.run_id),
+        "try_number": str(identity.try_number),
+        "app.kubernetes.io/managed-by": "airflow",
+        "app.kubernetes.io/component": "horovod-training",
+    }
+    if identity.map_index >= 0:
+        labels["map_index"] = str(identity.map_index)
+    return labels
+
+
+def job_name(identity: TaskIdentity) -> str:
+    """A name unique per task try and valid as a DNS-1035 label, readable from the task id.
+
+    The hash covers dag, run, task and map index, so two runs of one task never share a name; the try
+    number is spelled out so a retry creates a new job and `kubectl get mpijobs` shows which try is which.
+    """
+    key = f"{identity.dag_id}\x00{identity.run_id}\x00{identity.task_id}\x00{identity.map_index}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    suffix = f"-{digest}-try{identity.try_number}"
+    slug = re.sub(r"[^a-z0-9]+", "-", identity.task_id.lower()).strip("-")
+    if not slug or not slug[0].isalpha():
+        slug = f"hvd-{slug}".rstrip("-")
+    slug = slug[: MAX_JOB_NAME_LEN - len(suffix)].rstrip("-")
+    return f"{slug}{suffix}"
+
+
+def checkpoint_subdir(dag_id: str, run_id: str, task_id: str) -> str:
+    """The checkpoint directory of a task relative to a root: dag/run/task, never the try number."""
+    parts = []
+    for part in (dag_id, run_id, task_id):
+        cleaned = re.sub(r"[^A-Za-z0-9_.+=@-]", "_", part)
+        if cleaned in {"", ".", ".."}:
+            cleaned = cleaned.replace(".", "_") or "_"
+        parts.append(cleaned)
+    return "/".join(parts)
+
+
+def with_checkpoint_dir(command: Sequence[str], checkpoint_dir: str | None) -> list[str]:
+    """The command with `--checkpoint-dir DIR` appended unless it already passes one."""
+    args = list(command)
+    passed = any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in args)
+    if checkpoint_dir is None or passed:
+        return args
+    return [*args, "--checkpoint-dir", checkpoint_dir]
+
+
+def launcher_command(config: MPIJobConfig) -> list[str]:
+    """What the launcher pod runs: `mpirun` over the hostfile the MPI Operator mounts, then the entrypoint."""
+    exported = dict.fromkeys([*MPIRUN_EXPORTED_ENV, *config.env])
+    argv = ["mpirun", "-np", str(config.total_processes), "-bind-to", "none", "-map-by", "slot"]
+    for name in exported:
+        argv += ["-x", name]
+    return [*argv, *config.command]
+
+
+def _env_list(env: Mapping[str, str]) -> list[dict[str, str]]:
+    merged = {"PYTHONUNBUFFERED": "1", **env}
+    return [{"name": key, "value": value} for key, value in merged.items()]
+
+
+def _resources(
+    requests: Mapping[str, str | None], limits: Mapping[str, str | int | None]
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    req = {k: v for k, v in requests.items() if v is not None}
+    lim = {k: v for k, v in limits.items() if v is not None}
+    if req:
+        out["requests"] = req
+    if lim:
+        out["limits"] = lim
+    return out
+
+
+def _pod_spec(config: MPIJobConfig, container: dict[str, Any]) -> dict[str, Any]:
+    if config.image_pull_policy:
+        container["imagePullPolicy"] = config.image_pull_policy
+    if config.volume_mounts:
+        container["volumeMounts"] = [dict(m) for m in config.volume_mounts]
+    spec: dict[str, Any] = {"containers": [container]}
+    if config.volumes:
+        spec["volumes"] = [dict(v) for v in config.volumes]
+    if config.service_account_name:
+        spec["serviceAccountName"] = config.service_account_name
+    if config.node_selector:
+        spec["nodeSelector"] = dict(config.node_selector)
+    if config.tolerations:
+        spec["tolerations"] = [dict(t) for t in config.tolerations]
+    if config.priority_class_name:
+        spec["priorityClassName"] = config.priority_class_name
+    if config.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in config.image_pull_secrets]
+    return spec
+
+
+def build_mpijob(config: MPIJobConfig, identity: TaskIdentity, *, name: str | None = None) -> dict[str, Any]:
+    """The MPIJob manifest for `config`, run on behalf of `identity`."""
+    name = name or job_name(identity)
+    labels = {**{k: safe_label_value(str(v)) for k, v in config.labels.items()}, **task_labels(identity)}
+    env = _env_list(config.env)
+    gpu_limit: dict[str, str | int | None] = {GPU_RESOURCE: config.gpus_per_worker or None}
+
+    launcher_container: dict[str, Any] = {
+        "name": LAUNCHER_CONTAINER,
+        "image": config.image,
+        "command": launcher_command(config),
+        "env": env,
+        # On failure the launcher's last log lines become its termination message: the error we report.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": {k: dict(v) for k, v in config.launcher_resources.items()},
+    }
+    worker_container: dict[str, Any] = {
+        "name": WORKER_CONTAINER,
+        "image": config.image,
+        "command": list(config.worker_command),
+        "env": _env_list(config.env),
+        "resources": _resources(
+            {"cpu": config.cpu_request, "memory": config.memory_request},
+            {"cpu": config.cpu_limit, "memory": config.memory_limit, **gpu_limit},
+        ),
+    }
+
+    def pod_metadata() -> dict[str, Any]:
+        meta: dict[str, Any] = {"labels": dict(labels)}
+        if config.annotations:
+            meta["annotations"] = dict(config.annotations)
+        return meta
+
+    run_policy: dict[str, Any] = {
+        "cleanPodPolicy": config.clean_pod_policy,
+        "backoffLimit": config.backoff_limit,
+    }
+    if config.ttl_seconds_after_finished is not None:
+        run_policy["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
+    if config.active_deadline_seconds is not None:
+        run_policy["activeDeadlineSeconds"] = config.active_deadline_seconds
+
+    metadata: dict[str, Any] = {"name": name, "namespace": config.namespace, "labels": labels}
+    if config.annotations:
+        metadata["annotations"] = dict(config.annotations)
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": {
+            "slotsPerWorker": config.slots_per_worker,
+            "launcherCreationPolicy": "WaitForWorkersReady",
+            "mpiImplementation": "OpenMPI",
+            "sshAuthMountPath": config.ssh_auth_mount_path,
+            "runPolicy": run_policy,
+            "mpiReplicaSpecs": {
+                "Launcher": {
+                    "replicas": 1,
+                    "restartPolicy": "Never",
+                    "template": {"metadata": pod_metadata(), "spec": _pod_spec(config, launcher_container)},
+                },
+                "Worker": {
+                    "replicas": config.num_workers,
+                    "restartPolicy": "Never",
+                    "template": {"metadata": pod_metadata(), "spec": _pod_spec(config, worker_container)},
+                },
+            },
+        },
+    }
