@@ -24,7 +24,7 @@ wait_for_host() {
 }
 
 if [[ "${K_MPI_JOB_ROLE:-}" == "launcher" && -r "$hostfile" ]]; then
-    while read -r line; do
+    while read -r line || [[ -n "$line" ]]; do
         host=${line%%[ :]*}
         [[ -n "$host" && "$host" != \#* ]] && wait_for_host "$host"
     done < "$hostfile"
