@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.conftest import SHARED
+
+MPIJOB_CRD = SHARED / "schemas" / "kubeflow.org_mpijobs.yaml"
+
+
+@pytest.fixture(scope="session")
+def mpijob_schema() -> dict[str, Any]:
+    """The MPIJob CRD's openAPIV3Schema (v2beta1), read from ../shared; skip when it is not there."""
+    if not MPIJOB_CRD.exists():
+        pytest.skip(f"MPIJob CRD schema not found at {MPIJOB_CRD} (needs ../shared/schemas beside the repo)")
+    import yaml
+
+    crd = yaml.safe_load(Path(MPIJOB_CRD).read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture
+def validate_mpijob(mpijob_schema: dict[str, Any]) -> Any:
+    import jsonschema
+
+    def check(manifest: dict[str, Any]) -> None:
+        jsonschema.validate(manifest, mpijob_schema)
+
+    return check
+
+
+def make_context(
+    dag_id: str = "nightly_retrain",
+    task_id: str = "train",
+    run_id: str = "manual__2026-01-01T00:00:00+00:00",
+    try_number: int = 1,
+    map_index: int = -1,
+) -> dict[str, Any]:
+    ti = SimpleNamespace(dag_id=dag_id, task_id=task_id, run_id=run_id, try_number=try_number, map_index=map_index)
+    return {"ti": ti, "run_id": run_id}
