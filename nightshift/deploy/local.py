@@ -1,0 +1,288 @@
+"""The `local` target: `mlflow models serve --env-manager local` on 127.0.0.1, switched blue/green.
+
+The serving record `serving_dir()/<model>.json` says which version answers where (url, port, pid).
+A new version starts beside the old one on a free port from its own local copy of the artifacts,
+must answer `/ping` and a canary batch with known labels about as well as it was evaluated, and only
+then do the record and the `@champion` alias switch and the old server stop. On any failure the new
+server is stopped and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from nightshift import registry, settings, tracking
+from nightshift.deploy.smoke import canary_batch, post_json, smoke_test
+from nightshift.errors import DeploymentFailed
+
+HOST = "127.0.0.1"
+
+
+def record_path(model_name: str) -> Path:
+    return settings.serving_dir() / f"{model_name}.json"
+
+
+def read_record(model_name: str) -> dict[str, Any] | None:
+    """The serving record of `model_name`, or None when nothing was deployed locally."""
+    path = record_path(model_name)
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as err:
+        raise DeploymentFailed(f"serving record {path} is corrupt ({err}); stop the server it names "
+                               f"and delete the file") from err
+
+
+def _write_record(model_name: str, record: dict[str, Any] | None) -> None:
+    path = record_path(model_name)
+    if record is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(record, handle, indent=2, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _deploy_lock(model_name: str) -> Iterator[None]:
+    """One deployment of a model at a time on this machine."""
+    path = settings.serving_dir() / f".{model_name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise DeploymentFailed(f"another deployment of {model_name} is running (lock {path}); "
+                                   f"wait for it to finish") from err
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # `mlflow models serve` runs `uvicorn` from PATH: make it this interpreter's.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    env["DO_NOT_TRACK"] = "true"
+    return env
+
+
+def start_server(model_path: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start `mlflow models serve` on 127.0.0.1:port in its own session (its PID leads the group)."""
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(model_path),
+               "--env-manager", "local", "-h", HOST, "-p", str(port), "--workers", "1"]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=_server_env(), start_new_session=True)
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child that exited: reap it
+            return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _is_model_server(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except FileNotFoundError:
+        return False
+    return b"mlflow" in b" ".join(cmdline) and b"serve" in cmdline
+
+
+def stop_server(pid: int, timeout: float = 20.0) -> bool:
+    """Stop the model server whose session leader is `pid` (TERM, then KILL). False if it was not running.
+
+    A PID that no longer belongs to an MLflow model server (reused by the OS) is left alone.
+    """
+    if not _alive(pid) or not _is_model_server(pid):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for _ in range(50):
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    return True
+
+
+def _log_tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except FileNotFoundError:
+        return ""
+    return " / ".join(line.strip() for line in text[-lines:])[-600:]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
+    """Wait until GET /ping answers 200; fail early when the server process exits."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DeploymentFailed(f"model server exited with code {proc.returncode} before answering "
+                                   f"(log {log_path}: {_log_tail(log_path)})")
+        try:
+            if requests.get(f"{url}/ping", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.25)
+    raise DeploymentFailed(f"model server at {url} did not answer /ping within {timeout:.0f}s "
+                           f"(log {log_path}: {_log_tail(log_path)})")
+
+
+def is_healthy(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{url}/ping", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _download(model_name: str, version: str) -> Path:
+    """A local copy of the version's artifacts under serving_dir()/models (fresh on every call)."""
+    import mlflow.artifacts
+
+    root = settings.serving_dir() / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{model_name}-v{version}."))
+    try:
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_name}/{version}",
+                                            dst_path=str(staging),
+                                            tracking_uri=settings.mlflow_tracking_uri())
+    except Exception as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DeploymentFailed(f"downloading {model_name} v{version} failed ({type(err).__name__}: {err}); "
+                               f"check the artifact store") from err
+    return staging
+
+
+def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None = None,
+                 alias: str = registry.CHALLENGER, canary_rows: int = 256, tolerance: float = 0.05,
+                 startup_timeout: float = 180.0) -> dict[str, Any]:
+    """Serve `model_name` `version` (default: the version `@alias`) locally, blue/green, and promote it.
+
+    Returns {"target": "local", "status": "promoted" | "already_serving", "model_name", "version",
+    "url", "port", "pid", "model_path", "smoke": {...}, "previous": {"version", "pid", "stopped"} | None}.
+    Raises DeploymentFailed when the new server does not start, answer, or pass the smoke test; the old
+    server, the record and `@champion` are then untouched.
+    """
+    tracking.client()
+    if version is None:
+        selected = registry.version_by_alias(model_name, alias)
+        if selected is None:
+            raise DeploymentFailed(f"{model_name}@{alias} does not exist; run `nightshift register` first "
+                                   f"or pass --version")
+        version = str(selected.version)
+    else:
+        selected = registry.get_version(model_name, version)
+    version = str(version)
+    with _deploy_lock(model_name):
+        old = read_record(model_name)
+        if old and str(old.get("version")) == version and is_healthy(old["url"]):
+            registry.set_alias(model_name, registry.CHAMPION, version)
+            return {"target": "local", "status": "already_serving", "model_name": model_name,
+                    "version": version, "url": old["url"], "port": old["port"], "pid": old["pid"],
+                    "model_path": old.get("model_path"), "smoke": None, "previous": None}
+
+        expected = registry.evaluated_accuracy(selected)
+        frame, labels = canary_batch(data_dir, canary_rows)
+        model_path = _download(model_name, version)
+        port = free_port()
+        url = f"http://{HOST}:{port}"
+        log_path = settings.serving_dir() / "logs" / f"{model_name}-v{version}-{port}.log"
+        proc = start_server(model_path, port, log_path)
+        try:
+            wait_healthy(url, proc, log_path, startup_timeout)
+            smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance)
+            record = {"model_name": model_name, "version": version, "url": url, "port": port,
+                      "pid": proc.pid, "model_path": str(model_path), "log_path": str(log_path),
+                      "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
+            _write_record(model_name, record)
+            try:
+                registry.set_alias(model_name, registry.CHAMPION, version)
+            except Exception:
+                _write_record(model_name, old)
+                raise
+        except BaseException as err:
+            stop_server(proc.pid)
+            shutil.rmtree(model_path, ignore_errors=True)
+            if isinstance(err, DeploymentFailed):
+                raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; "
+                                       f"{_serving_now(old)}") from err
+            raise
+        previous = None
+        if old:
+            stopped = stop_server(int(old["pid"]))
+            if old.get("model_path") and Path(old["model_path"]) != model_path:
+                shutil.rmtree(old["model_path"], ignore_errors=True)
+            previous = {"version": str(old.get("version")), "pid": old.get("pid"), "stopped": stopped}
+        return {"target": "local", "status": "promoted", "model_name": model_name, "version": version,
+                "url": url, "port": port, "pid": proc.pid, "model_path": str(model_path),
+                "smoke": smoke, "previous": previous}
+
+
+def _serving_now(old: dict[str, Any] | None) -> str:
+    if not old:
+        return "nothing was serving before and the @champion alias did not move"
+    return f"v{old.get('version')} keeps serving at {old.get('url')} and stays @champion"
+
+
+def stop_local(model_name: str) -> dict[str, Any]:
+    """Stop the local server of `model_name` and remove its record (the aliases are left as they are)."""
+    with _deploy_lock(model_name):
+        old = read_record(model_name)
+        if not old:
+            return {"model_name": model_name, "stopped": False, "version": None}
+        stopped = stop_server(int(old["pid"]))
+        _write_record(model_name, None)
+        return {"model_name": model_name, "stopped": stopped, "version": str(old.get("version"))}
+
+
+def predict(url: str, frame: Any, timeout: float = 30.0) -> Any:
+    """POST a raw feature table to a model server; return the parsed predictions."""
+    return post_json(url, {"dataframe_split": {"columns": list(frame.columns),
+                                               "data": frame.to_numpy().tolist()}}, timeout=timeout)
