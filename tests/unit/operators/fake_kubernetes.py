@@ -116,10 +116,16 @@ def succeeding(job: str, log: list[str], n: int = 2) -> Scenario:
             Step([condition("Created")], workers(job, n, state=CREATING)),
             Step(
                 [condition("Created"), condition("Running")],
-                [*workers(job, n, phase="Running", state=RUNNING), pod(job, "launcher", phase="Running", state=RUNNING)],
+                [
+                    *workers(job, n, phase="Running", state=RUNNING),
+                    pod(job, "launcher", phase="Running", state=RUNNING),
+                ],
             ),
             Step(
-                [condition("Created"), condition("Succeeded", message=f"MPIJob default/{job} successfully completed.")],
+                [
+                    condition("Created"),
+                    condition("Succeeded", message=f"MPIJob default/{job} successfully completed."),
+                ],
                 [pod(job, "launcher", phase="Succeeded", state=terminated(0))],
             ),
         ],
@@ -133,7 +139,10 @@ def running_forever(job: str, log: list[str], n: int = 2) -> Scenario:
             Step([condition("Created")], workers(job, n, state=CREATING)),
             Step(
                 [condition("Created"), condition("Running")],
-                [*workers(job, n, phase="Running", state=RUNNING), pod(job, "launcher", phase="Running", state=RUNNING)],
+                [
+                    *workers(job, n, phase="Running", state=RUNNING),
+                    pod(job, "launcher", phase="Running", state=RUNNING),
+                ],
             ),
         ],
         launcher_log=log,
@@ -144,21 +153,30 @@ def worker_oom(job: str, n: int = 2) -> Scenario:
     dying = workers(job, n, phase="Running", state=RUNNING)
     dying[1] = pod(job, "worker", 1, phase="Failed", state=terminated(137, "OOMKilled"))
     launcher_failed = pod(
-        job, "launcher", phase="Failed", state=terminated(1, message="mpirun noticed that process rank 1 exited")
+        job,
+        "launcher",
+        phase="Failed",
+        state=terminated(1, message="mpirun noticed that process rank 1 exited"),
     )
     return Scenario(
         steps=[
             Step([condition("Created")], workers(job, n, state=CREATING)),
             Step(
                 [condition("Created"), condition("Running")],
-                [*workers(job, n, phase="Running", state=RUNNING), pod(job, "launcher", phase="Running", state=RUNNING)],
+                [
+                    *workers(job, n, phase="Running", state=RUNNING),
+                    pod(job, "launcher", phase="Running", state=RUNNING),
+                ],
             ),
             Step(
                 [condition("Created"), condition("Failed", message=f"MPIJob default/{job} has failed")],
                 [*dying, launcher_failed],
             ),
         ],
-        launcher_log=["epoch 1 step 3 loss 2.1", "mpirun noticed that process rank 1 exited on signal 9 (Killed)"],
+        launcher_log=[
+            "epoch 1 step 3 loss 2.1",
+            "mpirun noticed that process rank 1 exited on signal 9 (Killed)",
+        ],
     )
 
 
@@ -312,7 +330,9 @@ class FakeCluster:
         wanted = dict(part.split("=", 1) for part in label_selector.split(",") if part)
         with self._lock:
             items = [
-                p for p in self._pods(namespace) if all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())
+                p
+                for p in self._pods(namespace)
+                if all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())
             ]
             payload = {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
         return self._serializer.deserialize(_Json(payload), "V1PodList")

@@ -71,7 +71,11 @@ def test_gpu_job_shape() -> None:
     spec = manifest["spec"]
     assert spec["slotsPerWorker"] == 8
     assert spec["launcherCreationPolicy"] == "WaitForWorkersReady"
-    assert spec["runPolicy"] == {"cleanPodPolicy": "Running", "backoffLimit": 0, "ttlSecondsAfterFinished": 3600}
+    assert spec["runPolicy"] == {
+        "cleanPodPolicy": "Running",
+        "backoffLimit": 0,
+        "ttlSecondsAfterFinished": 3600,
+    }
     worker = spec["mpiReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 4
     wc = worker["template"]["spec"]["containers"][0]
@@ -89,7 +93,10 @@ def test_gpu_job_shape() -> None:
 def test_cpu_job_runs_one_rank_per_worker_and_asks_no_gpu() -> None:
     manifest = build_mpijob(config(num_workers=3), IDENTITY)
     assert manifest["spec"]["slotsPerWorker"] == 1
-    assert manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"][2] == "3"
+    assert (
+        manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"][2]
+        == "3"
+    )
     assert GPU_RESOURCE not in str(manifest)
 
 
@@ -109,13 +116,17 @@ def test_everything_config_reaches_both_pod_templates() -> None:
         assert env["NCCL_DEBUG"] == "INFO" and env["PYTHONUNBUFFERED"] == "1"
         assert pod["metadata"]["labels"]["dag_id"] == "nightly_retrain"
         assert pod["metadata"]["labels"]["team"] == safe_label_value("ml platform")
-    launcher_cmd = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    launcher_cmd = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0][
+        "command"
+    ]
     # user env is exported by mpirun to every rank
     assert "MLFLOW_TRACKING_URI" in launcher_cmd
 
 
 def test_labels_are_sanitised_task_identity() -> None:
-    identity = TaskIdentity("a dag/with:odd chars" + "x" * 80, "group.train", "manual__2026-01-01T00:00:00+00:00", 3)
+    identity = TaskIdentity(
+        "a dag/with:odd chars" + "x" * 80, "group.train", "manual__2026-01-01T00:00:00+00:00", 3
+    )
     labels = build_mpijob(config(num_workers=1), identity)["metadata"]["labels"]
     for key in ("dag_id", "task_id", "run_id", "try_number"):
         assert LABEL_VALUE.match(labels[key]) and len(labels[key]) <= 63, (key, labels[key])
@@ -127,7 +138,13 @@ def test_labels_are_sanitised_task_identity() -> None:
 
 @pytest.mark.parametrize(
     "task_id",
-    ["train", "Train_Model", "9lives", "___", "group.sub_group.a_very_long_task_identifier_for_training_models"],
+    [
+        "train",
+        "Train_Model",
+        "9lives",
+        "___",
+        "group.sub_group.a_very_long_task_identifier_for_training_models",
+    ],
 )
 def test_job_name_is_a_dns_label_unique_per_try(task_id: str) -> None:
     names = {job_name(TaskIdentity("d", task_id, "r", t)) for t in (1, 2, 3)}
@@ -151,7 +168,13 @@ def test_checkpoint_dir_ignores_the_try_and_stays_inside_its_root() -> None:
 def test_pool_slots_and_command_splitting() -> None:
     assert pool_slots_for(4, 2) == 8
     assert pool_slots_for(2, 0) == 1
-    assert split_command("python -m nightshift.train --lr '0.1'") == ["python", "-m", "nightshift.train", "--lr", "0.1"]
+    assert split_command("python -m nightshift.train --lr '0.1'") == [
+        "python",
+        "-m",
+        "nightshift.train",
+        "--lr",
+        "0.1",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,222 @@
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from operators import errors
+from operators.horovod import HorovodKubernetesOperator
+from operators.mpijob_spec import TaskIdentity, job_name
+from operators.triggers import MPIJobTrigger
+from tests.unit.operators import fake_kubernetes as fk
+from tests.unit.operators.conftest import make_context
+
+COMMAND = ["python", "-m", "nightshift.train", "--data", "/workspace/data", "--out", "/workspace/model"]
+CONTEXT = make_context()
+NAME = job_name(HorovodKubernetesOperator.identity_from(CONTEXT))
+
+
+def operator(cluster: fk.FakeCluster | None = None, **overrides: Any) -> HorovodKubernetesOperator:
+    kwargs: dict[str, Any] = {
+        "task_id": "train",
+        "num_workers": 2,
+        "gpus_per_worker": 1,
+        "image": "ghcr.io/example/trainer:1",
+        "command": COMMAND,
+        "backend": "kubernetes",
+        "poll_interval": 0.0,
+        "startup_timeout": 30.0,
+    }
+    kwargs.update(overrides)
+    op = HorovodKubernetesOperator(**kwargs)
+    if cluster is not None:
+        op.__dict__["hook"] = fk.FakeHook(cluster)  # what the cached_property would hold
+    return op
+
+
+def test_interface_pool_and_templated_fields() -> None:
+    op = operator(num_workers=4, gpus_per_worker=2)
+    assert (op.pool, op.pool_slots) == ("gpu", 8)
+    assert operator(num_workers=3, gpus_per_worker=0).pool_slots == 1
+    assert operator(pool="a100", pool_slots=2).pool == "a100"
+    for name in ("image", "command", "env", "checkpoint_dir", "namespace", "volumes", "labels"):
+        assert name in HorovodKubernetesOperator.template_fields
+    with pytest.raises(errors.InvalidJobConfig, match="backend"):
+        operator(backend="slurm")
+    with pytest.raises(errors.InvalidJobConfig, match="num_workers"):
+        operator(num_workers=0)
+    with pytest.raises(errors.InvalidJobConfig, match="cleanup"):
+        operator(cleanup="sometimes")
+
+
+def test_templates_render_into_the_manifest() -> None:
+    op = operator(
+        image="ghcr.io/example/trainer:{{ params.tag }}",
+        command=["python", "-m", "nightshift.train", "--epochs", "{{ params.epochs }}"],
+        env={"RUN": "{{ run_id }}"},
+    )
+    op.render_template_fields({"params": {"tag": "v7", "epochs": 3}, "run_id": "r1"})
+    manifest = op.build_manifest(TaskIdentity("d", "train", "r1", 1))
+    launcher = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    assert launcher["image"] == "ghcr.io/example/trainer:v7"
+    assert launcher["command"][-4:-2] == ["--epochs", "3"]
+    assert {"name": "RUN", "value": "r1"} in launcher["env"]
+
+
+def test_checkpoint_dir_is_keyed_by_dag_run_task_never_try() -> None:
+    op = operator()
+    first = op.build_manifest(TaskIdentity("d", "train", "r1", 1))
+    second = op.build_manifest(TaskIdentity("d", "train", "r1", 2))
+    cmd = first["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[-2:] == ["--checkpoint-dir", "/workspace/checkpoints/d/r1/train"]
+    assert (
+        cmd == second["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    )
+    assert first["metadata"]["name"] != second["metadata"]["name"]
+    local = op.resolve_checkpoint_dir(TaskIdentity("d", "train", "r1", 2), "local")
+    assert local.endswith("checkpoints/d/r1/train")
+    assert operator(checkpoint_dir="/pvc/ck").resolve_checkpoint_dir(
+        TaskIdentity("d", "t", "r", 1), "local"
+    ) == ("/pvc/ck")
+
+
+def test_dry_run_prints_a_valid_manifest(capsys: pytest.CaptureFixture[str], validate_mpijob: Any) -> None:
+    operator(namespace="ml").dry_run()
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    validate_mpijob(manifest)
+    assert manifest["metadata"]["namespace"] == "ml"
+    assert manifest["metadata"]["labels"]["task_id"] == "train"
+
+
+def test_sync_success_streams_log_and_deletes(capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = fk.FakeCluster(lambda name: fk.succeeding(name, ["epoch 1 loss 0.5", "training done"]))
+    op = operator(cluster, namespace="default")
+    result = op.execute(CONTEXT)
+    task_log = capsys.readouterr().out  # the task logger writes through structlog
+    assert result["name"] == NAME and result["backend"] == "kubernetes"
+    assert result["checkpoint_dir"].endswith("/nightly_retrain/manual__2026-01-01T00_00_00+00_00/train")
+    assert "[launcher] training done" in task_log
+    assert cluster.deleted == [("default", NAME, {"propagationPolicy": "Foreground"})]
+    created = cluster.created
+    assert created == [NAME]
+
+
+def test_namespace_comes_from_the_connection_when_not_given() -> None:
+    cluster = fk.FakeCluster()
+    op = operator(None)
+    op.__dict__["hook"] = fk.FakeHook(cluster, namespace="team-ml")
+    assert op.execute(CONTEXT)["namespace"] == "team-ml"
+
+
+@pytest.mark.parametrize(("cleanup", "deleted"), [("on_success", False), ("always", True), ("never", False)])
+def test_failure_cleanup_follows_the_policy(cleanup: str, deleted: bool) -> None:
+    cluster = fk.FakeCluster(fk.worker_oom)
+    with pytest.raises(errors.MPIJobWorkerOOMKilled):
+        operator(cluster, cleanup=cleanup).execute(CONTEXT)
+    assert bool(cluster.deleted) is deleted
+
+
+def test_a_job_that_never_started_is_deleted_even_on_success_only_policy() -> None:
+    cluster = fk.FakeCluster(fk.unschedulable)
+    with pytest.raises(errors.MPIJobUnschedulable, match=r"Insufficient nvidia\.com/gpu"):
+        operator(cluster, startup_timeout=0.05, poll_interval=0.01).execute(CONTEXT)
+    assert [d[1] for d in cluster.deleted] == [NAME]
+
+
+def test_on_kill_deletes_the_running_job_in_the_foreground() -> None:
+    cluster = fk.FakeCluster(lambda name: fk.running_forever(name, ["step 1"]))
+    op = operator(cluster, poll_interval=0.01)
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            op.execute(CONTEXT)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not cluster.jobs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    op.on_kill()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert cluster.deleted[0] == ("default", NAME, {"propagationPolicy": "Foreground"})
+    assert isinstance(outcome[0], errors.MPIJobDeleted)
+
+
+def test_deferrable_hands_waiting_to_the_trigger_then_finishes() -> None:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    cluster = fk.FakeCluster(lambda name: fk.succeeding(name, ["epoch 1", "done"]))
+    op = operator(cluster, deferrable=True, startup_timeout=120)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(CONTEXT)
+    trig = deferred.value.trigger
+    assert isinstance(trig, MPIJobTrigger)
+    assert (trig.name, trig.namespace, trig.startup_timeout) == (NAME, "default", 120)
+    assert deferred.value.method_name == "execute_complete"
+    assert cluster.created == [NAME] and not cluster.deleted
+    # the job runs to the end while the task is deferred
+    for _ in range(4):
+        cluster.get_namespaced_custom_object("kubeflow.org", "v2beta1", "default", "mpijobs", NAME)
+    event = {"status": "success", "name": NAME, "namespace": "default", "phase": "Succeeded", "message": ""}
+    result = op.execute_complete(CONTEXT, event, **deferred.value.kwargs)
+    assert result["name"] == NAME
+    assert cluster.log_reads == [(f"{NAME}-launcher-x7k2p", False)]
+    assert [d[1] for d in cluster.deleted] == [NAME]
+
+
+def test_deferred_failure_raises_the_named_error() -> None:
+    cluster = fk.FakeCluster(fk.worker_oom)
+    op = operator(cluster, deferrable=True)
+    cluster.create_namespaced_custom_object(
+        "kubeflow.org",
+        "v2beta1",
+        "default",
+        "mpijobs",
+        op.build_manifest(HorovodKubernetesOperator.identity_from(CONTEXT)),
+    )
+    event = {
+        "status": "failed",
+        "name": NAME,
+        "namespace": "default",
+        "phase": "Failed",
+        "error_kind": "MPIJobWorkerOOMKilled",
+        "message": f"MPIJob {NAME} failed: worker pod {NAME}-worker-1 container worker was OOMKilled",
+    }
+    with pytest.raises(errors.MPIJobWorkerOOMKilled, match="worker-1"):
+        op.execute_complete(CONTEXT, event)
+    assert cluster.deleted == []  # on_success policy keeps a failed job for inspection
+    error_event = {**event, "status": "error", "error_kind": None, "message": "lost track"}
+    with pytest.raises(errors.MPIJobFailed, match="lost track"):
+        op.execute_complete(CONTEXT, error_event)
+    assert [d[1] for d in cluster.deleted] == [NAME]  # never leave an unobserved job running
+
+
+def test_auto_backend_uses_kubernetes_only_with_a_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    op = operator(backend="auto", kubernetes_conn_id="k8s_test")
+    monkeypatch.delenv("AIRFLOW_CONN_K8S_TEST", raising=False)
+    assert op.resolve_backend() == "local"
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_TEST", '{"conn_type": "kubernetes", "extra": {"in_cluster": true}}')
+    assert op.resolve_backend() == "kubernetes"
+
+
+def test_dag_import_stays_light(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, operators.horovod\n"
+        "heavy = [m for m in ('torch', 'nightshift', 'kubernetes', 'horovod') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    assert out.stdout.strip() == ""
