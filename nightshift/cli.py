@@ -20,6 +20,7 @@ from nightshift.errors import NightshiftError
 COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.data.cli",
     "nightshift.train.cli",
+    "nightshift.serving_cli",
 )
 
 
