@@ -1,0 +1,276 @@
+"""Validate a dataset against the Great Expectations suite kept in `gx/`, with Data Docs in NIGHTSHIFT_HOME.
+
+The suite JSON in `gx/expectations/` is the source of truth, reviewed in git. At run time it is loaded
+into an ephemeral GX context (nothing is written into the repository; concurrent runs share no GX
+state) whose Data Docs site lives under `NIGHTSHIFT_HOME/gx/data_docs/`.
+
+Speed: a passing run costs one pass with result format BOOLEAN_ONLY (no unexpected-value lists are
+collected). Only when it fails is the suite re-run with SUMMARY to collect sample unexpected values
+for the report and the Data Docs page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import pandas as pd
+
+from nightshift import settings
+from nightshift.errors import DataError, DataValidationFailed, UsageError
+
+if TYPE_CHECKING:
+    import great_expectations as gx
+    from great_expectations.core.expectation_validation_result import ExpectationSuiteValidationResult
+
+SUITE = "digits"
+DOCS_SITE = "nightshift"
+SAMPLE_SIZE = 5
+# Failures named in the one-line error; the JSON report lists all of them.
+SUMMARY_FAILURES = 8
+
+os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")  # never phone home, even by accident
+
+
+class ExpectationFailure(TypedDict):
+    expectation: str
+    column: str | None
+    rule: str
+    unexpected_count: int | None
+    sample: list[Any]
+    observed: Any
+
+
+class FileReport(TypedDict):
+    path: str
+    rows: int
+    success: bool
+    failures: list[ExpectationFailure]
+    data_docs: str | None
+
+
+class ValidationReport(TypedDict):
+    """What `nightshift validate` prints: one entry per Parquet file validated."""
+
+    path: str
+    suite: str
+    success: bool
+    files: list[FileReport]
+
+
+def gx_dir() -> Path:
+    """The GX file context kept in git: `NIGHTSHIFT_GX_DIR`, else `gx/` next to the `nightshift` package."""
+    override = os.environ.get("NIGHTSHIFT_GX_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "gx"
+
+
+def data_docs_dir() -> Path:
+    return settings.home() / "gx" / "data_docs"
+
+
+@lru_cache(maxsize=8)
+def _suite_json(path: str) -> str:
+    return Path(path).read_text()
+
+
+def load_suite(name: str = SUITE) -> gx.ExpectationSuite:
+    """The expectation suite `name` from `gx/expectations/`, as a GX object (e.g. for the Airflow provider)."""
+    import great_expectations as gx
+
+    import nightshift.data.expectations  # noqa: F401  (registers the custom expectations the suite uses)
+
+    path = gx_dir() / "expectations" / f"{name}.json"
+    if not path.is_file():
+        raise UsageError(f"expectation suite {name!r} not found at {path}; set NIGHTSHIFT_GX_DIR to the gx/ folder")
+    data = json.loads(_suite_json(str(path)))
+    data.pop("id", None)
+    for expectation in data["expectations"]:
+        expectation.pop("id", None)
+    return gx.ExpectationSuite(**data)
+
+
+def parquet_files(path: str | Path) -> list[Path]:
+    """The Parquet file `path`, or the `*.parquet` files of directory `path`, sorted."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.parquet") if p.is_file())
+        if not files:
+            raise DataError(f"{path} holds no .parquet files; expected train/validation/test.parquet")
+        return files
+    if path.is_file():
+        return [path]
+    raise DataError(f"{path} does not exist; pass a Parquet file or a directory of them")
+
+
+def read_table(path: str | Path) -> pd.DataFrame:
+    """Read one Parquet file as a pandas DataFrame, turning every kind of unreadable file into DataError."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} does not exist or is not a file")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path} is empty (0 bytes), not a Parquet file")
+    try:
+        return pd.read_parquet(path)
+    except Exception as err:  # pyarrow raises several unrelated types for truncated or foreign files
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(f"{path} is not a readable Parquet file (truncated or not Parquet): {reason}") from err
+
+
+def _context() -> Any:
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    docs = data_docs_dir()
+    docs.mkdir(parents=True, exist_ok=True)
+    context.add_data_docs_site(
+        site_name=DOCS_SITE,
+        site_config={
+            "class_name": "SiteBuilder",
+            "show_how_to_buttons": False,
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs)},
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+        },
+    )
+    return context
+
+
+def _run(context: Any, frame: pd.DataFrame, suite: gx.ExpectationSuite, result_format: str) -> tuple[Any, Any]:
+    import great_expectations as gx
+
+    source = context.data_sources.add_or_update_pandas(name=SUITE)
+    asset = source.add_dataframe_asset(name=f"{SUITE}-{result_format.lower()}")
+    batch = asset.add_batch_definition_whole_dataframe("whole")
+    definition = context.validation_definitions.add_or_update(
+        gx.ValidationDefinition(name=f"{suite.name}-{result_format.lower()}", data=batch, suite=suite)
+    )
+    checkpoint = gx.Checkpoint(
+        name=f"{suite.name}-{result_format.lower()}",
+        validation_definitions=[definition],
+        actions=[],
+        result_format={"result_format": result_format, "partial_unexpected_count": SAMPLE_SIZE},
+    )
+    result = checkpoint.run(batch_parameters={"dataframe": frame})
+    ((identifier, validation),) = result.run_results.items()
+    return identifier, validation
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and value != value:
+        return "NaN"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in list(value.items())[:4]}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item"):
+        return _jsonable(value.item())
+    return value
+
+
+def _failures(validation: ExpectationSuiteValidationResult) -> list[ExpectationFailure]:
+    failures: list[ExpectationFailure] = []
+    for result in validation.results:
+        if result.success:
+            continue
+        config = result.expectation_config
+        kwargs = dict(config.kwargs) if config else {}
+        details = dict(result.result or {})
+        observed = details.get("observed_value")
+        extra = details.get("details")
+        if result.exception_info and result.exception_info.get("raised_exception"):
+            message = str(result.exception_info.get("exception_message", "")).splitlines()
+            observed = f"error: {message[0] if message else 'expectation raised'}"
+        elif extra:
+            # e.g. the column-set check: its `mismatched` details say more than the full column list
+            observed = extra
+        column = kwargs.get("column")
+        failures.append(
+            ExpectationFailure(
+                expectation=config.type if config else "unknown",
+                column=str(column) if column is not None else None,
+                rule=str((config.meta or {}).get("rule", "")) if config else "",
+                unexpected_count=details.get("unexpected_count"),
+                sample=_jsonable(list(details.get("partial_unexpected_list") or [])[:SAMPLE_SIZE]),
+                observed=_jsonable(observed),
+            )
+        )
+    return failures
+
+
+def _docs_page(context: Any, identifier: Any) -> str | None:
+    context.build_data_docs(site_names=[DOCS_SITE], resource_identifiers=[identifier], build_index=True)
+    urls = context.get_docs_sites_urls(resource_identifier=identifier, site_name=DOCS_SITE)
+    url = urls[0].get("site_url") if urls else None
+    return url.removeprefix("file://") if url else None
+
+
+def validate_frame(frame: pd.DataFrame, suite: gx.ExpectationSuite | None = None,
+                   data_docs: bool = True) -> tuple[bool, list[ExpectationFailure], str | None]:
+    """Run the suite on one table: (success, failures with samples, Data Docs page or None)."""
+    suite = suite if suite is not None else load_suite()
+    context = _context()
+    identifier, validation = _run(context, frame, suite, "BOOLEAN_ONLY")
+    if not validation.success:
+        identifier, validation = _run(context, frame, suite, "SUMMARY")
+    failures = _failures(validation) if not validation.success else []
+    page = _docs_page(context, identifier) if data_docs else None
+    return bool(validation.success), failures, page
+
+
+def check_data(path: str | Path, data_docs: bool = True) -> ValidationReport:
+    """Validate a Parquet file or each Parquet file of a directory; report, never raise on failed rules.
+
+    Raises DataError when the input is missing or unreadable.
+    """
+    files = parquet_files(path)
+    frames = [(file, read_table(file)) for file in files]  # read all first: unreadable input fails early
+    suite = load_suite()
+    reports: list[FileReport] = []
+    for file, frame in frames:
+        success, failures, page = validate_frame(frame, suite, data_docs=data_docs)
+        reports.append(FileReport(path=str(file), rows=len(frame), success=success, failures=failures,
+                                  data_docs=page))
+    return ValidationReport(path=str(path), suite=suite.name, success=all(r["success"] for r in reports),
+                            files=reports)
+
+
+def describe_failures(report: ValidationReport) -> str:
+    """One line naming each failed expectation with sample unexpected values and the Data Docs pages."""
+    parts: list[str] = []
+    pages: list[str] = []
+    total = 0
+    for file in report["files"]:
+        if file["success"]:
+            continue
+        if file["data_docs"]:
+            pages.append(file["data_docs"])
+        for failure in file["failures"]:
+            total += 1
+            if len(parts) >= SUMMARY_FAILURES:
+                continue
+            target = f"({failure['column']})" if failure["column"] else ""
+            evidence = f"e.g. {failure['sample']}" if failure["sample"] else f"observed {failure['observed']}"
+            parts.append(f"{Path(file['path']).name}: {failure['expectation']}{target} "
+                         f"[{failure['rule']}] {evidence}")
+    more = f"; and {total - len(parts)} more" if total > len(parts) else ""
+    docs = f"; Data Docs: {', '.join(pages)}" if pages else ""
+    return (f"{report['path']} failed {total} expectation(s) of suite {report['suite']!r}: "
+            f"{'; '.join(parts)}{more}{docs}")
+
+
+def validate_data(path: str | Path) -> ValidationReport:
+    """Validate `path` (a Parquet file or a directory of them) and return the report as a dict.
+
+    Raises DataValidationFailed naming each failed expectation with sample unexpected values, and
+    DataError when the input is missing or unreadable.
+    """
+    report = check_data(path)
+    if not report["success"]:
+        raise DataValidationFailed(describe_failures(report))
+    return report
