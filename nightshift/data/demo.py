@@ -15,10 +15,10 @@ FRACTIONS = {"train": 0.7, "validation": 0.15, "test": 0.15}
 
 
 def digits_frame(rows: int = DIGITS_ROWS, seed: int = 0) -> pd.DataFrame:
-    """The digits table: `label` (int64) and `pixel_0`…`pixel_63` (float32, 0–16).
+    """The digits table: `label` (int64) and `pixel_0`…`pixel_63` (float32, 0..16).
 
     Fewer rows than the 1,797 bundled images: a seeded sample. More: the images repeated with small
-    seeded noise (clipped to 0–16), so the table stays free of duplicate rows.
+    seeded noise (clipped to 0..16), so the table stays free of duplicate rows.
     """
     from sklearn.datasets import load_digits
 

@@ -58,12 +58,13 @@ class ColumnValuesFiniteBetween(ColumnMapMetricProvider):
     condition_metric_name = "column_values.finite_between"
     condition_value_keys = ("min_value", "max_value")
 
-    @column_condition_partial(engine=PandasExecutionEngine)  # type: ignore[misc]
+    @column_condition_partial(engine=PandasExecutionEngine)
     def _pandas(cls, column: pd.Series, min_value: float, max_value: float, **kwargs: Any) -> pd.Series:
         # GX's own `column_values.between` is vectorised only for int64/float64 columns; on float32
         # it calls a Python function per value (about 10x slower than pandas on the digits table).
         values = column.to_numpy()
-        return pd.Series(np.isfinite(values) & (values >= min_value) & (values <= max_value), index=column.index)
+        inside = np.isfinite(values) & (values >= min_value) & (values <= max_value)
+        return pd.Series(inside, index=column.index)
 
 
 class ExpectColumnValuesToBeFiniteBetween(ColumnMapExpectation):

@@ -77,14 +77,14 @@ def _suite_json(path: str) -> str:
 
 
 def load_suite(name: str = SUITE) -> gx.ExpectationSuite:
-    """The expectation suite `name` from `gx/expectations/`, as a GX object (e.g. for the Airflow provider)."""
+    """The suite `name` from `gx/expectations/` as a GX object (e.g. for the Airflow provider)."""
     import great_expectations as gx
 
     import nightshift.data.expectations  # noqa: F401  (registers the custom expectations the suite uses)
 
     path = gx_dir() / "expectations" / f"{name}.json"
     if not path.is_file():
-        raise UsageError(f"expectation suite {name!r} not found at {path}; set NIGHTSHIFT_GX_DIR to the gx/ folder")
+        raise UsageError(f"expectation suite {name!r} not found at {path}; set NIGHTSHIFT_GX_DIR to gx/")
     data = json.loads(_suite_json(str(path)))
     data.pop("id", None)
     for expectation in data["expectations"]:
@@ -116,7 +116,8 @@ def read_table(path: str | Path) -> pd.DataFrame:
         return pd.read_parquet(path)
     except Exception as err:  # pyarrow raises several unrelated types for truncated or foreign files
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"{path} is not a readable Parquet file (truncated or not Parquet): {reason}") from err
+        raise DataError(f"{path} is not a readable Parquet file (truncated or not Parquet): {reason}") \
+            from err
 
 
 def _context() -> Any:
@@ -131,7 +132,6 @@ def _context() -> Any:
         site_name=DOCS_SITE,
         site_config={
             "class_name": "SiteBuilder",
-            "show_how_to_buttons": False,
             "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs)},
             "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
         },
@@ -139,7 +139,9 @@ def _context() -> Any:
     return context
 
 
-def _run(context: Any, frame: pd.DataFrame, suite: gx.ExpectationSuite, result_format: str) -> tuple[Any, Any]:
+def _run(
+    context: Any, frame: pd.DataFrame, suite: gx.ExpectationSuite, result_format: str
+) -> tuple[Any, Any]:
     import great_expectations as gx
 
     source = context.data_sources.add_or_update_pandas(name=SUITE)
