@@ -68,7 +68,7 @@ def load_digits(data_dir: str | Path, split: str) -> Split:
         raise DataError(f"{split_path(data_dir, split)} lacks columns {missing[:5]}"
                         f"{'…' if len(missing) > 5 else ''}; is this the digits dataset?")
     features = torch.from_numpy(np.ascontiguousarray(frame[pixel_columns].to_numpy(np.float32) / 16.0))
-    labels = torch.from_numpy(frame["label"].to_numpy(np.int64))
+    labels = torch.from_numpy(frame["label"].to_numpy(np.int64, copy=True))
     return Split(features=features, labels=labels, input_shape=(1, 8, 8), num_classes=10)
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from nightshift.train.cli import main
+
+sys.exit(main())

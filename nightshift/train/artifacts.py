@@ -1,0 +1,71 @@
+"""The trained model as the trainer leaves it in `--out`: `model.pt` (state dict) + `model.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nightshift.errors import DataError
+
+MODEL_FILE = "model.pt"
+MODEL_INFO = "model.json"
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+
+
+def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kwargs: dict[str, Any],
+                       dataset: str, params: dict[str, Any]) -> Path:
+    """Write the weights, then the description that makes them loadable; return the weights' path."""
+    import io
+
+    out.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    _atomic_write(out / MODEL_FILE, buffer.getvalue())
+    info = {
+        "model": model_name,
+        "model_kwargs": json.loads(json.dumps(model_kwargs)),
+        "dataset": dataset,
+        "input_shape": list(model_kwargs.get("input_shape", ())),
+        "num_classes": model_kwargs.get("num_classes"),
+        "params": params,
+    }
+    _atomic_write(out / MODEL_INFO, (json.dumps(info, indent=2, sort_keys=True) + "\n").encode())
+    return out / MODEL_FILE
+
+
+def read_model_info(out_dir: str | Path) -> dict[str, Any]:
+    path = Path(out_dir) / MODEL_INFO
+    if not path.is_file():
+        raise DataError(f"{path} is missing: {out_dir} is not a trainer output directory")
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def load_trained_model(out_dir: str | Path) -> nn.Module:
+    """Rebuild the model described in `model.json` and load `model.pt` into it (eval mode)."""
+    from nightshift.models import build_model
+
+    info = read_model_info(out_dir)
+    kwargs = dict(info["model_kwargs"])
+    if "input_shape" in kwargs:
+        kwargs["input_shape"] = tuple(kwargs["input_shape"])
+    model = build_model(info["model"], **kwargs)
+    weights = Path(out_dir) / MODEL_FILE
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        model.load_state_dict(state, strict=True)
+    except Exception as err:
+        raise DataError(f"{weights} cannot be loaded into model {info['model']!r}: {err}") from err
+    return model.eval()

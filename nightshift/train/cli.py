@@ -1,0 +1,121 @@
+"""Command-line interface of the trainer, shared by `python -m nightshift.train` and `nightshift train`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from nightshift.errors import NightshiftError, UsageError
+from nightshift.train.config import TrainConfig
+
+DEFAULTS = TrainConfig(data=".", out=".", checkpoint_dir=".")  # type: ignore[arg-type]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _tag(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    parser.add_argument("--data", required=True, help="staged dataset directory (train/validation/test.parquet)")
+    parser.add_argument("--out", required=True, help="where model.pt, model.json, metrics.json(l) go")
+    parser.add_argument("--checkpoint-dir", required=True, help="checkpoints; resumed from when restarted")
+    parser.add_argument("--model", default=d.model, help=f"registered model name or module:factory ({d.model})")
+    parser.add_argument("--model-kwargs", type=_json_object, default={}, help="JSON object of model arguments")
+    parser.add_argument("--dataset", default=d.dataset, help=f"registered dataset name ({d.dataset})")
+    parser.add_argument("--epochs", type=int, default=d.epochs, help=f"({d.epochs})")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help=f"per process ({d.batch_size})")
+    parser.add_argument("--lr", type=float, default=d.lr, help=f"base learning rate, × world size ({d.lr})")
+    parser.add_argument("--momentum", type=float, default=d.momentum, help=f"SGD momentum ({d.momentum})")
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"({d.seed})")
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help=f"steps ({d.checkpoint_every})")
+    parser.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help=f"({d.keep_checkpoints})")
+    parser.add_argument("--log-every", type=int, default=d.log_every, help=f"steps between progress lines ({d.log_every})")
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch threads per process (0: cores / local processes)")
+    parser.add_argument("--mlflow-experiment", default=None, help="log the run to this MLflow experiment")
+    parser.add_argument("--mlflow-run-name", default=None)
+    parser.add_argument("--tag", dest="tags", type=_tag, action="append", default=[], help="KEY=VALUE MLflow tag")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        data=args.data, out=args.out, checkpoint_dir=args.checkpoint_dir, model=args.model,
+        model_kwargs=args.model_kwargs, dataset=args.dataset, epochs=args.epochs, batch_size=args.batch_size,
+        lr=args.lr, momentum=args.momentum, seed=args.seed, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, log_every=args.log_every, threads=args.threads,
+        mlflow_experiment=args.mlflow_experiment, mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
+    )
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """Load data, join the Horovod job, train; rank 0 returns the summary, others `{}`."""
+    from nightshift.datasets import load_split
+    from nightshift.models import MODELS
+
+    MODELS.get(config.model)  # fail on an unknown model before any process group exists
+    train = load_split(config.dataset, config.data, "train")
+    validation = load_split(config.dataset, config.data, "validation")
+
+    import horovod.torch as hvd
+
+    from nightshift.train.trainer import Trainer
+
+    hvd.init()
+    summary = Trainer(config, train, validation, hvd).fit()
+    if summary and config.mlflow_experiment:
+        from nightshift.tracking import log_training_run
+
+        summary["mlflow_run_id"] = log_training_run(config.out, experiment=config.mlflow_experiment,
+                                                    run_name=config.mlflow_run_name, tags=config.tags)
+    return summary
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nightshift.train", description="Horovod training entrypoint")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    configure_logging()
+    try:
+        run(config_from_args(args))
+    except NightshiftError as err:
+        print(f"nightshift.train: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    train = subparsers.add_parser("train", help="train in this process (under horovodrun: one worker)")
+    add_arguments(train)
+    train.set_defaults(func=_train_command)
+
+
+def _train_command(args: argparse.Namespace) -> dict[str, Any]:
+    configure_logging()
+    try:
+        return run(config_from_args(args))
+    except NightshiftError:
+        raise
+    except ValueError as err:
+        raise UsageError(str(err)) from err
