@@ -115,7 +115,7 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test") -> dict[str
         "rows": len(labels),
         "accuracy": float(accuracy_score(labels, predicted)),
         "macro_f1": float(f1_score(labels, predicted, labels=classes, average="macro", zero_division=0)),
-        "log_loss": float(log_loss(labels, np.clip(proba, 1e-7, 1.0), labels=classes)),
+        "log_loss": float(log_loss(labels, proba / proba.sum(axis=1, keepdims=True), labels=classes)),
         "per_class_recall": {str(k): float(r) for k, r in zip(classes, recall, strict=True)},
         "confusion_matrix": confusion_matrix(labels, predicted, labels=classes).tolist(),
     }

@@ -110,21 +110,12 @@ class TorchTableClassifier:
     """Loads `model.pt` + `model.json` and classifies rows of the raw table; bad input → 400."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        import torch
+        from nightshift.train.artifacts import load_trained_model, read_model_info
 
-        from nightshift.models import build_model
-
-        model_dir = Path(model_dir)
-        spec = json.loads((model_dir / "model.json").read_text())
+        spec = read_model_info(model_dir)
         self.num_classes = int(spec["num_classes"])
         self.features = feature_spec(spec["dataset"], spec.get("input_shape"))
-        kwargs = dict(spec.get("model_kwargs") or {})
-        kwargs.setdefault("input_shape", tuple(spec["input_shape"]))
-        kwargs.setdefault("num_classes", self.num_classes)
-        self.model = build_model(spec["model"], **kwargs)
-        state = torch.load(model_dir / "model.pt", map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state)
-        self.model.eval()
+        self.model = load_trained_model(model_dir)  # weights_only load, eval mode
 
     def validate(self, frame: Any) -> np.ndarray:
         if not isinstance(frame, pd.DataFrame):

@@ -21,8 +21,9 @@ def write_trained_output(out: Path, data_dir: Path, *, epochs: int = 3, steps_pe
     torch.manual_seed(seed)
     train = load_split("digits", data_dir, "train")
     val = load_split("digits", data_dir, "validation")
-    kwargs = {"channels": 8, "hidden": hidden}
-    model = build_model("digits_cnn", input_shape=train.input_shape, num_classes=train.num_classes, **kwargs)
+    kwargs = {"channels": 8, "hidden": hidden, "input_shape": list(train.input_shape),
+              "num_classes": train.num_classes}
+    model = build_model("digits_cnn", **kwargs)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = torch.nn.CrossEntropyLoss()
     out.mkdir(parents=True, exist_ok=True)

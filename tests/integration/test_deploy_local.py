@@ -1,0 +1,197 @@
+"""The release path end to end with a real MLflow store and real `mlflow models serve` processes.
+
+One scenario, in order (the tests share a store and the running servers, because a model server
+takes ~10-20 s to start here): the first model becomes champion; bad requests get 4xx while it keeps
+serving; a better model replaces it; a worse one is rejected; a corrupt artifact fails deployment while
+the champion keeps answering; the CLI's register retried twice yields one version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from nightshift import registry
+from nightshift.deploy.local import _alive, deploy_local, read_record, stop_local, stop_server
+from nightshift.errors import ChallengerRejected, DeploymentFailed
+from nightshift.evaluate import evaluate
+from nightshift.registry import register, version_by_alias
+from nightshift.tracking import log_training_run
+from tests.trained_model import write_trained_output
+
+pytestmark = pytest.mark.integration
+
+MODEL = "digits-it"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, demo_data: Path) -> Iterator[dict[str, Any]]:
+    """A shared NIGHTSHIFT_HOME and three trained outputs: ok (A), better (B), bad (C)."""
+    home = tmp_path_factory.mktemp("release-home")
+    root = tmp_path_factory.mktemp("trained")
+    outs = {
+        "A": write_trained_output(root / "A", demo_data, epochs=3, seed=0),
+        "B": write_trained_output(root / "B", demo_data, epochs=8, seed=1),
+        "C": write_trained_output(root / "C", demo_data, epochs=1, steps_per_epoch=1, seed=2),
+    }
+    state: dict[str, Any] = {"home": home, "data": demo_data, "outs": outs, "pids": []}
+    yield state
+    os.environ["NIGHTSHIFT_HOME"] = str(home)
+    try:
+        stop_local(MODEL)
+    finally:
+        os.environ.pop("NIGHTSHIFT_HOME", None)
+        for pid in state["pids"]:
+            stop_server(pid)
+
+
+@pytest.fixture(autouse=True)
+def shared_home(world: dict[str, Any], nightshift_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(world["home"]))
+
+
+def _release(world: dict[str, Any], key: str) -> dict[str, Any]:
+    run_id = log_training_run(world["outs"][key], experiment="release-it", tags={"nightshift.run_key": key})
+    decision = evaluate(run_id, data_dir=world["data"], model_name=MODEL)
+    return {"run_id": run_id, "decision": decision}
+
+
+def _post(url: str, **kwargs: Any) -> requests.Response:
+    return requests.post(f"{url}/invocations", timeout=30, **kwargs)
+
+
+def _rows(world: dict[str, Any], n: int) -> dict[str, Any]:
+    import pandas as pd
+
+    frame = pd.read_parquet(world["data"] / "test.parquet").drop(columns=["label"]).head(n)
+    return {"dataframe_split": {"columns": list(frame.columns), "data": frame.to_numpy().tolist()}}
+
+
+def test_first_model_becomes_champion(world: dict[str, Any]) -> None:
+    a = _release(world, "A")
+    assert a["decision"]["passed"], a["decision"]["reasons"]
+    assert a["decision"]["champion"] is None
+    reg = register(a["run_id"], model_name=MODEL, evaluation=a["decision"],
+                   lineage={"dataset_version": "md5:abc", "dag_id": "nightly_retrain", "dag_run_id": "r1"})
+    assert version_by_alias(MODEL, "champion") is None  # registering alone does not promote
+    result = deploy_local(MODEL, data_dir=world["data"])
+    world["pids"].append(result["pid"])
+    assert result["status"] == "promoted" and result["version"] == reg["version"] == "1"
+    assert result["smoke"]["accuracy"] >= a["decision"]["challenger"]["accuracy"] - 0.05
+    assert str(version_by_alias(MODEL, "champion").version) == "1"
+    record = read_record(MODEL)
+    assert record is not None and record["pid"] == result["pid"] and record["url"] == result["url"]
+    tags = registry.get_version(MODEL, "1").tags
+    assert tags["nightshift.dataset_version"] == "md5:abc" and tags["nightshift.dag_id"] == "nightly_retrain"
+    assert tags["nightshift.training_run_id"] == a["run_id"] and tags["nightshift.code_commit"]
+    assert "param.lr" in tags and "metric.val_accuracy" in tags and "nightshift.eval.accuracy" in tags
+    world["A"] = {**a, **result}
+
+
+@pytest.mark.parametrize("case", ["wrong_shape", "wrong_type", "empty_body", "several_mb", "out_of_range",
+                                  "not_json", "too_many_rows"])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(world: dict[str, Any], case: str) -> None:
+    url = world["A"]["url"]
+    good = _rows(world, 3)
+    columns = good["dataframe_split"]["columns"]
+    if case == "wrong_shape":
+        response = _post(url, json={"dataframe_split": {"columns": columns[:10], "data": [[1.0] * 10]}})
+    elif case == "wrong_type":
+        response = _post(url, json={"dataframe_split": {"columns": columns, "data": [["x"] * 64]}})
+    elif case == "empty_body":
+        response = _post(url, data=b"", headers={"Content-Type": "application/json"})
+    elif case == "several_mb":
+        body = json.dumps({"dataframe_split": {"columns": columns, "data": [[8.0] * 64] * 20000}})
+        assert len(body) > 4_000_000
+        response = _post(url, data=body, headers={"Content-Type": "application/json"})
+    elif case == "out_of_range":
+        response = _post(url, json={"dataframe_split": {"columns": columns, "data": [[1e9] * 64]}})
+    elif case == "not_json":
+        response = _post(url, data=os.urandom(3_000_000), headers={"Content-Type": "application/json"})
+    else:
+        response = _post(url, json={"dataframe_split": {"columns": columns, "data": [[1.0] * 64] * 5000}})
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    after = _post(url, json=good)
+    assert after.status_code == 200 and len(after.json()["predictions"]) == 3
+
+
+def test_better_model_replaces_champion_and_old_server_stops(world: dict[str, Any]) -> None:
+    b = _release(world, "B")
+    assert b["decision"]["passed"], b["decision"]["reasons"]
+    assert b["decision"]["champion"]["version"] == "1"
+    register(b["run_id"], model_name=MODEL, evaluation=b["decision"])
+    result = deploy_local(MODEL, data_dir=world["data"])
+    world["pids"].append(result["pid"])
+    assert result["status"] == "promoted" and result["version"] == "2"
+    assert result["previous"] == {"version": "1", "pid": world["A"]["pid"], "stopped": True}
+    assert not _alive(world["A"]["pid"])
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{world['A']['url']}/ping", timeout=5)
+    assert str(version_by_alias(MODEL, "champion").version) == "2"
+    assert _post(result["url"], json=_rows(world, 5)).status_code == 200
+    world["B"] = {**b, **result}
+
+
+def test_worse_model_is_rejected_and_nothing_is_registered(world: dict[str, Any]) -> None:
+    c = _release(world, "C")
+    assert not c["decision"]["passed"]
+    assert any("min_improvement" in r for r in c["decision"]["reasons"])
+    with pytest.raises(ChallengerRejected):
+        register(c["run_id"], model_name=MODEL, evaluation=c["decision"])
+    assert registry.tracking.client().search_model_versions(f"name = '{MODEL}' and run_id = '{c['run_id']}'") == []
+    assert str(version_by_alias(MODEL, "champion").version) == "2"
+
+
+def test_corrupt_artifact_fails_deployment_and_champion_keeps_answering(world: dict[str, Any]) -> None:
+    # A good model whose stored weights get corrupted after registration.
+    out = write_trained_output(world["home"] / "D", world["data"], epochs=8, seed=3)
+    run_id = log_training_run(out, experiment="release-it", tags={"nightshift.run_key": "D"})
+    reg = register(run_id, model_name=MODEL)
+    weights = list((world["home"] / "mlartifacts").rglob("model.pt"))
+    mv = registry.get_version(MODEL, reg["version"])
+    model_id = mv.source.removeprefix("models:/")
+    corrupted = [w for w in weights if model_id in str(w)]
+    assert corrupted, weights
+    for path in corrupted:
+        path.write_bytes(b"not a torch file")
+    before = read_record(MODEL)
+    with pytest.raises(DeploymentFailed, match="keeps serving"):
+        deploy_local(MODEL, data_dir=world["data"], startup_timeout=120)
+    assert read_record(MODEL) == before
+    assert str(version_by_alias(MODEL, "champion").version) == "2"
+    assert _post(world["B"]["url"], json=_rows(world, 5)).status_code == 200
+    servers = [p for p in Path("/proc").glob("[0-9]*") if _is_server_for(p, reg["version"])]
+    assert servers == []
+
+
+def _is_server_for(proc: Path, version: str) -> bool:
+    try:
+        return f"{MODEL}-v{version}".encode() in (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_cli_register_retried_twice_yields_one_version(world: dict[str, Any]) -> None:
+    out = world["outs"]["B"]
+    env = {**os.environ, "NIGHTSHIFT_HOME": str(world["home"])}
+    command = [sys.executable, "-m", "nightshift.cli", "register", "--out", str(out), "--model-name",
+               "digits-cli", "--lineage", "dag_id=nightly_retrain", "--lineage", "dataset_version=md5:abc"]
+    first = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    second = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert first.returncode == 0, first.stderr[-500:]
+    assert second.returncode == 0, second.stderr[-500:]
+    one, two = json.loads(first.stdout), json.loads(second.stdout)
+    assert (one["version"], one["created"]) == ("1", True)
+    assert (two["version"], two["created"]) == ("1", False)
+    versions = registry.tracking.client().search_model_versions("name = 'digits-cli'")
+    assert [str(v.version) for v in versions] == ["1"]
+    assert str(version_by_alias("digits-cli", "challenger").version) == "1"
