@@ -147,7 +147,8 @@ def test_worse_model_is_rejected_and_nothing_is_registered(world: dict[str, Any]
     assert any("min_improvement" in r for r in c["decision"]["reasons"])
     with pytest.raises(ChallengerRejected):
         register(c["run_id"], model_name=MODEL, evaluation=c["decision"])
-    assert registry.tracking.client().search_model_versions(f"name = '{MODEL}' and run_id = '{c['run_id']}'") == []
+    found = registry.tracking.client().search_model_versions(f"name = '{MODEL}' and run_id = '{c['run_id']}'")
+    assert list(found) == []
     assert str(version_by_alias(MODEL, "champion").version) == "2"
 
 
