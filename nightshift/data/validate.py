@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
+from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -71,6 +73,13 @@ def data_docs_dir() -> Path:
     return settings.home() / "gx" / "data_docs"
 
 
+def _new_site_dir() -> Path:
+    # One site per validation run: GX prunes pages its (ephemeral) result store does not know, so
+    # runs sharing a site would delete each other's pages.
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    return data_docs_dir() / f"{stamp}-{uuid.uuid4().hex[:8]}"
+
+
 @lru_cache(maxsize=8)
 def _suite_json(path: str) -> str:
     return Path(path).read_text()
@@ -120,19 +129,18 @@ def read_table(path: str | Path) -> pd.DataFrame:
             from err
 
 
-def _context() -> Any:
+def _context(site_dir: Path) -> Any:
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    docs = data_docs_dir()
-    docs.mkdir(parents=True, exist_ok=True)
+    site_dir.mkdir(parents=True, exist_ok=True)
     context.add_data_docs_site(
         site_name=DOCS_SITE,
         site_config={
             "class_name": "SiteBuilder",
-            "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs)},
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(site_dir)},
             "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
         },
     )
@@ -140,18 +148,19 @@ def _context() -> Any:
 
 
 def _run(
-    context: Any, frame: pd.DataFrame, suite: gx.ExpectationSuite, result_format: str
+    context: Any, frame: pd.DataFrame, suite: gx.ExpectationSuite, result_format: str, name: str
 ) -> tuple[Any, Any]:
     import great_expectations as gx
 
+    run_name = f"{name}-{result_format.lower()}"
     source = context.data_sources.add_or_update_pandas(name=SUITE)
-    asset = source.add_dataframe_asset(name=f"{SUITE}-{result_format.lower()}")
+    asset = source.add_dataframe_asset(name=run_name)
     batch = asset.add_batch_definition_whole_dataframe("whole")
     definition = context.validation_definitions.add_or_update(
-        gx.ValidationDefinition(name=f"{suite.name}-{result_format.lower()}", data=batch, suite=suite)
+        gx.ValidationDefinition(name=run_name, data=batch, suite=suite)
     )
     checkpoint = gx.Checkpoint(
-        name=f"{suite.name}-{result_format.lower()}",
+        name=run_name,
         validation_definitions=[definition],
         actions=[],
         result_format={"result_format": result_format, "partial_unexpected_count": SAMPLE_SIZE},
@@ -212,14 +221,24 @@ def _docs_page(context: Any, identifier: Any) -> str | None:
     return url.removeprefix("file://") if url else None
 
 
-def validate_frame(frame: pd.DataFrame, suite: gx.ExpectationSuite | None = None,
-                   data_docs: bool = True) -> tuple[bool, list[ExpectationFailure], str | None]:
-    """Run the suite on one table: (success, failures with samples, Data Docs page or None)."""
+def validate_frame(
+    frame: pd.DataFrame,
+    suite: gx.ExpectationSuite | None = None,
+    data_docs: bool = True,
+    *,
+    context: Any = None,
+    name: str = "table",
+) -> tuple[bool, list[ExpectationFailure], str | None]:
+    """Run the suite on one table: (success, failures with samples, Data Docs page or None).
+
+    `context` (from one `check_data` run) lets several tables share one Data Docs site; `name`
+    must then differ per table.
+    """
     suite = suite if suite is not None else load_suite()
-    context = _context()
-    identifier, validation = _run(context, frame, suite, "BOOLEAN_ONLY")
+    context = context if context is not None else _context(_new_site_dir())
+    identifier, validation = _run(context, frame, suite, "BOOLEAN_ONLY", name)
     if not validation.success:
-        identifier, validation = _run(context, frame, suite, "SUMMARY")
+        identifier, validation = _run(context, frame, suite, "SUMMARY", name)
     failures = _failures(validation) if not validation.success else []
     page = _docs_page(context, identifier) if data_docs else None
     return bool(validation.success), failures, page
@@ -233,9 +252,11 @@ def check_data(path: str | Path, data_docs: bool = True) -> ValidationReport:
     files = parquet_files(path)
     frames = [(file, read_table(file)) for file in files]  # read all first: unreadable input fails early
     suite = load_suite()
+    context = _context(_new_site_dir())
     reports: list[FileReport] = []
     for file, frame in frames:
-        success, failures, page = validate_frame(frame, suite, data_docs=data_docs)
+        success, failures, page = validate_frame(frame, suite, data_docs=data_docs, context=context,
+                                                 name=file.stem)
         reports.append(FileReport(path=str(file), rows=len(frame), success=success, failures=failures,
                                   data_docs=page))
     return ValidationReport(path=str(path), suite=suite.name, success=all(r["success"] for r in reports),

@@ -1,0 +1,208 @@
+"""DVC staging with a real DVC project, cache and remote in temporary directories."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from nightshift.data.demo import write_demo_dataset
+from nightshift.data.stage import DatasetVersion, project_dir, stage_dataset
+from nightshift.errors import DataError, DataValidationFailed
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _store_files(home: Path) -> set[str]:
+    """Every object file of the staging cache and of the remote, plus the version records."""
+    roots = [home / "dvc" / ".dvc" / "cache", home / "dvc-remote", home / "dvc" / "versions"]
+    return {str(p) for root in roots if root.exists() for p in root.rglob("*") if p.is_file()}
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def staged_home(tmp_path_factory: pytest.TempPathFactory, demo_data: Path) -> tuple[Path, DatasetVersion]:
+    """One NIGHTSHIFT_HOME with the demo data already staged: the baseline corruptions must not change."""
+    home = tmp_path_factory.mktemp("staged-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NIGHTSHIFT_HOME", str(home))
+        version = stage_dataset(demo_data, home / "workspaces" / "baseline")
+    return home, version
+
+
+def test_stage_versions_pushes_and_links_into_the_workspace(staged_home: tuple[Path, DatasetVersion],
+                                                            demo_data: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    home, first = staged_home
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(home))
+    assert first["rows"] == 1797 and first["splits"] == {"test": 270, "train": 1257, "validation": 270}
+    assert first["nfiles"] == 3 and len(first["hash"]) == 32
+    assert first["git_rev"] is None  # the demo data lives in a tmp dir, outside any git repository
+    remote = home / "dvc-remote" / "files" / "md5"
+    assert (remote / first["hash"][:2] / f"{first['hash'][2:]}.dir").is_file()
+    for split in ("train", "validation", "test"):
+        staged = Path(first["path"]) / f"{split}.parquet"
+        assert _md5(staged) == _md5(demo_data / f"{split}.parquet")
+        assert (remote / _md5(staged)[:2] / _md5(staged)[2:]).is_file()
+
+    before = _store_files(home)
+    workspace = home / "workspaces" / "run-2"
+    second = stage_dataset(demo_data, workspace)
+    assert second["hash"] == first["hash"]  # unchanged data, same version
+    assert _store_files(home) == before  # nothing new in cache, remote or records
+    cache = home / "dvc" / ".dvc" / "cache" / "files" / "md5"
+    for split in ("train", "validation", "test"):
+        staged = workspace / "data" / f"{split}.parquet"
+        digest = _md5(staged)
+        cached = cache / digest[:2] / digest[2:]
+        # a link into the cache (hardlink here; symlink or reflink elsewhere), never a second copy
+        assert staged.is_symlink() or os.path.samefile(staged, cached)
+    assert json.loads((workspace / "dataset.json").read_text())["hash"] == first["hash"]
+    assert f"md5: {first['hash']}.dir" in (workspace / "data.dvc").read_text()
+
+
+def test_dvc_cli_sees_the_staging_project_and_remote(staged_home: tuple[Path, DatasetVersion]) -> None:
+    """The project is an ordinary DVC project: `dvc` itself reads its cache config and remote objects."""
+    home, _ = staged_home
+    env = {**os.environ, "NIGHTSHIFT_HOME": str(home), "DVC_NO_ANALYTICS": "1"}
+    dvc = str(Path(sys.executable).parent / "dvc")
+    out = subprocess.run([dvc, "config", "cache.type"], cwd=home / "dvc", env=env,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "reflink,hardlink,symlink"
+
+
+def _corrupt(transform: Callable[[pd.DataFrame], pd.DataFrame]) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        transform(pd.read_parquet(path)).to_parquet(path, index=False)
+    return write
+
+
+def _set(column: str, value: object, rows: slice = slice(0, 3)) -> Callable[[pd.DataFrame], pd.DataFrame]:
+    def change(frame: pd.DataFrame) -> pd.DataFrame:
+        frame.loc[frame.index[rows], column] = value
+        return frame
+    return change
+
+
+def _null_label(frame: pd.DataFrame) -> pd.DataFrame:
+    frame["label"] = frame["label"].astype("Int64")
+    frame.loc[frame.index[:2], "label"] = pd.NA
+    return frame
+
+
+def _duplicate_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    return pd.concat([frame, frame.iloc[:40]], ignore_index=True)
+
+
+def _drop_class(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["label"] != 3].reset_index(drop=True)
+
+
+def _rare_class(frame: pd.DataFrame) -> pd.DataFrame:
+    threes = frame.index[frame["label"] == 3]
+    return frame.drop(threes[10:]).reset_index(drop=True)
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CORRUPTIONS: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
+    "missing column": (_corrupt(lambda f: f.drop(columns=["pixel_9"])), DataValidationFailed,
+                       r"expect_table_columns_to_match_set .*'missing': \['pixel_9'\]"),
+    "extra column": (_corrupt(lambda f: f.assign(extra=1)), DataValidationFailed,
+                     r"expect_table_columns_to_match_set .*'unexpected': \['extra'\]"),
+    "wrong dtype": (_corrupt(lambda f: f.astype({"pixel_3": "float64"})), DataValidationFailed,
+                    r"expect_column_type_to_be\(pixel_3\) \[schema: .*float64"),
+    "nulls": (_corrupt(_null_label), DataValidationFailed,
+              r"expect_column_values_to_not_be_null\(label\) \[no nulls or NaN\]"),
+    "NaN": (_corrupt(_set("pixel_5", np.nan)), DataValidationFailed,
+            r"expect_column_values_to_not_be_null\(pixel_5\) \[no nulls or NaN\] e\.g\. \['NaN'"),
+    "infinity": (_corrupt(_set("pixel_6", np.inf)), DataValidationFailed,
+                 r"expect_column_values_to_be_finite_between\(pixel_6\) \[pixels are finite.*'inf'"),
+    "pixel out of range": (_corrupt(_set("pixel_7", -2.0)), DataValidationFailed,
+                           r"expect_column_values_to_be_finite_between\(pixel_7\) .*e\.g\. \[-2\.0"),
+    "label out of range": (_corrupt(_set("label", 11)), DataValidationFailed,
+                           r"expect_column_values_to_be_in_set\(label\) \[labels are in 0\.\.9\] "
+                           r"e\.g\. \[11"),
+    "empty file": (lambda p: p.write_bytes(b""), DataError, r"train\.parquet is empty \(0 bytes\)"),
+    "truncated parquet": (_truncate, DataError, r"train\.parquet is not a readable Parquet file \(truncated"),
+    "not parquet": (lambda p: p.write_text("label,pixel_0\n1,2\n"), DataError,
+                    r"not a readable Parquet file"),
+    "missing class": (_corrupt(_drop_class), DataValidationFailed,
+                      r"expect_column_value_shares_to_be_at_least\(label\) \[class balance.*'3': 0\.0"),
+    "class below share": (_corrupt(_rare_class), DataValidationFailed,
+                          r"expect_column_value_shares_to_be_at_least\(label\) \[class balance.*'3': 0\.0"),
+    "duplicated rows": (_corrupt(_duplicate_rows), DataValidationFailed,
+                        r"expect_compound_columns_to_be_unique \[duplicated rows are at most 1%"),
+    "too few rows": (_corrupt(lambda f: f.iloc[:60]), DataValidationFailed,
+                     r"expect_table_row_count_to_be_between \[row count within"),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_data_is_refused_and_never_versioned(kind: str, staged_home: tuple[Path, DatasetVersion],
+                                                     demo_data: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    home, _ = staged_home
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(home))
+    corrupt, error, pattern = CORRUPTIONS[kind]
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    corrupt(data / "train.parquet")
+    before = _store_files(home)
+    workspace = tmp_path / "workspace"
+    with pytest.raises(error, match=pattern):
+        stage_dataset(data, workspace)
+    assert _store_files(home) == before, "a refused dataset must leave cache, remote and records untouched"
+    assert not (workspace / "data").exists()
+
+
+def test_stage_refuses_files_that_were_not_validated(demo_data: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    (data / "notes.txt").write_text("not validated")
+    with pytest.raises(DataError, match="files other than the splits"):
+        stage_dataset(data, tmp_path / "ws")
+    assert not project_dir().exists()
+
+
+@pytest.mark.integration
+def test_concurrent_stagings_do_not_corrupt_each_other(tmp_path: Path, nightshift_home: Path) -> None:
+    """Two `nightshift stage` processes at once, on two different datasets, sharing one cache and remote."""
+    sources = {}
+    for seed in (1, 2):
+        sources[seed] = tmp_path / f"data-{seed}"
+        write_demo_dataset(sources[seed], rows=800, seed=seed)
+    env = {**os.environ, "NIGHTSHIFT_HOME": str(nightshift_home)}
+    nightshift = str(Path(sys.executable).parent / "nightshift")
+    procs = {
+        seed: subprocess.Popen([nightshift, "stage", str(src), "--workspace", str(tmp_path / f"ws-{seed}")],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for seed, src in sources.items()
+    }
+    versions = {}
+    for seed, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        versions[seed] = json.loads(out)
+    assert versions[1]["hash"] != versions[2]["hash"]
+    for seed, version in versions.items():
+        for split in ("train", "validation", "test"):
+            staged = Path(version["path"]) / f"{split}.parquet"
+            assert _md5(staged) == _md5(sources[seed] / f"{split}.parquet")
+    records = sorted(p.stem for p in (nightshift_home / "dvc" / "versions").glob("*.json"))
+    assert records == sorted(v["hash"] for v in versions.values())
