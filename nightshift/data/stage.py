@@ -150,6 +150,11 @@ def stage_dataset(path: str | Path, workspace: str | Path) -> DatasetVersion:
     _check_layout(data)
     report: ValidationReport = validate_data(data)
     splits = {Path(f["path"]).stem: f["rows"] for f in report["files"]}
+    return version_validated(data, workspace, splits)
+
+
+def version_validated(data: Path, workspace: str | Path, splits: dict[str, int]) -> DatasetVersion:
+    """The DVC half of staging, for data `stage_dataset` has just validated: version, push, materialise."""
     workspace = Path(workspace).resolve()
     if workspace == data or data in workspace.parents or workspace in data.parents:
         raise UsageError(f"--workspace {workspace} must not overlap the data directory {data}")
