@@ -44,7 +44,7 @@ class Registry(Generic[T]):
                 factory = getattr(importlib.import_module(module_name), attr)
             except (ImportError, AttributeError) as err:
                 raise UsageError(f"cannot import {self.kind} {name!r}: {err}") from err
-            return factory  # type: ignore[no-any-return]
+            return factory
         known = ", ".join(sorted(self._factories)) or "none"
         raise UsageError(
             f"unknown {self.kind} {name!r}; known: {known} "

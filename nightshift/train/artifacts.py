@@ -50,7 +50,7 @@ def read_model_info(out_dir: str | Path) -> dict[str, Any]:
     path = Path(out_dir) / MODEL_INFO
     if not path.is_file():
         raise DataError(f"{path} is missing: {out_dir} is not a trainer output directory")
-    return json.loads(path.read_text())  # type: ignore[no-any-return]
+    return json.loads(path.read_text())
 
 
 def load_trained_model(out_dir: str | Path) -> nn.Module:

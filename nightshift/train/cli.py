@@ -45,10 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=d.lr, help=f"base learning rate, × world size ({d.lr})")
     parser.add_argument("--momentum", type=float, default=d.momentum, help=f"SGD momentum ({d.momentum})")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"({d.seed})")
-    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help=f"steps ({d.checkpoint_every})")
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                        help=f"steps between checkpoints ({d.checkpoint_every})")
     parser.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help=f"({d.keep_checkpoints})")
-    parser.add_argument("--log-every", type=int, default=d.log_every, help=f"steps between progress lines ({d.log_every})")
-    parser.add_argument("--threads", type=int, default=d.threads, help="torch threads per process (0: cores / local processes)")
+    parser.add_argument("--log-every", type=int, default=d.log_every,
+                        help=f"steps between progress lines ({d.log_every})")
+    parser.add_argument("--threads", type=int, default=d.threads,
+                        help="torch threads per process (0: cores / local processes)")
     parser.add_argument("--mlflow-experiment", default=None, help="log the run to this MLflow experiment")
     parser.add_argument("--mlflow-run-name", default=None)
     parser.add_argument("--tag", dest="tags", type=_tag, action="append", default=[], help="KEY=VALUE MLflow tag")

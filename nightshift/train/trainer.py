@@ -84,7 +84,7 @@ class Trainer:
         # parameter groups, dropping state loaded into the inner one.
         self.optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=self.model.named_parameters())
         self.sampler: DistributedSampler[int] = DistributedSampler(
-            range(len(train)), num_replicas=self.size, rank=self.rank, shuffle=True, seed=config.seed
+            range(len(train)), num_replicas=self.size, rank=self.rank, shuffle=True, seed=config.seed,  # type: ignore[arg-type]
         )
         self.steps_per_epoch = math.ceil(len(self.sampler) / config.batch_size)
         self.total_steps = self.steps_per_epoch * config.epochs
@@ -251,7 +251,8 @@ class Trainer:
         if not self.is_chief:
             self.epoch_loss = [0.0, 0]
             return {}
-        metrics = {"train_loss": self.epoch_loss[0] / max(self.epoch_loss[1], 1), **self.evaluate(self.validation_split)}
+        train_loss = self.epoch_loss[0] / max(self.epoch_loss[1], 1)
+        metrics = {"train_loss": train_loss, **self.evaluate(self.validation_split)}
         self.epoch_loss = [0.0, 0]
         log.info("epoch %d/%d done: train_loss %.4f val_loss %.4f val_accuracy %.4f", epoch + 1,
                  self.config.epochs, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])

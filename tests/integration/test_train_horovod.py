@@ -61,7 +61,7 @@ def test_uninterrupted_run_trains_and_writes_outputs(reference: tuple[Path, str]
     assert summary["val_accuracy"] > 0.85
     lines = [json.loads(line) for line in (base / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [line["epoch"] for line in lines if line["event"] == "epoch"] == [1, 2, 3, 4, 5, 6]
-    assert {"loss", "samples_per_sec", "lr"} <= set(next(l for l in lines if l["event"] == "step"))
+    assert {"loss", "samples_per_sec", "lr"} <= set(next(line for line in lines if line["event"] == "step"))
     info = json.loads((base / "out" / "model.json").read_text())
     assert info["model"] == "digits_cnn" and info["num_classes"] == 10
     assert [c.step for c in CheckpointStore(base / "ckpt").files()] == [220, 230, 240]  # last 3 kept
@@ -94,8 +94,8 @@ def test_killed_run_resumes_bit_for_bit(demo_data: Path, tmp_path: Path, referen
     assert summary["steps_run"] == 240 - survivors[-1].step  # no step it covered was redone
     assert f"resumed from checkpoint {survivors[-1].path}" in result.stderr + result.stdout
     assert_bitwise_equal(weights(out), weights(reference[0] / "out"))
-    epochs = [json.loads(l)["epoch"] for l in (out / "metrics.jsonl").read_text().splitlines()
-              if json.loads(l)["event"] == "epoch"]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    epochs = [line["epoch"] for line in lines if line["event"] == "epoch"]
     assert epochs == [1, 2, 3, 4, 5, 6]  # lines after the checkpoint were dropped, then redone once
 
 
