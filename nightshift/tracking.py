@@ -197,6 +197,18 @@ def _numeric(values: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(v))}
 
 
+def _final_metrics(final: dict[str, Any], epochs: list[dict[str, Any]]) -> dict[str, float]:
+    """Final metrics; a repeat of the last epoch's value is skipped, a different value is `final_*`."""
+    last = _numeric(epochs[-1]) if epochs else {}
+    out: dict[str, float] = {}
+    for key, value in _numeric(final).items():
+        if key not in last:
+            out[key] = value
+        elif last[key] != value:
+            out[f"final_{key}"] = value
+    return out
+
+
 def flat_params(spec: dict[str, Any]) -> dict[str, str]:
     """Hyperparameters of `model.json` as MLflow params (`model`, `dataset`, `model.<k>`, `<param>`)."""
     params: dict[str, str] = {"model": str(spec.get("model")), "dataset": str(spec.get("dataset"))}
@@ -272,7 +284,7 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
                 step = int(record["epoch"])
                 mlflow.log_metrics(_numeric({k: v for k, v in record.items() if k not in {"event", "epoch"}}),
                                    step=step)
-            mlflow.log_metrics(_numeric(final))
+            mlflow.log_metrics(_final_metrics(final, epochs))
             for name in ("model.json", "metrics.json", "metrics.jsonl"):
                 if (out / name).is_file():
                     mlflow.log_artifact(str(out / name), artifact_path="training")
