@@ -40,9 +40,7 @@ def find_horovodrun() -> str:
     return found
 
 
-def horovodrun_argv(
-    num_processes: int, command: Sequence[str], *, horovodrun: str | None = None
-) -> list[str]:
+def horovodrun_argv(num_processes: int, command: Sequence[str], *, horovodrun: str | None = None) -> list[str]:
     """The local launch command; a bare `python` in `command` becomes this interpreter."""
     if num_processes < 1:
         raise InvalidJobConfig(f"num_workers must be >= 1, got {num_processes}")
@@ -141,8 +139,7 @@ class LocalHorovodLauncher:
                 self.kill()
         if code != 0:
             raise HorovodRunFailed(
-                f"horovodrun (pid {process.pid}) exited with code {code}; "
-                f"last log lines:\n{self._tail_text()}"
+                f"horovodrun (pid {process.pid}) exited with code {code}; last log lines:\n{self._tail_text()}"
             )
         return code
 
@@ -170,9 +167,7 @@ class LocalHorovodLauncher:
                         child.kill()
                 return
             tree = [psutil.Process(process.pid), *_descendants(process.pid)]
-            self.log.warning(
-                "Stopping horovodrun (pid %s) and %d processes under it", process.pid, len(tree) - 1
-            )
+            self.log.warning("Stopping horovodrun (pid %s) and %d processes under it", process.pid, len(tree) - 1)
             with _suppress_gone():
                 os.killpg(process.pid, signal.SIGTERM)
             for proc in tree:

@@ -157,9 +157,7 @@ class MPIJobLauncher:
 
     def pods(self, name: str) -> list[dict[str, Any]]:
         """The pods the MPI Operator created for the job, as dicts."""
-        listing = self.core_api.list_namespaced_pod(
-            namespace=self.namespace, label_selector=f"{JOB_NAME_LABEL}={name}"
-        )
+        listing = self.core_api.list_namespaced_pod(namespace=self.namespace, label_selector=f"{JOB_NAME_LABEL}={name}")
         return [to_plain(p) for p in listing.items or []]
 
     def delete(self, name: str) -> None:

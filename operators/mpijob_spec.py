@@ -226,9 +226,7 @@ def _env_list(env: Mapping[str, str]) -> list[dict[str, str]]:
     return [{"name": key, "value": value} for key, value in merged.items()]
 
 
-def _resources(
-    requests: Mapping[str, str | None], limits: Mapping[str, str | int | None]
-) -> dict[str, dict[str, Any]]:
+def _resources(requests: Mapping[str, str | None], limits: Mapping[str, str | int | None]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     req = {k: v for k, v in requests.items() if v is not None}
     lim = {k: v for k, v in limits.items() if v is not None}

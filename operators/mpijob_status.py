@@ -148,9 +148,7 @@ def launcher_termination(pods: Iterable[Mapping[str, Any]]) -> str | None:
     return None
 
 
-def explain_failure(
-    name: str, mpijob: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]
-) -> tuple[str, str]:
+def explain_failure(name: str, mpijob: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     """(error kind, message) for a job that reached Failed: the most specific cause first."""
     if oom := oom_killed(pods):
         return OOM_KIND, f"MPIJob {name} failed: {oom}"

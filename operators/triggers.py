@@ -26,6 +26,8 @@ class MPIJobTrigger(BaseTrigger):
 
     :param submitted_at: wall-clock time (`time.time()`) of the job's creation; startup_timeout counts
         from it, so a trigger that restarts on another triggerer keeps the same deadline.
+    :param max_consecutive_errors: API errors in a row tolerated (a blip of the API server) before
+        the trigger gives up with an "error" event.
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class MPIJobTrigger(BaseTrigger):
         cluster_context: str | None = None,
         config_file: str | None = None,
         in_cluster: bool | None = None,
+        max_consecutive_errors: int = 3,
     ) -> None:
         super().__init__()
         self.name = name
@@ -51,6 +54,7 @@ class MPIJobTrigger(BaseTrigger):
         self.cluster_context = cluster_context
         self.config_file = config_file
         self.in_cluster = in_cluster
+        self.max_consecutive_errors = max_consecutive_errors
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -65,6 +69,7 @@ class MPIJobTrigger(BaseTrigger):
                 "cluster_context": self.cluster_context,
                 "config_file": self.config_file,
                 "in_cluster": self.in_cluster,
+                "max_consecutive_errors": self.max_consecutive_errors,
             },
         )
 
@@ -130,12 +135,19 @@ class MPIJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         last_phase = None
+        errors_in_a_row = 0
         while True:
             try:
                 verdict = await self.poll_once()
+                errors_in_a_row = 0
             except asyncio.CancelledError:
                 raise
             except Exception as err:
+                errors_in_a_row += 1
+                if errors_in_a_row < self.max_consecutive_errors:
+                    self.log.warning("Polling MPIJob %s failed (%d in a row): %r", self.name, errors_in_a_row, err)
+                    await asyncio.sleep(self.poll_interval)
+                    continue
                 yield self._event(
                     "error", message=f"MPIJob {self.namespace}/{self.name}: lost track of the job: {err!r}"
                 )

@@ -39,7 +39,5 @@ def make_context(
     try_number: int = 1,
     map_index: int = -1,
 ) -> dict[str, Any]:
-    ti = SimpleNamespace(
-        dag_id=dag_id, task_id=task_id, run_id=run_id, try_number=try_number, map_index=map_index
-    )
+    ti = SimpleNamespace(dag_id=dag_id, task_id=task_id, run_id=run_id, try_number=try_number, map_index=map_index)
     return {"ti": ti, "run_id": run_id}

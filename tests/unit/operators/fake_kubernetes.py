@@ -330,9 +330,7 @@ class FakeCluster:
         wanted = dict(part.split("=", 1) for part in label_selector.split(",") if part)
         with self._lock:
             items = [
-                p
-                for p in self._pods(namespace)
-                if all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())
+                p for p in self._pods(namespace) if all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())
             ]
             payload = {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
         return self._serializer.deserialize(_Json(payload), "V1PodList")

@@ -73,15 +73,13 @@ def test_checkpoint_dir_is_keyed_by_dag_run_task_never_try() -> None:
     second = op.build_manifest(TaskIdentity("d", "train", "r1", 2))
     cmd = first["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[-2:] == ["--checkpoint-dir", "/workspace/checkpoints/d/r1/train"]
-    assert (
-        cmd == second["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
-    )
+    assert cmd == second["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
     assert first["metadata"]["name"] != second["metadata"]["name"]
     local = op.resolve_checkpoint_dir(TaskIdentity("d", "train", "r1", 2), "local")
     assert local.endswith("checkpoints/d/r1/train")
-    assert operator(checkpoint_dir="/pvc/ck").resolve_checkpoint_dir(
-        TaskIdentity("d", "t", "r", 1), "local"
-    ) == ("/pvc/ck")
+    assert operator(checkpoint_dir="/pvc/ck").resolve_checkpoint_dir(TaskIdentity("d", "t", "r", 1), "local") == (
+        "/pvc/ck"
+    )
 
 
 def test_dry_run_prints_a_valid_manifest(capsys: pytest.CaptureFixture[str], validate_mpijob: Any) -> None:
@@ -216,7 +214,5 @@ def test_dag_import_stays_light(tmp_path: Path) -> None:
         "heavy = [m for m in ('torch', 'nightshift', 'kubernetes', 'horovod') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == ""

@@ -30,9 +30,7 @@ class FakeClock:
 
 
 def manifest(identity: TaskIdentity = IDENTITY) -> dict[str, Any]:
-    cfg = MPIJobConfig(
-        image="ghcr.io/example/trainer:1", command=["python", "-m", "nightshift.train"], num_workers=2
-    )
+    cfg = MPIJobConfig(image="ghcr.io/example/trainer:1", command=["python", "-m", "nightshift.train"], num_workers=2)
     return build_mpijob(cfg, identity)
 
 
@@ -86,18 +84,14 @@ def test_conflict_with_another_try_is_refused() -> None:
 
 def test_worker_oom_is_named() -> None:
     cluster = fk.FakeCluster(fk.worker_oom)
-    with pytest.raises(
-        errors.MPIJobWorkerOOMKilled, match=rf"MPIJob {NAME}.*worker pod {NAME}-worker-1.*OOMKilled"
-    ):
+    with pytest.raises(errors.MPIJobWorkerOOMKilled, match=rf"MPIJob {NAME}.*worker pod {NAME}-worker-1.*OOMKilled"):
         launcher(cluster, FakeClock()).run(manifest())
 
 
 def test_launcher_termination_message_is_the_error() -> None:
     message = "nightshift: error: --data /workspace/data does not exist"
     cluster = fk.FakeCluster(lambda name: fk.launcher_fails(name, message))
-    with pytest.raises(
-        errors.MPIJobFailed, match=r"exited with code 2.*--data /workspace/data does not exist"
-    ) as exc:
+    with pytest.raises(errors.MPIJobFailed, match=r"exited with code 2.*--data /workspace/data does not exist") as exc:
         launcher(cluster, FakeClock()).run(manifest())
     assert type(exc.value) is errors.MPIJobFailed
     # the failed launcher's log is still copied to the task log (read once, not followed)

@@ -93,10 +93,7 @@ def test_gpu_job_shape() -> None:
 def test_cpu_job_runs_one_rank_per_worker_and_asks_no_gpu() -> None:
     manifest = build_mpijob(config(num_workers=3), IDENTITY)
     assert manifest["spec"]["slotsPerWorker"] == 1
-    assert (
-        manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"][2]
-        == "3"
-    )
+    assert manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"][2] == "3"
     assert GPU_RESOURCE not in str(manifest)
 
 
@@ -116,17 +113,13 @@ def test_everything_config_reaches_both_pod_templates() -> None:
         assert env["NCCL_DEBUG"] == "INFO" and env["PYTHONUNBUFFERED"] == "1"
         assert pod["metadata"]["labels"]["dag_id"] == "nightly_retrain"
         assert pod["metadata"]["labels"]["team"] == safe_label_value("ml platform")
-    launcher_cmd = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0][
-        "command"
-    ]
+    launcher_cmd = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
     # user env is exported by mpirun to every rank
     assert "MLFLOW_TRACKING_URI" in launcher_cmd
 
 
 def test_labels_are_sanitised_task_identity() -> None:
-    identity = TaskIdentity(
-        "a dag/with:odd chars" + "x" * 80, "group.train", "manual__2026-01-01T00:00:00+00:00", 3
-    )
+    identity = TaskIdentity("a dag/with:odd chars" + "x" * 80, "group.train", "manual__2026-01-01T00:00:00+00:00", 3)
     labels = build_mpijob(config(num_workers=1), identity)["metadata"]["labels"]
     for key in ("dag_id", "task_id", "run_id", "try_number"):
         assert LABEL_VALUE.match(labels[key]) and len(labels[key]) <= 63, (key, labels[key])

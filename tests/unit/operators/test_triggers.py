@@ -47,9 +47,7 @@ async def collect(trig: MPIJobTrigger) -> list[dict[str, Any]]:
 
 
 def test_serialize_round_trips_through_its_classpath() -> None:
-    original = trigger(
-        kubernetes_conn_id="k8s_prod", cluster_context="gpu", config_file="/k", in_cluster=False
-    )
+    original = trigger(kubernetes_conn_id="k8s_prod", cluster_context="gpu", config_file="/k", in_cluster=False)
     classpath, kwargs = original.serialize()
     module, _, cls_name = classpath.rpartition(".")
     rebuilt = getattr(importlib.import_module(module), cls_name)(**kwargs)
@@ -106,6 +104,25 @@ def test_api_errors_become_an_error_event_never_an_exception(monkeypatch: pytest
     (event,) = asyncio.run(collect(wired(trigger(), cluster, monkeypatch)))
     assert event["status"] == "error"
     assert NAME in event["message"] and "lost track" in event["message"]
+
+
+def test_a_blip_of_the_api_server_is_tolerated(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    cluster = fk.FakeCluster()
+    submit(cluster)
+    calls = {"n": 0}
+    real_get = cluster.get_namespaced_custom_object
+
+    def flaky_get(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ApiException(status=503, reason="Service Unavailable")
+        return real_get(*args, **kwargs)
+
+    monkeypatch.setattr(cluster, "get_namespaced_custom_object", flaky_get)
+    (event,) = asyncio.run(collect(wired(trigger(), cluster, monkeypatch)))
+    assert event["status"] == "success"
 
 
 def test_unreachable_cluster_is_an_error_event() -> None:
