@@ -158,7 +158,7 @@ def champion_uri(model_name: str) -> tuple[str, str] | None:
 
 
 def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MODEL_NAME, split: str = "test",
-             gate: GateConfig | None = None) -> dict[str, Any]:
+             gate: GateConfig | dict[str, Any] | None = None) -> dict[str, Any]:
     """Score the model of training run `run_id` and the current champion; log and return the decision.
 
     Returns {"passed", "reasons", "run_id", "model_name", "split", "challenger": metrics,
@@ -167,6 +167,8 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     """
     import mlflow
 
+    if isinstance(gate, dict):  # plain arguments from a DAG: {"primary": ..., "min_improvement": ...}
+        gate = GateConfig(**gate)
     gate = gate or GateConfig()
     model_uri = tracking.run_model_uri(run_id)
     challenger = score(model_uri, data_dir, split)

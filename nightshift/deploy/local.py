@@ -230,8 +230,10 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
 
         expected = registry.evaluated_accuracy(selected)
         frame, labels = canary_batch(data_dir, canary_rows)
-        model_path = _download(model_name, version)
         port = free_port()
+        staging = _download(model_name, version)
+        model_path = staging.with_name(f"{model_name}-v{version}-{port}")
+        staging.rename(model_path)
         url = f"http://{HOST}:{port}"
         log_path = settings.serving_dir() / "logs" / f"{model_name}-v{version}-{port}.log"
         proc = start_server(model_path, port, log_path)
