@@ -1,0 +1,200 @@
+"""`nightly_retrain`: validate -> stage -> train (Horovod) -> evaluate -> register -> [approve] -> deploy.
+
+This file only wires tasks. The work lives in `nightly_tasks` (which imports `nightshift`, and through
+it torch, GX, DVC and MLflow, inside each task) and in `operators` (the Horovod operator).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime, timedelta
+
+from airflow.sdk import DAG, Asset, Param, get_current_context, task
+from airflow.sdk.exceptions import AirflowSkipException
+from nightly_tasks import steps
+from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator, ParamsHorovodOperator
+
+DAG_ID = "nightly_retrain"
+# Users change the schedule here or with NIGHTSHIFT_RETRAIN_CRON; the UI can trigger a run any time.
+SCHEDULE = os.environ.get("NIGHTSHIFT_RETRAIN_CRON", "0 2 * * *")
+TRAINER_IMAGE = os.environ.get("NIGHTSHIFT_TRAINER_IMAGE", "ghcr.io/nightshift/trainer:0.1.0")
+
+DATASET_ASSET = Asset("nightshift://datasets/digits", group="nightshift")
+CHAMPION_ASSET = Asset(f"nightshift://models/{steps.MODEL_NAME}/champion", group="nightshift")
+
+DOC_MD = """
+### nightly_retrain
+
+Retrains the model every night on the newest data and promotes it only when it beats the champion.
+
+`validate_data` (GX suite in `gx/`, through the GX Airflow provider) → `stage_dataset` (DVC version) →
+`check_changes` → `train` (`HorovodKubernetesOperator`) → `evaluate` (vs `@champion`) → `register`
+(MLflow, `@challenger`) → `approve` (human in the loop, optional) → `deploy` → `report`.
+
+When the dataset version, the code and the training parameters are the same as in the last successful
+run, `skip_training` runs instead of `train` and nothing downstream of it (unless `force`).
+
+**Parameters** (the trigger form shows them):
+
+| param | meaning |
+|---|---|
+| `data_source` | directory with `train/validation/test.parquet`; empty: the demo dataset in `NIGHTSHIFT_HOME` |
+| `epochs` | training epochs |
+| `learning_rate` | base learning rate (the trainer scales it by the number of workers) |
+| `batch_size` | batch size per worker |
+| `workers` | Horovod workers: pods of the MPIJob, or local processes |
+| `gpus_per_worker` | GPUs each worker asks for (0 = CPU); also the MPI slots per worker |
+| `backend` | `local` (horovodrun on the worker machine), `kubernetes` (an MPIJob), or `auto` |
+| `min_improvement` | how much test accuracy the new model must gain over the champion to be promoted |
+| `require_approval` | wait for a person to approve in the UI (Required actions) before deploying |
+| `force` | train even when data, code and parameters are unchanged since the last successful run |
+| `deploy_target` | `local` (MLflow model server on 127.0.0.1, blue/green) or `kserve` |
+
+Assets: `stage_dataset` emits `nightshift://datasets/digits` (extra: the version hash), `deploy` emits
+`nightshift://models/nightshift-digits/champion` (extra: the model version and URL).
+A failed task writes a summary of what failed and why at the end of its log.
+"""
+
+PARAMS = {
+    "data_source": Param("", type="string", title="Data source",
+                         description="Directory with train/validation/test.parquet. Empty: the demo dataset."),
+    "epochs": Param(5, type="integer", minimum=1, maximum=1000, description="Training epochs."),
+    "learning_rate": Param(0.05, type="number", exclusiveMinimum=0, maximum=10,
+                           description="Base learning rate, multiplied by the number of workers."),
+    "batch_size": Param(32, type="integer", minimum=1, maximum=65536, description="Batch size per worker."),
+    "workers": Param(2, type="integer", minimum=1, maximum=256,
+                     description="Horovod workers (MPIJob worker pods, or local processes)."),
+    "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16,
+                             description="GPUs per worker; 0 trains on CPU."),
+    "backend": Param("local", type="string", enum=["local", "kubernetes", "auto"],
+                     description="local: horovodrun here; kubernetes: an MPIJob; auto: kubernetes when "
+                                 "the kubernetes_default connection exists."),
+    "min_improvement": Param(0.001, type="number", minimum=0, maximum=1,
+                             description="Accuracy gain over the champion needed to promote the new model."),
+    "require_approval": Param(False, type="boolean",
+                              description="Wait for a human approval in the UI before deploying."),
+    "force": Param(False, type="boolean",
+                   description="Train even when data, code and training params are unchanged."),
+    "deploy_target": Param("local", type="string", enum=["local", "kserve"],
+                           description="local: MLflow model server on 127.0.0.1; kserve: an InferenceService."),
+}
+
+DEFAULT_ARGS = {
+    "owner": "ml-platform",
+    "retries": 2,
+    "retry_delay": timedelta(seconds=30),
+    "retry_exponential_backoff": 2.0,
+    "max_retry_delay": timedelta(minutes=10),
+    "execution_timeout": timedelta(minutes=30),
+    "on_failure_callback": steps.failure_summary,
+}
+
+with DAG(
+    dag_id=DAG_ID,
+    description="Validate, version, train with Horovod, evaluate, register and deploy the model nightly",
+    schedule=SCHEDULE,
+    start_date=datetime(2026, 1, 1, tzinfo=UTC),
+    catchup=False,
+    max_active_runs=1,
+    dagrun_timeout=timedelta(hours=12),
+    default_args=DEFAULT_ARGS,
+    params=PARAMS,
+    tags=["nightshift", "training", "horovod", "mlflow"],
+    doc_md=DOC_MD,
+) as dag:
+    validate = GXDataGateOperator(task_id="validate_data", data_source="{{ params.data_source }}",
+                                  execution_timeout=timedelta(minutes=20))
+
+    @task(outlets=[DATASET_ASSET])
+    def stage_dataset(validated: dict) -> dict:
+        context = get_current_context()
+        staged = steps.stage(validated, context["dag"].dag_id, context["run_id"])
+        context["outlet_events"][DATASET_ASSET].extra = {
+            "version": staged["hash"], "rows": staged["rows"], "source": staged["source"]}
+        return staged
+
+    @task.branch
+    def check_changes(staged: dict) -> str:
+        context = get_current_context()
+        return steps.check_changes(staged, context["params"], context["dag"].dag_id, context["run_id"],
+                                   context["ti"])
+
+    @task
+    def skip_training() -> dict:
+        ti = get_current_context()["ti"]
+        return steps.skip_training(ti.xcom_pull(task_ids="check_changes", key="previous_run"))
+
+    staged = stage_dataset(validate.output)
+    branch = check_changes(staged)
+    skipped = skip_training()
+
+    train = ParamsHorovodOperator(
+        task_id="train",
+        num_workers=2,
+        gpus_per_worker=0,
+        image=TRAINER_IMAGE,
+        backend="local",
+        out_dir="{{ ti.xcom_pull(task_ids='stage_dataset')['workspace'] }}/model",
+        command=[
+            "python", "-m", "nightshift.train",
+            "--data", "{{ ti.xcom_pull(task_ids='stage_dataset')['path'] }}",
+            "--out", "{{ ti.xcom_pull(task_ids='stage_dataset')['workspace'] }}/model",
+            "--epochs", "{{ params.epochs }}",
+            "--batch-size", "{{ params.batch_size }}",
+            "--lr", "{{ params.learning_rate }}",
+            "--mlflow-experiment", steps.EXPERIMENT,
+            "--mlflow-run-name", "{{ run_id }}",
+            "--tag", "nightshift.run_key={{ dag.dag_id }}/{{ run_id }}",
+            "--tag", "nightshift.dag_run_id={{ run_id }}",
+            "--tag", "nightshift.dataset_version={{ ti.xcom_pull(task_ids='stage_dataset')['hash'] }}",
+        ],
+        execution_timeout=timedelta(hours=6),
+        retry_delay=timedelta(minutes=1),
+    )
+
+    @task
+    def evaluate(trained: dict, staged: dict) -> dict:
+        return steps.evaluate(trained, staged, get_current_context()["params"])
+
+    @task
+    def register(decision: dict, staged: dict) -> dict:
+        context = get_current_context()
+        return steps.register(decision, staged, context["dag"].dag_id, context["run_id"], context["ti"])
+
+    decision = evaluate(train.output, staged)
+    registered = register(decision, staged)
+
+    approve = OptionalApprovalOperator(
+        task_id="approve",
+        subject="Deploy the new nightshift-digits model?",
+        body="{{ ti.xcom_pull(task_ids='evaluate')['reasons'] | join('\n') }}",
+        defaults="Reject",
+        response_timeout=timedelta(hours=12),
+        execution_timeout=None,
+        retries=0,
+    )
+
+    @task(trigger_rule="none_failed_min_one_success", outlets=[CHAMPION_ASSET], retries=1)
+    def deploy(registered: dict, staged: dict) -> dict:
+        context = get_current_context()
+        if not registered:
+            raise AirflowSkipException("nothing registered to deploy")
+        result = steps.deploy(registered, staged, context["params"])
+        context["outlet_events"][CHAMPION_ASSET].extra = {
+            "model_version": result.get("version"), "url": result.get("url"), "status": result.get("status")}
+        return result
+
+    deployed = deploy(registered, staged)
+
+    @task(trigger_rule="none_failed", retries=0)
+    def report() -> dict:
+        context = get_current_context()
+        ti = context["ti"]
+        results = {name: ti.xcom_pull(task_ids=name)
+                   for name in ("stage_dataset", "skip_training", "train", "evaluate", "register", "deploy")}
+        results["fingerprint"] = ti.xcom_pull(task_ids="check_changes", key="fingerprint")
+        return steps.report(context["dag"].dag_id, context["run_id"], dict(context["params"]), results)
+
+    branch >> [train, skipped]
+    registered >> approve >> deployed
+    [skipped, deployed] >> report()

@@ -1,0 +1,132 @@
+"""Small adapters around the operators the DAG uses, for what their constructors cannot take at parse time.
+
+- `GXDataGateOperator`: the GX Airflow provider's `GXValidateBatchOperator`, run once per Parquet split of
+  a data source known only at run time (a DAG param), with the suite from `gx/`; a failure names every
+  failed expectation with sample bad values and the Data Docs page (nightshift's report).
+- `ParamsHorovodOperator`: `HorovodKubernetesOperator` whose workers, GPUs per worker and backend come
+  from the run's params (its constructor takes them as plain ints/strings only).
+- `OptionalApprovalOperator`: the standard provider's HITL `ApprovalOperator`, skipped unless the run's
+  `require_approval` param is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.providers.standard.operators.hitl import ApprovalOperator
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from great_expectations_provider.operators.validate_batch import GXValidateBatchOperator
+
+from operators.horovod import HorovodKubernetesOperator
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+GX_SOURCE = "nightshift"
+
+
+def _batch_definition(gx_context: Any) -> Any:
+    source = gx_context.data_sources.add_or_update_pandas(name=GX_SOURCE)
+    return source.add_dataframe_asset(name="split").add_batch_definition_whole_dataframe("whole")
+
+
+def _suite(gx_context: Any) -> Any:
+    from nightshift.data.validate import load_suite
+
+    return load_suite()
+
+
+class GXDataGateOperator(GXValidateBatchOperator):
+    """Validate every split of `data_source` (empty: the demo dataset) with the GX provider and the gx/ suite.
+
+    Returns {"path", "files": {split: rows}}; raises AirflowFailException (no retry: bad data does not heal)
+    naming each failed expectation, its rule and sample unexpected values, and the Data Docs page.
+    """
+
+    template_fields: Sequence[str] = (*GXValidateBatchOperator.template_fields, "data_source")
+
+    def __init__(self, *, data_source: str, **kwargs: Any) -> None:
+        super().__init__(configure_batch_definition=_batch_definition, configure_expectations=_suite,
+                         result_format="BOOLEAN_ONLY", context_type="ephemeral", **kwargs)
+        self.data_source = data_source
+
+    def execute(self, context: Context) -> dict[str, Any]:  # type: ignore[override]
+        from great_expectations_provider.common.errors import GXValidationFailed
+
+        from nightly_tasks.steps import resolve_data_source
+        from nightshift.data.validate import check_data, describe_failures, parquet_files, read_table
+        from nightshift.errors import DataError
+
+        path = resolve_data_source(str(self.data_source or ""))
+        try:
+            files = parquet_files(path)
+            frames = [(file, read_table(file)) for file in files]
+        except DataError as err:
+            raise AirflowFailException(f"validate_data: {err}") from err
+        failed: list[str] = []
+        for file, frame in frames:
+            self.batch_parameters = {"dataframe": frame}
+            try:
+                super().execute(context)
+                self.log.info("GX suite passed on %s (%d rows)", file.name, len(frame))
+            except GXValidationFailed as err:
+                failed.append(f"{file.name}: {', '.join(err.failed_expectation_types)}")
+        result = {"path": str(path), "files": {f.stem: len(frame) for f, frame in frames}}
+        if failed:
+            # The provider says which expectation types failed; nightshift's report adds the columns,
+            # sample bad values and a Data Docs page a person can open.
+            report = check_data(path)
+            pages = [f["data_docs"] for f in report["files"] if f.get("data_docs")]
+            if pages:
+                context["ti"].xcom_push(key="data_docs", value=pages[0])
+            detail = describe_failures(report) if not report["success"] else "; ".join(failed)
+            raise AirflowFailException(f"validate_data: data failed the GX suite: {detail}")
+        return result
+
+
+class ParamsHorovodOperator(HorovodKubernetesOperator):
+    """Takes `num_workers`, `gpus_per_worker` and `backend` from the run's params at execute time.
+
+    Pool slots are fixed at parse time from the defaults (the scheduler assigns them before execute).
+    After training it reads the trainer's MLflow run record and returns it with the final metrics.
+    """
+
+    def __init__(self, *, out_dir: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out_dir = out_dir
+
+    template_fields: Sequence[str] = (*HorovodKubernetesOperator.template_fields, "out_dir")
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        import json
+
+        params = context["params"]
+        self.num_workers = int(params["workers"])
+        self.gpus_per_worker = int(params["gpus_per_worker"])
+        self.backend = params["backend"]
+        self.log.info("Training with %d worker(s) x %d GPU(s), backend %s", self.num_workers,
+                      self.gpus_per_worker, self.backend)
+        result = super().execute(context)
+        out = Path(str(self.out_dir))
+        try:
+            record = json.loads((out / "mlflow_run.json").read_text())
+            metrics = json.loads((out / "metrics.json").read_text())
+        except (OSError, ValueError) as err:
+            raise AirflowFailException(f"train: the trainer finished but {out} lacks mlflow_run.json or "
+                                       f"metrics.json ({err}); check the training log above") from err
+        context["ti"].xcom_push(key="mlflow_run_id", value=record["run_id"])
+        context["ti"].xcom_push(key="mlflow_experiment_id", value=record.get("experiment_id"))
+        return {**result, "out": str(out), "mlflow_run_id": record["run_id"],
+                "experiment_id": record.get("experiment_id"), "model_uri": record.get("model_uri"),
+                "metrics": metrics}
+
+
+class OptionalApprovalOperator(ApprovalOperator):
+    """A human approves the deployment in the UI, only when the run's `require_approval` param is on."""
+
+    def execute(self, context: Context) -> Any:
+        if not context["params"].get("require_approval"):
+            raise AirflowSkipException("require_approval is off: deploying without a human approval")
+        return super().execute(context)

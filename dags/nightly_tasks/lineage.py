@@ -1,0 +1,110 @@
+"""The run ledger of `nightly_retrain`: one JSON line per finished run, in NIGHTSHIFT_HOME.
+
+It answers "what did the last successful run train on?" (the skip-training check) and feeds the
+plugin's lineage page (dataset version -> model version -> deployment). Standard library only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+LEDGER_NAME = "runs.jsonl"
+# Code that shapes a trained model; a change here means a retrain even on the same data.
+CODE_PATHS = ("nightshift", "operators", "dags", "gx")
+
+
+def nightshift_home() -> Path:
+    return Path(os.environ.get("NIGHTSHIFT_HOME", Path.home() / ".nightshift")).expanduser()
+
+
+def ledger_path(dag_id: str) -> Path:
+    return nightshift_home() / "airflow" / dag_id / LEDGER_NAME
+
+
+def append_record(dag_id: str, record: dict[str, Any]) -> Path:
+    """Append one run record (locked, one line, flushed) and return the ledger path."""
+    path = ledger_path(dag_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"recorded_at": datetime.now(UTC).isoformat(timespec="seconds"), **record},
+                      sort_keys=True, default=str)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            handle.write(line + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    return path
+
+
+def read_records(dag_id: str) -> list[dict[str, Any]]:
+    """Every record of the ledger, oldest first; a torn last line is ignored."""
+    try:
+        lines = ledger_path(dag_id).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def last_successful(dag_id: str, exclude_run_id: str | None = None) -> dict[str, Any] | None:
+    for record in reversed(read_records(dag_id)):
+        if record.get("status") == "success" and record.get("run_id") != exclude_run_id:
+            return record
+    return None
+
+
+def _repo_root() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("nightshift")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).resolve().parents[1]
+
+
+def code_version() -> str:
+    """The code that trains: `NIGHTSHIFT_GIT_COMMIT`, else git HEAD plus a hash of uncommitted changes.
+
+    Uncommitted edits of tracked files under CODE_PATHS count as a different code version.
+    """
+    if os.environ.get("NIGHTSHIFT_GIT_COMMIT"):
+        return os.environ["NIGHTSHIFT_GIT_COMMIT"]
+    root = _repo_root()
+    if root is None:
+        return "unknown"
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        diff = subprocess.run(["git", "-C", str(root), "diff", "HEAD", "--", *CODE_PATHS],
+                              capture_output=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if diff:
+        return f"{head}+dirty.{hashlib.sha256(diff).hexdigest()[:12]}"
+    return head
+
+
+def fingerprint(dataset_hash: str, params: dict[str, Any]) -> dict[str, Any]:
+    """What a training run depends on: the dataset version, the code and the training parameters."""
+    training = {k: params.get(k) for k in ("epochs", "learning_rate", "batch_size", "workers")}
+    return {"dataset_version": dataset_hash, "code_version": code_version(), "training": training}
+
+
+def unchanged_since(previous: dict[str, Any] | None, current: dict[str, Any]) -> bool:
+    if not previous:
+        return False
+    return all(previous.get(key) == current[key] for key in ("dataset_version", "code_version", "training"))

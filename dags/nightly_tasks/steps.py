@@ -1,0 +1,227 @@
+"""The bodies of the `nightly_retrain` tasks. Each calls the `nightshift` function that is also a CLI step.
+
+`nightshift` (and through it GX, DVC, MLflow, torch) is imported inside each function, never at module
+top, so the DAG file that imports this module parses fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from nightly_tasks import lineage
+
+log = logging.getLogger(__name__)
+
+MODEL_NAME = "nightshift-digits"
+EXPERIMENT = "nightly_retrain"
+DEMO_DATASET = "demo-data/digits"
+
+
+def resolve_data_source(data_source: str) -> Path:
+    """The data directory to validate; empty means the demo dataset in NIGHTSHIFT_HOME (written if missing)."""
+    if data_source.strip():
+        return Path(data_source).expanduser()
+    from nightshift.data.demo import write_demo_dataset
+    from nightshift.datasets import SPLITS, split_path
+
+    path = lineage.nightshift_home() / DEMO_DATASET
+    if not all(split_path(path, s).is_file() for s in SPLITS):
+        log.info("No data_source given: writing the demo dataset to %s", path)
+        write_demo_dataset(path, seed=0)
+    return path
+
+
+def workspace_for(dag_id: str, run_id: str) -> Path:
+    from nightshift.settings import workspaces_dir
+
+    safe = re.sub(r"[^A-Za-z0-9_.=@-]", "_", run_id)
+    return workspaces_dir() / dag_id / safe
+
+
+def stage(validated: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
+    from nightshift.data.stage import stage_dataset
+
+    workspace = workspace_for(dag_id, run_id)
+    version = dict(stage_dataset(validated["path"], workspace))
+    log.info("Dataset version %s (%d rows) staged in %s", version["hash"], version["rows"], version["path"])
+    return {**version, "workspace": str(workspace)}
+
+
+def check_changes(staged: dict[str, Any], params: dict[str, Any], dag_id: str, run_id: str,
+                  ti: Any) -> str:
+    """Branch: "train", or "skip_training" when data, code and training params match the last success."""
+    current = lineage.fingerprint(staged["hash"], dict(params))
+    previous = lineage.last_successful(dag_id, exclude_run_id=run_id)
+    ti.xcom_push(key="fingerprint", value=current)
+    ti.xcom_push(key="previous_run", value=previous)
+    if params.get("force"):
+        log.info("force is on: training whatever changed")
+        return "train"
+    if lineage.unchanged_since(previous, current):
+        log.info("Dataset %s, code %s and training params are unchanged since run %s: skipping training",
+                 current["dataset_version"], current["code_version"], previous and previous.get("run_id"))
+        return "skip_training"
+    changed = [k for k in ("dataset_version", "code_version", "training")
+               if not previous or previous.get(k) != current[k]]
+    log.info("Training: %s", "no earlier successful run" if not previous else f"changed {', '.join(changed)}")
+    return "train"
+
+
+def skip_training(previous: dict[str, Any] | None) -> dict[str, Any]:
+    prev = previous or {}
+    message = (f"Training skipped: dataset {prev.get('dataset_version')} and code {prev.get('code_version')} "
+               f"are unchanged since run {prev.get('run_id')}; the champion keeps serving. "
+               f"Trigger with force=true to retrain anyway.")
+    log.info(message)
+    return {"skipped": True, "reason": message, "previous_run": prev.get("run_id")}
+
+
+def evaluate(trained: dict[str, Any], staged: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    from nightshift.evaluate import GateConfig
+    from nightshift.evaluate import evaluate as run_evaluation
+
+    gate = GateConfig(min_improvement=float(params["min_improvement"]))
+    result = run_evaluation(trained["mlflow_run_id"], data_dir=staged["path"], model_name=MODEL_NAME, gate=gate)
+    champion = result.get("champion")
+    decision = {
+        "passed": bool(result["passed"]),
+        "reasons": list(result["reasons"]),
+        "run_id": result["run_id"],
+        "split": result["split"],
+        "challenger": {k: result["challenger"][k] for k in ("accuracy", "macro_f1", "log_loss")},
+        "champion": ({"version": champion["version"],
+                      **{k: champion[k] for k in ("accuracy", "macro_f1", "log_loss")}} if champion else None),
+    }
+    log.info("Gate %s: %s", "PASSED" if decision["passed"] else "REJECTED", "; ".join(decision["reasons"]))
+    return decision
+
+
+def register(decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_id: str,
+             ti: Any) -> dict[str, Any]:
+    if not decision["passed"]:
+        raise AirflowSkipException(f"Not registered: the gate rejected the new model "
+                                   f"({'; '.join(decision['reasons'])}); the champion keeps serving")
+    from nightshift.registry import register as register_version
+
+    lineage_tags = {"dataset_version": staged["hash"], "dataset_git_rev": staged.get("git_rev"),
+                    "dataset_source": staged.get("source"), "dag_id": dag_id, "dag_run_id": run_id,
+                    "code_version": lineage.code_version()}
+    version = register_version(decision["run_id"], model_name=MODEL_NAME, lineage=lineage_tags,
+                               evaluation=decision)
+    ti.xcom_push(key="model_version", value={"name": version["model_name"], "version": version["version"]})
+    log.info("Registered %s v%s (@%s)", version["model_name"], version["version"], version["alias"])
+    return version
+
+
+def deploy(registered: dict[str, Any], staged: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    from nightshift.deploy import deploy as run_deploy
+    from nightshift.errors import DeploymentFailed
+
+    target = params.get("deploy_target", "local")
+    api = None
+    if target == "kserve":
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        api = KubernetesHook(conn_id="kubernetes_default").custom_object_client
+    try:
+        result = run_deploy(target, registered["model_name"], version=registered["version"],
+                            data_dir=staged["path"], kserve_api=api)
+    except DeploymentFailed as err:
+        raise AirflowFailException(f"deploy: {err}") from err
+    log.info("Deployed %s v%s: %s", registered["model_name"], registered["version"], result.get("url"))
+    return {k: v for k, v in result.items() if k not in {"smoke"}} | {"smoke": _brief(result.get("smoke"))}
+
+
+def _brief(smoke: Any) -> Any:
+    if not isinstance(smoke, dict):
+        return smoke
+    return {k: v for k, v in smoke.items() if not isinstance(v, (list, dict))}
+
+
+def report(dag_id: str, run_id: str, params: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary: logged, appended to the ledger (the lineage page, the next run's change check)."""
+    staged = results.get("stage_dataset") or {}
+    fingerprint = results.get("fingerprint") or {}
+    trained, decision = results.get("train"), results.get("evaluate")
+    registered, deployed = results.get("register"), results.get("deploy")
+    if results.get("skip_training"):
+        outcome = "training skipped (unchanged)"
+    elif decision and not decision["passed"]:
+        outcome = "not promoted (gate rejected)"
+    elif registered and not deployed:
+        outcome = "registered, not deployed (approval rejected or pending)"
+    elif deployed:
+        outcome = f"promoted v{deployed.get('version')} ({deployed.get('status')})"
+    else:
+        outcome = "no model"
+    summary = {
+        "dag_id": dag_id, "run_id": run_id, "status": "success", "outcome": outcome,
+        "dataset_version": staged.get("hash"), "dataset_rows": staged.get("rows"),
+        "dataset_source": staged.get("source"),
+        "code_version": fingerprint.get("code_version"), "training": fingerprint.get("training"),
+        "mlflow_run_id": (trained or {}).get("mlflow_run_id"),
+        "train_metrics": (trained or {}).get("metrics"),
+        "gate": decision,
+        "model_version": (registered or {}).get("version"), "model_name": MODEL_NAME,
+        "serving_url": (deployed or {}).get("url"), "deploy_status": (deployed or {}).get("status"),
+        "params": dict(params),
+    }
+    lineage.append_record(dag_id, summary)
+    lines = [f"nightly_retrain {run_id}: {outcome}",
+             f"  dataset version : {summary['dataset_version']} ({summary['dataset_rows']} rows)",
+             f"  code version    : {summary['code_version']}"]
+    if decision:
+        lines.append(f"  gate            : {'passed' if decision['passed'] else 'rejected'} - "
+                     f"{'; '.join(decision['reasons'])}")
+    if registered:
+        lines.append(f"  model version   : {MODEL_NAME} v{registered.get('version')}")
+    if deployed:
+        lines.append(f"  serving         : {deployed.get('url')} ({deployed.get('status')})")
+    log.info("\n".join(lines))
+    return summary
+
+
+def failure_summary(context: Any) -> None:
+    """on_failure_callback: say in the task log what failed and why, and record the failed run."""
+    ti = context.get("ti") or context.get("task_instance")
+    error = context.get("exception")
+    dag_id = getattr(ti, "dag_id", "?")
+    run_id = getattr(ti, "run_id", "?")
+    task_id = getattr(ti, "task_id", "?")
+    reason = f"{type(error).__name__}: {error}" if error is not None else "unknown (see the log above)"
+    hints = {
+        "validate_data": "the data failed its expectation suite or could not be read; fix the data source",
+        "stage_dataset": "DVC could not version or materialise the data",
+        "train": "the Horovod job failed (the MPIJob's or horovodrun's reason is above); checkpoints are kept "
+                 "and a retry resumes",
+        "evaluate": "the new model or the champion could not be scored",
+        "register": "the MLflow registry refused the version",
+        "deploy": "the new version did not become healthy or answer correctly; the previous one keeps serving",
+    }
+    gate = None
+    try:
+        gate = ti.xcom_pull(task_ids="evaluate")
+    except Exception:  # the summary must not fail on a missing XCom
+        gate = None
+    lines = [
+        "=" * 72,
+        f"nightly_retrain FAILED: run {run_id}, task {task_id} (try {getattr(ti, 'try_number', '?')})",
+        f"  why   : {reason}",
+        f"  means : {hints.get(task_id, 'see the error above')}",
+    ]
+    if gate:
+        lines.append(f"  gate  : {'passed' if gate.get('passed') else 'rejected'} - "
+                     f"{'; '.join(gate.get('reasons', []))}")
+    lines.append("=" * 72)
+    log.error("\n".join(lines))
+    try:
+        lineage.append_record(dag_id, {"dag_id": dag_id, "run_id": run_id, "status": "failed",
+                                       "failed_task": task_id, "reason": reason[:2000],
+                                       "outcome": f"failed at {task_id}"})
+    except OSError as err:
+        log.warning("Could not record the failed run in the ledger: %s", err)
