@@ -23,9 +23,9 @@ from pathlib import Path
 from nightshift.data.demo import write_demo_dataset
 from nightshift.train.config import TrainConfig
 
-MODEL_KWARGS = {"channels": 64, "hidden": 256}
+MODEL_KWARGS = {"channels": 64, "hidden": 64}  # conv-heavy, small gradients
 GLOBAL_BATCH = 64
-EPOCHS = 4
+EPOCHS = 12
 REPEATS = 3
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
 
