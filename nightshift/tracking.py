@@ -69,8 +69,18 @@ def client() -> MlflowClient:
     import mlflow
 
     uri = settings.mlflow_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    # mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI (and the registry one) into os.environ,
+    # which would pin every later settings.mlflow_tracking_uri() of this process to the first store.
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    try:
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
