@@ -115,6 +115,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is left in process group `pgid` (the server and its uvicorn)."""
+    _alive(pgid)  # reaps the session leader if it is our own exited child
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def _is_model_server(pid: int) -> bool:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -124,8 +137,9 @@ def _is_model_server(pid: int) -> bool:
 
 
 def stop_server(pid: int, timeout: float = 20.0) -> bool:
-    """Stop the model server whose session leader is `pid` (TERM, then KILL). False if it was not running.
+    """Stop the model server whose session leader is `pid` and its uvicorn child (TERM, then KILL).
 
+    Returns once no process of its group is left (so its port is closed); False if it was not running.
     A PID that no longer belongs to an MLflow model server (reused by the OS) is left alone.
     """
     if not _alive(pid) or not _is_model_server(pid):
@@ -134,13 +148,13 @@ def stop_server(pid: int, timeout: float = 20.0) -> bool:
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not _group_alive(pid):
             return True
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
     for _ in range(50):
-        if not _alive(pid):
+        if not _group_alive(pid):
             break
         time.sleep(0.1)
     return True
