@@ -21,6 +21,7 @@ import requests
 
 from nightshift import registry
 from nightshift.deploy.local import _alive, deploy_local, read_record, stop_local, stop_server
+from nightshift.deploy.smoke import canary_batch, smoke_test
 from nightshift.errors import ChallengerRejected, DeploymentFailed
 from nightshift.evaluate import evaluate
 from nightshift.registry import register, version_by_alias
@@ -139,6 +140,14 @@ def test_better_model_replaces_champion_and_old_server_stops(world: dict[str, An
     assert str(version_by_alias(MODEL, "champion").version) == "2"
     assert _post(result["url"], json=_rows(world, 5)).status_code == 200
     world["B"] = {**b, **result}
+
+
+def test_smoke_test_rejects_a_server_answering_worse_than_evaluated(world: dict[str, Any]) -> None:
+    frame, labels = canary_batch(world["data"], 64)
+    ok = smoke_test(world["B"]["url"], frame, labels, expected_accuracy=0.5, tolerance=0.05)
+    assert ok["rows"] == 64 and ok["accuracy"] > 0.5
+    with pytest.raises(DeploymentFailed, match="below the evaluated"):
+        smoke_test(world["B"]["url"], frame, (labels + 1) % 10, expected_accuracy=0.9, tolerance=0.05)
 
 
 def test_worse_model_is_rejected_and_nothing_is_registered(world: dict[str, Any]) -> None:
