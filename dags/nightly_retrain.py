@@ -15,8 +15,9 @@ from nightly_tasks import steps
 from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator, ParamsHorovodOperator
 
 DAG_ID = "nightly_retrain"
-# Users change the schedule here or with NIGHTSHIFT_RETRAIN_CRON; the UI can trigger a run any time.
-SCHEDULE = os.environ.get("NIGHTSHIFT_RETRAIN_CRON", "0 2 * * *")
+# Users change the schedule here or with NIGHTSHIFT_RETRAIN_CRON ("none": manual and UI triggers only).
+_CRON = os.environ.get("NIGHTSHIFT_RETRAIN_CRON", "0 2 * * *").strip()
+SCHEDULE = None if _CRON.lower() in {"", "none"} else _CRON
 TRAINER_IMAGE = os.environ.get("NIGHTSHIFT_TRAINER_IMAGE", "ghcr.io/nightshift/trainer:0.1.0")
 
 DATASET_ASSET = Asset("nightshift://datasets/digits", group="nightshift")
