@@ -80,7 +80,8 @@ def _deploy(args: argparse.Namespace) -> dict[str, Any]:
         options.update(canary_traffic_percent=args.canary_percent, storage=args.storage_uri,
                        timeout=args.timeout)
     else:
-        options.update(tolerance=args.tolerance, canary_rows=args.canary_rows, startup_timeout=args.timeout)
+        options.update(tolerance=args.tolerance, canary_rows=args.canary_rows, startup_timeout=args.timeout,
+                       server=args.server)
     return deploy(args.target, args.model_name, version=args.version, alias=args.alias, data_dir=args.data,
                   kserve_api=api, namespace=args.namespace, **options)
 
@@ -119,6 +120,9 @@ def add_parser(subparsers: Any) -> None:
     dep.add_argument("--tolerance", type=float, default=0.05, help="canary accuracy below evaluated allowed")
     dep.add_argument("--canary-rows", type=int, default=256)
     dep.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health / Ready")
+    dep.add_argument("--server", choices=("mlflow", "guarded"), default="mlflow",
+                     help="local: `mlflow models serve` as is, or MLflow's scoring app behind a request guard "
+                          "(415 without Content-Type, 413 above 2 MiB, short error bodies)")
     dep.add_argument("--namespace", default="default")
     dep.add_argument("--canary-percent", type=int, default=10)
     dep.add_argument("--storage-uri", help="kserve: storage URI overriding the registry's artifact location")

@@ -27,9 +27,10 @@ from typing import Any
 
 from nightshift import registry, settings, tracking
 from nightshift.deploy.smoke import canary_batch, post_json, smoke_test
-from nightshift.errors import DeploymentFailed
+from nightshift.errors import DeploymentFailed, UsageError
 
 HOST = "127.0.0.1"
+SERVERS = ("mlflow", "guarded")
 
 
 def record_path(model_name: str) -> Path:
@@ -94,14 +95,27 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def start_server(model_path: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    """Start `mlflow models serve` on 127.0.0.1:port in its own session (its PID leads the group)."""
-    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(model_path),
-               "--env-manager", "local", "-h", HOST, "-p", str(port), "--workers", "1"]
+def start_server(model_path: Path, port: int, log_path: Path, server: str = "mlflow") -> subprocess.Popen[bytes]:
+    """Start a model server on 127.0.0.1:port in its own session (its PID leads the process group).
+
+    `server="mlflow"`: `mlflow models serve --env-manager local`, as is. `server="guarded"`: the same
+    MLflow scoring app under uvicorn behind `nightshift.deploy.guard.RequestGuard` (415 without a
+    Content-Type, 413 above the body limit, short error bodies; see that module for why).
+    """
+    env = _server_env()
+    if server == "mlflow":
+        command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(model_path),
+                   "--env-manager", "local", "-h", HOST, "-p", str(port), "--workers", "1"]
+    elif server == "guarded":
+        command = [sys.executable, "-m", "uvicorn", "--host", HOST, "--port", str(port), "--workers", "1",
+                   "nightshift.deploy.asgi:app"]
+        env["NIGHTSHIFT_SERVING_MODEL"] = str(model_path)
+    else:
+        raise UsageError(f"unknown model server {server!r}; use one of {', '.join(SERVERS)}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=_server_env(), start_new_session=True)
+                                env=env, start_new_session=True)
 
 
 def _alive(pid: int) -> bool:
@@ -133,7 +147,8 @@ def _is_model_server(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except FileNotFoundError:
         return False
-    return b"mlflow" in b" ".join(cmdline) and b"serve" in cmdline
+    joined = b" ".join(cmdline)
+    return (b"mlflow" in joined and b"serve" in cmdline) or b"nightshift.deploy.asgi:app" in cmdline
 
 
 def stop_server(pid: int, timeout: float = 20.0) -> bool:
@@ -216,7 +231,7 @@ def _download(model_name: str, version: str) -> Path:
 
 def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None = None,
                  alias: str = registry.CHALLENGER, canary_rows: int = 256, tolerance: float = 0.05,
-                 startup_timeout: float = 180.0) -> dict[str, Any]:
+                 startup_timeout: float = 180.0, server: str = "mlflow") -> dict[str, Any]:
     """Serve `model_name` `version` (default: the version `@alias`) locally, blue/green, and promote it.
 
     Returns {"target": "local", "status": "promoted" | "already_serving", "model_name", "version",
@@ -250,11 +265,11 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
         staging.rename(model_path)
         url = f"http://{HOST}:{port}"
         log_path = settings.serving_dir() / "logs" / f"{model_name}-v{version}-{port}.log"
-        proc = start_server(model_path, port, log_path)
+        proc = start_server(model_path, port, log_path, server)
         try:
             wait_healthy(url, proc, log_path, startup_timeout)
             smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance)
-            record = {"model_name": model_name, "version": version, "url": url, "port": port,
+            record = {"model_name": model_name, "version": version, "url": url, "port": port, "server": server,
                       "pid": proc.pid, "model_path": str(model_path), "log_path": str(log_path),
                       "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
             _write_record(model_name, record)

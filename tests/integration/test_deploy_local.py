@@ -20,7 +20,16 @@ import pytest
 import requests
 
 from nightshift import registry
-from nightshift.deploy.local import _alive, deploy_local, read_record, stop_local, stop_server
+from nightshift.deploy.local import (
+    _alive,
+    deploy_local,
+    free_port,
+    read_record,
+    start_server,
+    stop_local,
+    stop_server,
+    wait_healthy,
+)
 from nightshift.deploy.smoke import canary_batch, smoke_test
 from nightshift.errors import ChallengerRejected, DeploymentFailed
 from nightshift.evaluate import evaluate
@@ -148,6 +157,30 @@ def test_smoke_test_rejects_a_server_answering_worse_than_evaluated(world: dict[
     assert ok["rows"] == 64 and ok["accuracy"] > 0.5
     with pytest.raises(DeploymentFailed, match="below the evaluated"):
         smoke_test(world["B"]["url"], frame, (labels + 1) % 10, expected_accuracy=0.9, tolerance=0.05)
+
+
+def test_guarded_server_fixes_what_mlflow_answers_badly(world: dict[str, Any], tmp_path: Path) -> None:
+    """`mlflow models serve`: no Content-Type → 500, invalid JSON → its body echoed ×7; the guard fixes both."""
+    url = world["B"]["url"]
+    garbage = os.urandom(3_000_000)
+    plain = _post(url, data=garbage, headers={"Content-Type": "application/json"})
+    assert plain.status_code == 400 and len(plain.content) > len(garbage)  # what mlflow does
+    assert _post(url, data=b"{}").status_code == 500
+
+    port = free_port()
+    proc = start_server(Path(world["B"]["model_path"]), port, tmp_path / "guarded.log", server="guarded")
+    world["pids"].append(proc.pid)
+    guarded = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(guarded, proc, tmp_path / "guarded.log", timeout=120)
+        assert _post(guarded, json=_rows(world, 5)).status_code == 200
+        assert _post(guarded, data=b"{}").status_code == 415
+        assert _post(guarded, data=garbage, headers={"Content-Type": "application/json"}).status_code == 413
+        small_bad = _post(guarded, data=os.urandom(500_000), headers={"Content-Type": "application/json"})
+        assert small_bad.status_code == 400 and len(small_bad.content) < 3000
+        assert _post(guarded, json=_rows(world, 5)).status_code == 200
+    finally:
+        assert stop_server(proc.pid)
 
 
 def test_worse_model_is_rejected_and_nothing_is_registered(world: dict[str, Any]) -> None:
