@@ -290,10 +290,10 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
     try:
         with mlflow.start_run(run_id=run_id):
             mlflow.log_params(flat_params(spec))
-            for record in epochs:
-                step = int(record["epoch"])
-                mlflow.log_metrics(_numeric({k: v for k, v in record.items() if k not in {"event", "epoch"}}),
-                                   step=step)
+            # A resumed training appends an epoch again: the last line for an epoch wins.
+            for step, record in sorted({int(r["epoch"]): r for r in epochs}.items()):
+                mlflow.log_metrics(_numeric({k: v for k, v in record.items()
+                                             if k not in {"event", "epoch", "step"}}), step=step)
             mlflow.log_metrics(_final_metrics(final, epochs))
             for name in ("model.json", "metrics.json", "metrics.jsonl"):
                 if (out / name).is_file():

@@ -47,7 +47,7 @@ def write_trained_output(out: Path, data_dir: Path, *, epochs: int = 3, steps_pe
             logits = model(val.features)
             val_loss = float(loss_fn(logits, val.labels))
             val_acc = float((logits.argmax(1) == val.labels).float().mean())
-        lines.append({"event": "epoch", "epoch": epoch, "train_loss": total / max(batches, 1),
+        lines.append({"event": "epoch", "epoch": epoch, "step": epoch * batches, "train_loss": total / max(batches, 1),
                       "val_loss": val_loss, "val_accuracy": val_acc})
     torch.save(model.state_dict(), out / "model.pt")
     (out / "model.json").write_text(json.dumps({

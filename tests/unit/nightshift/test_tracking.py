@@ -38,6 +38,7 @@ def test_run_holds_params_epoch_metrics_and_a_servable_model(logged: dict[str, A
     assert run.data.params["model"] == "digits_cnn" and run.data.params["lr"] == "0.003"
     history = client.get_metric_history(logged["run_id"], "val_accuracy")
     assert [m.step for m in history] == [1, 2, 3]
+    assert "step" not in run.data.metrics and "epoch" not in run.data.metrics
     assert json.loads((logged["out"] / "mlflow_run.json").read_text())["run_id"] == logged["run_id"]
     model = mlflow.pyfunc.load_model(tracking.run_model_uri(logged["run_id"]))
     columns = model.metadata.get_input_schema().input_names()
