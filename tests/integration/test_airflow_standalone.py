@@ -4,6 +4,7 @@ lineage page), once on corrupt data (fails at validate_data, no new model versio
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -173,7 +174,9 @@ def test_corrupt_data_fails_at_validation_without_a_new_model(standalone: dict[s
     assert all(states[t] in {"upstream_failed", None} for t in ("stage_dataset", "train", "register", "deploy"))
     assert registered_versions(standalone["home"]) == before
 
-    log = api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/validate_data/logs/1",
-                  headers={"Accept": "text/plain"}).text
+    answer = api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/validate_data/logs/1",
+                     headers={"Accept": "application/json"})
+    assert answer.status_code == 200, answer.text[:500]
+    log = json.dumps(answer.json())
     assert "failed the GX suite" in log and "label" in log
     assert "nightly_retrain FAILED" in log
