@@ -152,6 +152,11 @@ def test_trigger_with_params_through_the_rest_api_succeeds(standalone: dict[str,
     page = api.get("/nightshift/lineage")
     assert page.status_code == 200 and run_id in page.text
 
+    events = api.call("GET", "/assets/events?source_dag_id=nightly_retrain&limit=100")["asset_events"]
+    mine = {e["uri"]: e["extra"] for e in events if e.get("source_run_id") == run_id}
+    assert mine["nightshift://datasets/digits"]["version"]
+    assert mine["nightshift://models/nightshift-digits/champion"]["model_version"] == "1"
+
 
 def test_corrupt_data_fails_at_validation_without_a_new_model(standalone: dict[str, Any],
                                                               tmp_path: Path) -> None:
@@ -180,3 +185,26 @@ def test_corrupt_data_fails_at_validation_without_a_new_model(standalone: dict[s
     log = json.dumps(answer.json())
     assert "failed the GX suite" in log and "label" in log
     assert "nightly_retrain FAILED" in log
+
+    links = api.call("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/validate_data/links")
+    docs = links.get("extra_links", links).get("GX Data Docs")
+    assert docs and docs.startswith("/nightshift/data-docs/"), links
+    assert api.get(docs).status_code == 200
+
+
+def test_require_approval_waits_for_a_person_then_deploys(standalone: dict[str, Any]) -> None:
+    api: Api = standalone["api"]
+    # force: same data, so it would skip training; min_improvement 0: an equal model passes the gate.
+    run_id = _trigger(api, {"epochs": 5, "force": True, "min_improvement": 0.0, "require_approval": True})
+    deadline = time.monotonic() + 300
+    while (state := api.task_states(run_id).get("approve")) not in {"awaiting_input", "deferred"}:
+        assert state not in {"failed", "skipped", "upstream_failed", "success"}, api.task_states(run_id)
+        assert time.monotonic() < deadline, f"approve still {state}"
+        time.sleep(3)
+    assert api.task_states(run_id)["deploy"] in {None, "scheduled", "queued", "none"}
+    api.call("PATCH", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/approve/-1/hitlDetails",
+             {"chosen_options": ["Approve"], "params_input": {}})
+    assert api.wait_run(run_id, timeout=300) == "success"
+    states = api.task_states(run_id)
+    assert states["approve"] == "success" and states["deploy"] == "success", states
+    assert registered_versions(standalone["home"]) == ["1", "2"]
