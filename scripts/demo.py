@@ -151,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
     serving = read_record("nightshift-digits")
     if serving:
-        predicted, labels = predict(serving["url"], data)
-        print(f"  prediction      : POST {serving['url']}/invocations -> {predicted} (true {labels})")
+        try:
+            predicted, labels = predict(serving["url"], data)
+            print(f"  prediction      : POST {serving['url']}/invocations -> {predicted} (true {labels})")
+        except Exception as err:  # a record left by an earlier demo whose server is gone
+            print(f"  prediction      : {serving['url']} does not answer ({err}); run "
+                  f"`nightshift deploy --stop` and `make demo` again")
+    else:
+        print("  prediction      : nothing is serving (no model passed the gate yet)")
 
     code, second, seconds = run_dag(env, {**base, "force": True}, stream=not args.quiet)
     print_summary("run 2: same data, force=true (retrain; the gate decides)", second, seconds)
