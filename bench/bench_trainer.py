@@ -24,8 +24,8 @@ from nightshift.data.demo import write_demo_dataset
 from nightshift.train.config import TrainConfig
 
 MODEL_KWARGS = {"channels": 64, "hidden": 64}  # conv-heavy, small gradients
-GLOBAL_BATCH = 64
-EPOCHS = 12
+GLOBAL_BATCH = 256
+EPOCHS = 40
 REPEATS = 3
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
 
