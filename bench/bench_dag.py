@@ -45,13 +45,9 @@ with DAG(dag_id="empty", schedule=None):
 
 
 def _demo() -> Any:
-    import importlib.util
+    from scripts import demo
 
-    spec = importlib.util.spec_from_file_location("nightshift_demo_script", REPO / "scripts" / "demo.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return demo
 
 
 def _timed(argv: list[str], env: dict[str, str], cwd: Path = REPO) -> tuple[float, subprocess.CompletedProcess[str]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +12,9 @@ BIN = Path(sys.executable).parent
 
 
 def demo_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("nightshift_demo_script", REPO / "scripts" / "demo.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from scripts import demo
+
+    return demo
 
 
 def stop_model_server(env: dict[str, str]) -> None:

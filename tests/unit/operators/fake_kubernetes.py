@@ -109,18 +109,22 @@ def workers(job: str, n: int, **kwargs: Any) -> list[dict[str, Any]]:
 # -- scenarios ---------------------------------------------------------------------------------------
 
 
+def started(job: str, n: int) -> list[Step]:
+    """The job is created (workers pending), then runs (workers and launcher running)."""
+    return [
+        Step([condition("Created")], workers(job, n, state=CREATING)),
+        Step(
+            [condition("Created"), condition("Running")],
+            [*workers(job, n, phase="Running", state=RUNNING), pod(job, "launcher", phase="Running", state=RUNNING)],
+        ),
+    ]
+
+
 def succeeding(job: str, log: list[str], n: int = 2) -> Scenario:
     return Scenario(
         steps=[
             Step(),
-            Step([condition("Created")], workers(job, n, state=CREATING)),
-            Step(
-                [condition("Created"), condition("Running")],
-                [
-                    *workers(job, n, phase="Running", state=RUNNING),
-                    pod(job, "launcher", phase="Running", state=RUNNING),
-                ],
-            ),
+            *started(job, n),
             Step(
                 [
                     condition("Created"),
@@ -136,14 +140,7 @@ def succeeding(job: str, log: list[str], n: int = 2) -> Scenario:
 def running_forever(job: str, log: list[str], n: int = 2) -> Scenario:
     return Scenario(
         steps=[
-            Step([condition("Created")], workers(job, n, state=CREATING)),
-            Step(
-                [condition("Created"), condition("Running")],
-                [
-                    *workers(job, n, phase="Running", state=RUNNING),
-                    pod(job, "launcher", phase="Running", state=RUNNING),
-                ],
-            ),
+            *started(job, n),
         ],
         launcher_log=log,
     )
@@ -160,14 +157,7 @@ def worker_oom(job: str, n: int = 2) -> Scenario:
     )
     return Scenario(
         steps=[
-            Step([condition("Created")], workers(job, n, state=CREATING)),
-            Step(
-                [condition("Created"), condition("Running")],
-                [
-                    *workers(job, n, phase="Running", state=RUNNING),
-                    pod(job, "launcher", phase="Running", state=RUNNING),
-                ],
-            ),
+            *started(job, n),
             Step(
                 [condition("Created"), condition("Failed", message=f"MPIJob default/{job} has failed")],
                 [*dying, launcher_failed],
