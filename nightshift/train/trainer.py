@@ -95,6 +95,7 @@ class Trainer:
         self.step = 0
         self.epoch_loss = [0.0, 0]  # sum and count of rank 0's batch losses in the current epoch
         self.resumed_from: int | None = None
+        self.checkpoint_seconds = 0.0  # time the training loop spent blocked on checkpointing
 
     def _build_model(self) -> nn.Module:
         factory = MODELS.get(self.config.model)
@@ -120,9 +121,11 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
+        started = time.perf_counter()
         state = self._checkpoint_state()  # collective (gathers RNG states): every rank calls it
         if self.is_chief:
             self.writer.submit(state)
+        self.checkpoint_seconds += time.perf_counter() - started
 
     def _find_checkpoint(self) -> dict[str, Any]:
         """Rank 0's verdict on the checkpoint directory, to be broadcast to every rank."""
@@ -242,7 +245,9 @@ class Trainer:
                     epoch_metrics = self._end_epoch(epoch)
                 if self.step % config.checkpoint_every == 0 or self.step == self.total_steps:
                     self.save_checkpoint()
+        waited = time.perf_counter()
         self.writer.wait()
+        self.checkpoint_seconds += time.perf_counter() - waited
         if not epoch_metrics and self.is_chief:
             epoch_metrics = self.evaluate(self.validation_split)
         return self._finish(epoch_metrics, steps_run, time.perf_counter() - started)
@@ -270,6 +275,7 @@ class Trainer:
             "resumed_from_step": self.resumed_from,
             "world_size": self.size,
             "seconds": seconds,
+            "checkpoint_seconds": self.checkpoint_seconds,
         }
         save_trained_model(self.config.out, self.model, model_name=self.config.model,
                            model_kwargs=self.model_kwargs, dataset=self.config.dataset,
@@ -277,5 +283,6 @@ class Trainer:
         tmp = self.config.out / "metrics.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         tmp.replace(Path(self.config.out / "metrics.json"))
-        log.info("training done: %s", json.dumps({k: v for k, v in summary.items() if k != "seconds"}, sort_keys=True))
+        outcome = {k: v for k, v in summary.items() if k not in ("seconds", "checkpoint_seconds")}
+        log.info("training done: %s", json.dumps(outcome, sort_keys=True))
         return summary
