@@ -18,7 +18,6 @@ stagings cannot interleave their cache, remote or workspace writes. Invalid data
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from nightshift import settings
 from nightshift.data.validate import ValidationReport, validate_data
 from nightshift.datasets import SPLITS, split_path
 from nightshift.errors import DataError, UsageError
+from nightshift.fsutil import atomic_write_json
 
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")  # DVC must not phone home
 
@@ -114,12 +114,6 @@ def git_rev(path: Path) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def _write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
 def _version(repo: Any, data: Path) -> tuple[Any, Any, Any]:
     """Hash `data` with DVC (reusing the state DB) and add any new objects to the cache."""
     from dvc_data.hashfile.build import build
@@ -185,6 +179,6 @@ def version_validated(data: Path, workspace: str | Path, splits: dict[str, int])
         versions = project_dir() / "versions"
         versions.mkdir(exist_ok=True)
         if not (versions / f"{digest}.json").exists():
-            _write_json_atomic(versions / f"{digest}.json", {**version, "path": None})
-        _write_json_atomic(workspace / "dataset.json", version)
+            atomic_write_json(versions / f"{digest}.json", {**version, "path": None})
+        atomic_write_json(workspace / "dataset.json", version)
     return version

@@ -28,6 +28,7 @@ from typing import Any
 from nightshift import registry, settings, tracking
 from nightshift.deploy.smoke import canary_batch, post_json, smoke_test
 from nightshift.errors import DeploymentFailed, UsageError
+from nightshift.fsutil import atomic_write_json
 
 HOST = "127.0.0.1"
 SERVERS = ("mlflow", "guarded")
@@ -55,12 +56,7 @@ def _write_record(model_name: str, record: dict[str, Any] | None) -> None:
         path.unlink(missing_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(record, handle, indent=2, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, record)
 
 
 @contextlib.contextmanager

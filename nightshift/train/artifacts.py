@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,18 +10,10 @@ import torch
 from torch import nn
 
 from nightshift.errors import DataError
+from nightshift.fsutil import atomic_write_bytes, atomic_write_json
 
 MODEL_FILE = "model.pt"
 MODEL_INFO = "model.json"
-
-
-def _atomic_write(path: Path, payload: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
 
 
 def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kwargs: dict[str, Any],
@@ -33,7 +24,7 @@ def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kw
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
-    _atomic_write(out / MODEL_FILE, buffer.getvalue())
+    atomic_write_bytes(out / MODEL_FILE, buffer.getvalue())
     info = {
         "model": model_name,
         "model_kwargs": json.loads(json.dumps(model_kwargs)),
@@ -42,7 +33,7 @@ def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kw
         "num_classes": model_kwargs.get("num_classes"),
         "params": params,
     }
-    _atomic_write(out / MODEL_INFO, (json.dumps(info, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_json(out / MODEL_INFO, info)
     return out / MODEL_FILE
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 
 from nightshift.errors import CheckpointCorrupt
+from nightshift.fsutil import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +47,6 @@ def serialize(state: dict[str, Any]) -> bytes:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointStore:
@@ -85,18 +76,7 @@ class CheckpointStore:
     def write_bytes(self, step: int, payload: bytes) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256(payload).hexdigest()[:_HASH_PREFIX]
-        final = self.directory / f"ckpt-{step:010d}-{digest}.pt"
-        fd, tmp_name = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(payload)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp_name, final)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.directory)
+        final = atomic_write_bytes(self.directory / f"ckpt-{step:010d}-{digest}.pt", payload)
         # A rewrite of the same step (a resumed run's final checkpoint) replaces the old file.
         for old in self.files():
             if old.step == step and old.path != final:

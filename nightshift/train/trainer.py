@@ -13,7 +13,6 @@ import math
 import random
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from nightshift.datasets import Split
 from nightshift.errors import CheckpointMismatch, UsageError
+from nightshift.fsutil import atomic_write_json
 from nightshift.models import MODELS
 from nightshift.train.artifacts import save_trained_model
 from nightshift.train.checkpoint import FORMAT, AsyncCheckpointWriter, CheckpointStore
@@ -280,9 +280,7 @@ class Trainer:
         save_trained_model(self.config.out, self.model, model_name=self.config.model,
                            model_kwargs=self.model_kwargs, dataset=self.config.dataset,
                            params=self.config.params())
-        tmp = self.config.out / "metrics.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        tmp.replace(Path(self.config.out / "metrics.json"))
+        atomic_write_json(self.config.out / "metrics.json", summary)
         outcome = {k: v for k, v in summary.items() if k not in ("seconds", "checkpoint_seconds")}
         log.info("training done: %s", json.dumps(outcome, sort_keys=True))
         return summary

@@ -1,0 +1,38 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of either."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: str | Path, payload: bytes) -> Path:
+    """Write `payload` to a temporary file beside `path`, fsync it, rename it over `path`, fsync the folder.
+
+    The temporary file is named `.<name>.<random>.tmp` and removed if anything fails.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return path
+
+
+def atomic_write_json(path: str | Path, payload: Any) -> Path:
+    """`atomic_write_bytes` of `payload` as indented, key-sorted JSON with a final newline."""
+    return atomic_write_bytes(path, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode())
