@@ -118,7 +118,5 @@ def _train_command(args: argparse.Namespace) -> dict[str, Any]:
     configure_logging()
     try:
         return run(config_from_args(args))
-    except NightshiftError:
-        raise
     except ValueError as err:
         raise UsageError(str(err)) from err
