@@ -202,6 +202,14 @@ def test_require_approval_waits_for_a_person_then_deploys(standalone: dict[str, 
         assert time.monotonic() < deadline, f"approve still {state}"
         time.sleep(3)
     assert api.task_states(run_id)["deploy"] in {None, "scheduled", "queued", "none"}
+    # Answer as a person would: after the scheduler has seen the task's first process exit. An answer
+    # that lands before that executor event (under a second after the pause) races Airflow 3.3's
+    # scheduler, which then fails the requeued task ("finished with state success, but ... queued").
+    exited = f"Received executor event with state success for task instance TaskInstanceKey(dag_id='{DAG_ID}', " \
+             f"task_id='approve', run_id='{run_id}'"
+    while exited not in standalone["log"].read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the scheduler never saw the approve task's first process exit"
+        time.sleep(1)
     api.call("PATCH", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/approve/-1/hitlDetails",
              {"chosen_options": ["Approve"], "params_input": {}})
     assert api.wait_run(run_id, timeout=300) == "success"
