@@ -166,8 +166,10 @@ class LocalHorovodLauncher:
                     with _suppress_gone():
                         child.kill()
                 return
-            tree = [psutil.Process(process.pid), *_descendants(process.pid)]
-            self.log.warning("Stopping horovodrun (pid %s) and %d processes under it", process.pid, len(tree) - 1)
+            # horovodrun itself is reaped only through `process` (Popen): were psutil to reap it, Popen's
+            # wait would meet ECHILD and report exit code 0, and a killed job would pass for a success.
+            tree = _descendants(process.pid)
+            self.log.warning("Stopping horovodrun (pid %s) and %d processes under it", process.pid, len(tree))
             with _suppress_gone():
                 os.killpg(process.pid, signal.SIGTERM)
             for proc in tree:
@@ -177,6 +179,10 @@ class LocalHorovodLauncher:
             for proc in alive:
                 with _suppress_gone():
                     proc.kill()
+            try:
+                process.wait(timeout=KILL_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
             with _suppress_gone():
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()

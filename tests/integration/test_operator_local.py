@@ -113,3 +113,15 @@ def test_on_kill_stops_the_process_tree(tmp_path: Path) -> None:
     assert errors and isinstance(errors[0], HorovodRunFailed), errors
     assert horovodrun_pid is not None and not alive(horovodrun_pid)
     assert not any(alive(p) for p in pids)
+
+
+def test_a_killed_job_reports_a_non_zero_exit_code(tmp_path: Path) -> None:
+    # kill() must leave reaping horovodrun to Popen: a process reaped elsewhere reads as exit code 0.
+    run = LocalHorovodLauncher(2, [sys.executable, "-c", SLEEPER, str(tmp_path)])
+    process = run.start()
+    try:
+        pids = wait_for_pids(tmp_path, 2)
+    finally:
+        run.kill()
+    assert process.returncode not in (None, 0)
+    assert not any(alive(p) for p in pids)
