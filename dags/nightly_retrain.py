@@ -57,26 +57,29 @@ A failed task writes a summary of what failed and why at the end of its log.
 """
 
 PARAMS = {
-    "data_source": Param("", type="string", title="Data source",
+    # An optional Param must accept null: the trigger form sends an emptied field as null, and a plain
+    # "string" Param with an empty default keeps the Trigger button disabled.
+    "data_source": Param(None, type=["null", "string"], title="Data source",
                          description="Directory with train/validation/test.parquet. Empty: the demo dataset."),
-    "epochs": Param(5, type="integer", minimum=1, maximum=1000, description="Training epochs."),
-    "learning_rate": Param(0.05, type="number", exclusiveMinimum=0, maximum=10,
+    "epochs": Param(5, type="integer", minimum=1, maximum=1000, title="Epochs", description="Training epochs."),
+    "learning_rate": Param(0.05, type="number", exclusiveMinimum=0, maximum=10, title="Learning rate",
                            description="Base learning rate, multiplied by the number of workers."),
-    "batch_size": Param(32, type="integer", minimum=1, maximum=65536, description="Batch size per worker."),
-    "workers": Param(2, type="integer", minimum=1, maximum=256,
+    "batch_size": Param(32, type="integer", minimum=1, maximum=65536, title="Batch size",
+                        description="Batch size per worker."),
+    "workers": Param(2, type="integer", minimum=1, maximum=256, title="Workers",
                      description="Horovod workers (MPIJob worker pods, or local processes)."),
-    "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16,
+    "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per worker",
                              description="GPUs per worker; 0 trains on CPU."),
-    "backend": Param("local", type="string", enum=["local", "kubernetes", "auto"],
+    "backend": Param("local", type="string", enum=["local", "kubernetes", "auto"], title="Backend",
                      description="local: horovodrun here; kubernetes: an MPIJob; auto: kubernetes when "
                                  "the kubernetes_default connection exists."),
-    "min_improvement": Param(0.001, type="number", minimum=0, maximum=1,
+    "min_improvement": Param(0.001, type="number", minimum=0, maximum=1, title="Minimum improvement",
                              description="Accuracy gain over the champion needed to promote the new model."),
-    "require_approval": Param(False, type="boolean",
+    "require_approval": Param(False, type="boolean", title="Require approval",
                               description="Wait for a human approval in the UI before deploying."),
-    "force": Param(False, type="boolean",
+    "force": Param(False, type="boolean", title="Force training",
                    description="Train even when data, code and training params are unchanged."),
-    "deploy_target": Param("local", type="string", enum=["local", "kserve"],
+    "deploy_target": Param("local", type="string", enum=["local", "kserve"], title="Deploy target",
                            description="local: MLflow model server on 127.0.0.1; kserve: an InferenceService."),
 }
 
@@ -103,7 +106,7 @@ with DAG(
     tags=["nightshift", "training", "horovod", "mlflow"],
     doc_md=DOC_MD,
 ) as dag:
-    validate = GXDataGateOperator(task_id="validate_data", data_source="{{ params.data_source }}",
+    validate = GXDataGateOperator(task_id="validate_data", data_source="{{ params.data_source or '' }}",
                                   execution_timeout=timedelta(minutes=20))
 
     @task(outlets=[DATASET_ASSET])
