@@ -12,7 +12,9 @@ from datetime import UTC, datetime, timedelta
 from airflow.sdk import DAG, Asset, Param, get_current_context, task
 from airflow.sdk.exceptions import AirflowSkipException
 from nightly_tasks import steps
-from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator, ParamsHorovodOperator
+from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator
+
+from operators.horovod import HorovodKubernetesOperator
 
 DAG_ID = "nightly_retrain"
 # Users change the schedule here or with NIGHTSHIFT_RETRAIN_CRON ("none": manual and UI triggers only).
@@ -132,13 +134,16 @@ with DAG(
     branch = check_changes(staged)
     skipped = skip_training()
 
-    train = ParamsHorovodOperator(
+    # Workers, GPUs and backend come from the run's params (template fields, checked at execute); the
+    # cluster policy in config/airflow_local_settings.py sizes the task's `gpu` pool slots from them.
+    # Every path below lies in NIGHTSHIFT_HOME, which on Kubernetes is the shared volume the pods mount;
+    # the result comes back from MLflow (the run tagged with the run key), not from this machine's disk.
+    train = HorovodKubernetesOperator(
         task_id="train",
-        num_workers=2,
-        gpus_per_worker=0,
+        num_workers="{{ params.workers }}",
+        gpus_per_worker="{{ params.gpus_per_worker }}",
+        backend="{{ params.backend }}",
         image=TRAINER_IMAGE,
-        backend="local",
-        out_dir="{{ ti.xcom_pull(task_ids='stage_dataset')['workspace'] }}/model",
         command=[
             "python", "-m", "nightshift.train",
             "--data", "{{ ti.xcom_pull(task_ids='stage_dataset')['path'] }}",
@@ -152,6 +157,8 @@ with DAG(
             "--tag", "nightshift.dag_run_id={{ run_id }}",
             "--tag", "nightshift.dataset_version={{ ti.xcom_pull(task_ids='stage_dataset')['hash'] }}",
         ],
+        mlflow_experiment=steps.EXPERIMENT,
+        mlflow_run_key="{{ dag.dag_id }}/{{ run_id }}",
         execution_timeout=timedelta(hours=6),
         retry_delay=timedelta(minutes=1),
     )

@@ -39,3 +39,22 @@ def checkpoints_dir() -> Path:
 
 def serving_dir() -> Path:
     return Path(os.environ.get("NIGHTSHIFT_SERVING") or home() / "serving")
+
+
+# --- the cluster contract ----------------------------------------------------------------------------
+# On Kubernetes, NIGHTSHIFT_HOME lies on one ReadWriteMany volume mounted at the same path in the
+# Airflow workers and in every trainer pod: workspaces (the staged dataset version, the trained
+# model) and checkpoints are then the same files on both sides. Results come back through MLflow.
+
+DEFAULT_SHARED_CLAIM = "nightshift-workspace"
+
+
+def shared_volume_claim() -> str:
+    """The PersistentVolumeClaim (ReadWriteMany) holding NIGHTSHIFT_HOME on the cluster."""
+    return os.environ.get("NIGHTSHIFT_SHARED_PVC") or DEFAULT_SHARED_CLAIM
+
+
+def cluster_mlflow_tracking_uri() -> str:
+    """The tracking URI trainer pods log to: NIGHTSHIFT_CLUSTER_MLFLOW_URI (an in-cluster address of the
+    same server), else the one this process uses."""
+    return os.environ.get("NIGHTSHIFT_CLUSTER_MLFLOW_URI") or mlflow_tracking_uri()

@@ -324,6 +324,26 @@ def _record(run_id: str, experiment_id: str, model_uri: str) -> dict[str, Any]:
             "tracking_uri": settings.mlflow_tracking_uri()}
 
 
+def find_training_run(experiment: str, run_key: str) -> dict[str, Any]:
+    """The complete training run tagged `nightshift.run_key=run_key`: id, experiment, model URI, metrics.
+
+    This is how a training job's result comes back to Airflow: through the tracking server, never through
+    files on the Airflow worker's disk (the job may have run on other machines).
+    """
+    mlflow_client = client()
+    found = mlflow_client.get_experiment_by_name(experiment)
+    where = f"experiment {experiment!r} at {settings.mlflow_tracking_uri()}"
+    if found is None:
+        raise TrackingError(f"no {where}")
+    runs = [run for run in _find_run(mlflow_client, str(found.experiment_id), run_key)
+            if run.data.tags.get(COMPLETE_TAG) == "true"]
+    if not runs:
+        raise TrackingError(f"no complete run tagged {RUN_KEY_TAG}={run_key!r} in {where}")
+    run = runs[0]
+    return {"run_id": str(run.info.run_id), "experiment_id": str(found.experiment_id),
+            "model_uri": run.data.tags[MODEL_URI_TAG], "metrics": dict(run.data.metrics)}
+
+
 def run_model_uri(run_id: str) -> str:
     """The model URI a complete Nightshift training run logged."""
     mlflow_client = client()

@@ -47,3 +47,7 @@ class HorovodRunFailed(HorovodJobError):
 
 class HorovodRunTimeout(HorovodJobError):
     """The local `horovodrun` ran past its timeout and was killed."""
+
+
+class TrainingResultMissing(HorovodJobError):
+    """The job succeeded but its MLflow run is not on the tracking server (the pods could not log to it)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -17,13 +18,15 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from operators.errors import InvalidJobConfig, MPIJobFailed
+from operators.errors import InvalidJobConfig, MPIJobFailed, TrainingResultMissing
 from operators.mpijob_spec import (
     MPIJobConfig,
     TaskIdentity,
     build_mpijob,
+    check_no_credentials,
     checkpoint_subdir,
     job_name,
+    paths_outside_mounts,
     pool_slots_for,
     split_command,
     with_checkpoint_dir,
@@ -40,16 +43,19 @@ Backend = Literal["kubernetes", "local", "auto"]
 CleanupPolicy = Literal["always", "on_success", "never"]
 BACKENDS = ("kubernetes", "local", "auto")
 CLEANUP_POLICIES = ("always", "on_success", "never")
-DEFAULT_CHECKPOINT_ROOT = "/workspace/checkpoints"
 GPU_POOL = "gpu"
+SHARED_VOLUME = "nightshift-shared"
 
 
 class HorovodKubernetesOperator(BaseOperator):
     """Run a Horovod training command on `num_workers` workers, on Kubernetes (MPIJob) or locally.
 
-    :param num_workers: number of worker pods (Kubernetes) or local processes.
-    :param gpus_per_worker: GPUs each worker asks for (`nvidia.com/gpu`); also MPI slots per worker.
-        The task takes `num_workers * gpus_per_worker` slots (at least 1) of the `gpu` pool.
+    :param num_workers: number of worker pods (Kubernetes) or local processes. Templated: an int, or a
+        template such as ``"{{ params.workers }}"`` rendered and checked at execute.
+    :param gpus_per_worker: GPUs each worker asks for (`nvidia.com/gpu`); also MPI slots per worker
+        (templated, like `num_workers`). With plain ints the task takes `num_workers * gpus_per_worker`
+        slots (at least 1) of the `gpu` pool; with templates, 1 unless the cluster policy in
+        `config/airflow_local_settings.py` sizes it from the run's params.
     :param image: the trainer image (Kubernetes backend).
     :param command: the training entrypoint, as a list or one shell-like string, e.g.
         `["python", "-m", "nightshift.train", "--data", "/workspace/data", "--out", "/workspace/model"]`.
@@ -58,7 +64,16 @@ class HorovodKubernetesOperator(BaseOperator):
         (never the try number, so a retry resumes). `checkpoint_root` defaults to NIGHTSHIFT_HOME's
         checkpoints directory locally and to `/workspace/checkpoints` (the workspace PVC) on Kubernetes.
     :param backend: "kubernetes", "local", or "auto" (kubernetes when the `kubernetes_conn_id`
-        connection exists, else local).
+        connection exists, else local). Templated.
+    :param shared_volume_claim: Kubernetes: the ReadWriteMany claim holding NIGHTSHIFT_HOME, mounted at
+        in the launcher and every worker (default: NIGHTSHIFT_SHARED_PVC, else
+        `nightshift-workspace`), mounted at NIGHTSHIFT_HOME's path on this worker, so that the same
+        paths name the same files in Airflow and in the pods. Every absolute path in `command` must lie
+        under a mount.
+    :param mlflow_experiment: with `mlflow_run_key`, the task's result comes from the tracking server:
+        the complete MLflow run tagged `nightshift.run_key=<mlflow_run_key>` in this experiment (its id,
+        model URI and metrics, also pushed as the `mlflow_run_id` / `mlflow_experiment_id` XComs).
+        Pods log to NIGHTSHIFT_CLUSTER_MLFLOW_URI, else MLFLOW_TRACKING_URI, passed in their env.
     :param deferrable: on Kubernetes, wait in the triggerer (`MPIJobTrigger`) instead of a worker slot.
     :param poll_interval: seconds between status polls.
     :param startup_timeout: seconds the job may take to start running before it is failed and deleted.
@@ -69,6 +84,10 @@ class HorovodKubernetesOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = (
+        "num_workers",
+        "gpus_per_worker",
+        "backend",
+        "mlflow_run_key",
         "image",
         "command",
         "env",
@@ -94,8 +113,8 @@ class HorovodKubernetesOperator(BaseOperator):
     def __init__(
         self,
         *,
-        num_workers: int,
-        gpus_per_worker: int = 0,
+        num_workers: int | str,
+        gpus_per_worker: int | str = 0,
         image: str = "",
         command: str | Sequence[str],
         cpu_request: str | None = None,
@@ -116,7 +135,7 @@ class HorovodKubernetesOperator(BaseOperator):
         annotations: Mapping[str, str] | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_root: str | None = None,
-        backend: Backend = "auto",
+        backend: Backend | str = "auto",
         kubernetes_conn_id: str = "kubernetes_default",
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         poll_interval: float = 10.0,
@@ -130,23 +149,26 @@ class HorovodKubernetesOperator(BaseOperator):
         worker_command: Sequence[str] | None = None,
         ssh_auth_mount_path: str | None = None,
         timeout: float | None = None,
+        shared_volume_claim: str | None = None,
+        mlflow_experiment: str | None = None,
+        mlflow_run_key: str | None = None,
         pool: str | None = None,
         pool_slots: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if backend not in BACKENDS:
-            raise InvalidJobConfig(f"backend must be one of {BACKENDS}, got {backend!r}")
+        # Plain values are checked now, so a DAG with a typo fails to parse; templates are checked at execute.
+        if not _is_template(backend):
+            _check_backend(backend)
         if cleanup not in CLEANUP_POLICIES:
             raise InvalidJobConfig(f"cleanup must be one of {CLEANUP_POLICIES}, got {cleanup!r}")
-        counts = (("num_workers", num_workers, 1), ("gpus_per_worker", gpus_per_worker, 0))
-        for name, value, minimum in counts:
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise InvalidJobConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
-        super().__init__(
-            pool=pool or GPU_POOL,
-            pool_slots=pool_slots or pool_slots_for(num_workers, gpus_per_worker),
-            **kwargs,
-        )
+        counts = {"num_workers": (num_workers, 1), "gpus_per_worker": (gpus_per_worker, 0)}
+        for name, (value, minimum) in counts.items():
+            if not _is_template(value):
+                _to_count(name, value, minimum)
+        if pool_slots is None:
+            templated = _is_template(num_workers) or _is_template(gpus_per_worker)
+            pool_slots = 1 if templated else pool_slots_for(int(num_workers), int(gpus_per_worker))
+        super().__init__(pool=pool or GPU_POOL, pool_slots=pool_slots, **kwargs)
         self.num_workers = num_workers
         self.gpus_per_worker = gpus_per_worker
         self.image = image
@@ -183,6 +205,9 @@ class HorovodKubernetesOperator(BaseOperator):
         self.worker_command = worker_command
         self.ssh_auth_mount_path = ssh_auth_mount_path
         self.timeout = timeout
+        self.shared_volume_claim = shared_volume_claim
+        self.mlflow_experiment = mlflow_experiment
+        self.mlflow_run_key = mlflow_run_key
         # Per-try state that on_kill needs.
         self.job_name: str | None = None
         self._job_namespace: str | None = None
@@ -209,6 +234,12 @@ class HorovodKubernetesOperator(BaseOperator):
         )
 
     # -- pure derivations --------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Convert the rendered template fields to what they stand for, naming the field that is wrong."""
+        self.num_workers = _to_count("num_workers", self.num_workers, 1)
+        self.gpus_per_worker = _to_count("gpus_per_worker", self.gpus_per_worker, 0)
+        self.backend = _check_backend(str(self.backend).strip())
 
     def resolve_backend(self) -> str:
         """The backend this run uses; "auto" looks for the Kubernetes connection."""
@@ -247,16 +278,32 @@ class HorovodKubernetesOperator(BaseOperator):
             return str(self.checkpoint_dir)
         root = self.checkpoint_root
         if not root:
-            if backend == "local":
-                from nightshift.settings import checkpoints_dir
+            # NIGHTSHIFT_HOME's checkpoints: on this machine, or on the shared volume that holds it.
+            from nightshift.settings import checkpoints_dir
 
-                root = str(checkpoints_dir())
-            else:
-                root = DEFAULT_CHECKPOINT_ROOT
+            root = str(checkpoints_dir())
         sub = checkpoint_subdir(identity.dag_id, identity.run_id, identity.task_id)
         if identity.map_index >= 0:
             sub += f"/{identity.map_index}"
         return f"{str(root).rstrip('/')}/{sub}"
+
+    def cluster_contract(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+        """The shared volume, its mount and the env every pod gets: NIGHTSHIFT_HOME and the tracking URI."""
+        from nightshift import settings
+
+        claim = self.shared_volume_claim or settings.shared_volume_claim()
+        mount_path = str(settings.home())
+        uri = settings.cluster_mlflow_tracking_uri()
+        if not uri.startswith(("http://", "https://")):
+            raise InvalidJobConfig(
+                f"backend=kubernetes needs an MLflow tracking server that the pods reach, and the tracking URI "
+                f"is {_redacted(uri)!r}: set MLFLOW_TRACKING_URI (or NIGHTSHIFT_CLUSTER_MLFLOW_URI, its "
+                f"in-cluster address) to http(s)://..."
+            )
+        check_no_credentials("the MLflow tracking URI", uri)
+        volume = {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": claim}}
+        mount = {"name": SHARED_VOLUME, "mountPath": mount_path}
+        return volume, mount, {"NIGHTSHIFT_HOME": mount_path, "MLFLOW_TRACKING_URI": uri}
 
     def job_config(self, command: Sequence[str], namespace: str) -> MPIJobConfig:
         optional: dict[str, Any] = {}
@@ -269,8 +316,8 @@ class HorovodKubernetesOperator(BaseOperator):
         return MPIJobConfig(
             image=self.image,
             command=list(command),
-            num_workers=self.num_workers,
-            gpus_per_worker=self.gpus_per_worker,
+            num_workers=int(self.num_workers),
+            gpus_per_worker=int(self.gpus_per_worker),
             namespace=namespace,
             cpu_request=self.cpu_request,
             cpu_limit=self.cpu_limit,
@@ -296,10 +343,23 @@ class HorovodKubernetesOperator(BaseOperator):
 
     def build_manifest(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
         """The MPIJob this task submits for `identity` (pure; no cluster needed)."""
+        self.settle()
         namespace = namespace or self.namespace or "default"
         checkpoint_dir = self.resolve_checkpoint_dir(identity, "kubernetes")
         command = with_checkpoint_dir(split_command(self.command), checkpoint_dir)
-        return build_mpijob(self.job_config(command, namespace), identity)
+        volume, mount, env = self.cluster_contract()
+        config = self.job_config(command, namespace)
+        volumes = [volume, *(v for v in config.volumes if v.get("name") != SHARED_VOLUME)]
+        mounts = [mount, *(m for m in config.volume_mounts if m.get("name") != SHARED_VOLUME)]
+        outside = paths_outside_mounts(command, [str(m["mountPath"]) for m in mounts])
+        if outside:
+            raise InvalidJobConfig(
+                f"the pods cannot see {', '.join(outside)}: every path in the command must lie under a volume "
+                f"mount ({', '.join(str(m['mountPath']) for m in mounts)}); put the data, outputs and checkpoints "
+                f"under NIGHTSHIFT_HOME on the shared claim, or add a volume for them"
+            )
+        config = replace(config, volumes=volumes, volume_mounts=mounts, env={**env, **config.env})
+        return build_mpijob(config, identity)
 
     def dry_run(self) -> None:
         """Print the MPIJob this task would submit, as YAML, without a cluster or a task instance."""
@@ -317,20 +377,25 @@ class HorovodKubernetesOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         identity = self.identity_from(context)
+        self.settle()
         backend = self.resolve_backend()
         if backend == "local":
-            return self.execute_local(identity)
-        return self.execute_kubernetes(identity)
+            result = self.execute_local(identity)
+        else:
+            result = self.execute_kubernetes(identity)
+        return self.collect_results(context, result)
 
     def execute_local(self, identity: TaskIdentity) -> dict[str, Any]:
-        from operators.local_launcher import LocalHorovodLauncher
+        from operators.local_launcher import LocalHorovodLauncher, check_local_capacity
 
+        ranks = check_local_capacity(int(self.num_workers), int(self.gpus_per_worker))
         checkpoint_dir = self.resolve_checkpoint_dir(identity, "local")
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         command = with_checkpoint_dir(split_command(self.command), checkpoint_dir)
-        self.log.info("Checkpoints of this task (every try): %s", checkpoint_dir)
+        self.log.info("Training with %d rank(s) here (%d worker(s) x %d GPU(s)); checkpoints of this task "
+                      "(every try): %s", ranks, self.num_workers, self.gpus_per_worker, checkpoint_dir)
         self._local = LocalHorovodLauncher(
-            self.num_workers,
+            ranks,
             command,
             env=dict(self.env or {}),
             timeout=self.timeout,
@@ -341,7 +406,26 @@ class HorovodKubernetesOperator(BaseOperator):
         finally:
             if self._local.process is not None and self._local.process.poll() is None:
                 self._local.kill()
-        return {"backend": "local", "checkpoint_dir": checkpoint_dir, "num_workers": self.num_workers}
+        return {"backend": "local", "checkpoint_dir": checkpoint_dir, "num_workers": self.num_workers,
+                "gpus_per_worker": self.gpus_per_worker}
+
+    def collect_results(self, context: Context | Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+        """Add the training's MLflow run (found on the tracking server by its run key) to the result."""
+        if not (self.mlflow_experiment and self.mlflow_run_key):
+            return result
+        from nightshift.errors import TrackingError
+        from nightshift.tracking import find_training_run
+
+        try:
+            run = find_training_run(str(self.mlflow_experiment), str(self.mlflow_run_key))
+        except TrackingError as err:
+            raise TrainingResultMissing(f"the training job succeeded but its result is not in MLflow: {err}") from err
+        context["ti"].xcom_push(key="mlflow_run_id", value=run["run_id"])
+        context["ti"].xcom_push(key="mlflow_experiment_id", value=run["experiment_id"])
+        self.log.info("Training logged MLflow run %s (experiment %s): %s", run["run_id"], run["experiment_id"],
+                      run["metrics"])
+        return {**result, "mlflow_run_id": run["run_id"], "experiment_id": run["experiment_id"],
+                "model_uri": run["model_uri"], "metrics": run["metrics"]}
 
     def execute_kubernetes(self, identity: TaskIdentity) -> dict[str, Any]:
         namespace = self.resolve_namespace()
@@ -398,7 +482,8 @@ class HorovodKubernetesOperator(BaseOperator):
             self.log.warning("Could not fetch the launcher log of MPIJob %s: %s", name, err)
         if status == "success":
             self._cleanup(launcher, name, succeeded=True)
-            return dict(result or {"backend": "kubernetes", "name": name, "namespace": namespace})
+            return self.collect_results(
+                context, dict(result or {"backend": "kubernetes", "name": name, "namespace": namespace}))
         error = error_for(event.get("error_kind"), str(event.get("message") or f"MPIJob {name} failed"))
         # "error": the trigger lost track of the job; do not leave it running unobserved.
         self._cleanup(launcher, name, succeeded=False, error=error, force=status != "failed")
@@ -433,6 +518,37 @@ class HorovodKubernetesOperator(BaseOperator):
         if self.job_name is not None:
             namespace = self._job_namespace or self.resolve_namespace()
             self.make_launcher(namespace).delete(self.job_name)
+
+
+def _is_template(value: object) -> bool:
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+def _check_backend(value: object) -> str:
+    if value not in BACKENDS:
+        raise InvalidJobConfig(f"backend must be one of {BACKENDS}, got {value!r}")
+    return str(value)
+
+
+def _to_count(name: str, value: object, minimum: int) -> int:
+    """An int field given as an int or as its rendered template (a string of digits)."""
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        number = int(value.strip())
+    if number is None or number < minimum:
+        raise InvalidJobConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def _redacted(uri: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return parts._replace(netloc=f"***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")).geturl()
 
 
 def _plain(obj: Any) -> dict[str, Any]:

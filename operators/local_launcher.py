@@ -1,5 +1,9 @@
 """Run a Horovod job on this machine: `horovodrun -np N -H localhost:N --gloo <command>` as a subprocess.
 
+Only an allowlist of the Airflow worker's environment reaches the ranks (`child_environment`): horovodrun
+copies every variable it is given onto each rank's shell command line, where `ps` shows it, so the
+worker's database URL, secrets and cloud credentials must never be among them.
+
 The subprocess gets its own session (process group); its output is copied line by line into the task
 log; on timeout or `kill()` the whole process tree is terminated (horovodrun starts each rank through a
 middleman in a session of its own, so the tree is walked, not just the group signalled).
@@ -22,11 +26,42 @@ from pathlib import Path
 from typing import Any
 
 from operators.errors import HorovodRunFailed, HorovodRunTimeout, InvalidJobConfig
+from operators.mpijob_spec import check_no_credentials
 
 log = logging.getLogger(__name__)
 
 TAIL_LINES = 30
 KILL_GRACE_SECONDS = 5.0
+
+# What a rank may inherit from the Airflow worker: how to find programs and libraries, locale, the
+# Nightshift and MLflow locations, and the knobs of torch, Horovod, Gloo, NCCL and CUDA. Anything else
+# (AIRFLOW__*, database URLs, cloud credentials, tokens) stays behind; pass what a job needs in `env`.
+ENV_ALLOWLIST = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+    "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+    "MLFLOW_TRACKING_URI", "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK",
+    "CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+})
+ENV_ALLOWED_PREFIXES = ("LC_", "NIGHTSHIFT_", "HOROVOD_", "GLOO_", "NCCL_")
+# Never passed on, whatever the prefix: names that say they hold a secret.
+SECRET_NAME_PARTS = ("SECRET", "PASSWORD", "PASSWD", "TOKEN", "CREDENTIAL", "PRIVATE", "API_KEY", "ACCESS_KEY")
+
+
+def looks_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(part in upper for part in SECRET_NAME_PARTS)
+
+
+def child_environment(source: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of the ranks: the allowlisted part of `source`, then `extra` (the job's own env)."""
+    env = {
+        name: value
+        for name, value in source.items()
+        if (name in ENV_ALLOWLIST or name.startswith(ENV_ALLOWED_PREFIXES)) and not looks_secret(name)
+    }
+    if "MLFLOW_TRACKING_URI" in env:
+        check_no_credentials("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
+    return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 def find_horovodrun() -> str:
@@ -58,6 +93,37 @@ def horovodrun_argv(num_processes: int, command: Sequence[str], *, horovodrun: s
     ]
 
 
+def local_gpu_count() -> int:
+    """GPUs this machine's processes can use (torch's view, which honours CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def check_local_capacity(num_workers: int, gpus_per_worker: int, *, cores: int | None = None,
+                         gpus: int | None = None) -> int:
+    """The number of local ranks for the job, or InvalidJobConfig when this machine cannot run them.
+
+    A CPU job runs one rank per worker and needs a core for each; a GPU job runs one rank per GPU.
+    """
+    if gpus_per_worker > 0:
+        ranks = num_workers * gpus_per_worker
+        available = local_gpu_count() if gpus is None else gpus
+        if ranks > available:
+            raise InvalidJobConfig(
+                f"the local backend needs {ranks} GPUs ({num_workers} workers x {gpus_per_worker} GPUs) but this "
+                f"machine has {available}; ask for at most {available} GPUs in total, or use backend=kubernetes"
+            )
+        return ranks
+    available = len(os.sched_getaffinity(0)) if cores is None else cores
+    if num_workers > available:
+        raise InvalidJobConfig(
+            f"the local backend runs one process per worker and this machine has {available} cores for "
+            f"{num_workers} workers; ask for at most {available} workers, or use backend=kubernetes"
+        )
+    return num_workers
+
+
 def _descendants(pid: int) -> list[Any]:
     import psutil
 
@@ -83,7 +149,7 @@ class LocalHorovodLauncher:
         tail_lines: int = TAIL_LINES,
     ) -> None:
         self.argv = horovodrun_argv(num_processes, command, horovodrun=horovodrun)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = child_environment(os.environ, env)
         self.cwd = cwd
         self.timeout = timeout
         self.log = logger or log

@@ -12,7 +12,9 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 from operators.errors import InvalidJobConfig
 
@@ -210,6 +212,30 @@ def with_checkpoint_dir(command: Sequence[str], checkpoint_dir: str | None) -> l
     if checkpoint_dir is None or passed:
         return args
     return [*args, "--checkpoint-dir", checkpoint_dir]
+
+
+def paths_outside_mounts(command: Sequence[str], mount_paths: Sequence[str]) -> list[str]:
+    """Absolute paths among the command's arguments (not the program itself) that no mount covers.
+
+    `--flag=/path` counts as `/path`. A pod sees only its image and its volumes: a path of the Airflow
+    worker's disk in a trainer's command names nothing, or something else, in the pod.
+    """
+    mounts = [PurePosixPath(m) for m in mount_paths]
+    outside = []
+    for arg in list(command)[1:]:
+        value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
+        if value.startswith("/") and not any(PurePosixPath(value).is_relative_to(m) for m in mounts):
+            outside.append(value)
+    return outside
+
+
+def check_no_credentials(what: str, uri: str) -> None:
+    """Refuse a URI with a password in it: it would be written into manifests, env and command lines."""
+    if urlsplit(uri).password is not None:
+        raise InvalidJobConfig(
+            f"{what} carries a password; give the trainer its credentials through a Kubernetes Secret or "
+            f"MLflow's credentials file (~/.mlflow/credentials), not in the URI"
+        )
 
 
 def launcher_command(config: MPIJobConfig) -> list[str]:

@@ -3,8 +3,6 @@
 - `GXDataGateOperator`: the GX Airflow provider's `GXValidateBatchOperator`, run once per Parquet split of
   a data source known only at run time (a DAG param), with the suite from `gx/`; a failure names every
   failed expectation with sample bad values and the Data Docs page (nightshift's report).
-- `ParamsHorovodOperator`: `HorovodKubernetesOperator` whose workers, GPUs per worker and backend come
-  from the run's params (its constructor takes them as plain ints/strings only).
 - `OptionalApprovalOperator`: the standard provider's HITL `ApprovalOperator`, skipped unless the run's
   `require_approval` param is on.
 """
@@ -12,14 +10,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from great_expectations_provider.operators.validate_batch import GXValidateBatchOperator
-
-from operators.horovod import HorovodKubernetesOperator
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -84,43 +79,6 @@ class GXDataGateOperator(GXValidateBatchOperator):
             detail = describe_failures(report) if not report["success"] else "; ".join(failed)
             raise AirflowFailException(f"validate_data: data failed the GX suite: {detail}")
         return result
-
-
-class ParamsHorovodOperator(HorovodKubernetesOperator):
-    """Takes `num_workers`, `gpus_per_worker` and `backend` from the run's params at execute time.
-
-    Pool slots are fixed at parse time from the defaults (the scheduler assigns them before execute).
-    After training it reads the trainer's MLflow run record and returns it with the final metrics.
-    """
-
-    def __init__(self, *, out_dir: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.out_dir = out_dir
-
-    template_fields: Sequence[str] = (*HorovodKubernetesOperator.template_fields, "out_dir")
-
-    def execute(self, context: Context) -> dict[str, Any]:
-        import json
-
-        params = context["params"]
-        self.num_workers = int(params["workers"])
-        self.gpus_per_worker = int(params["gpus_per_worker"])
-        self.backend = params["backend"]
-        self.log.info("Training with %d worker(s) x %d GPU(s), backend %s", self.num_workers,
-                      self.gpus_per_worker, self.backend)
-        result = super().execute(context)
-        out = Path(str(self.out_dir))
-        try:
-            record = json.loads((out / "mlflow_run.json").read_text())
-            metrics = json.loads((out / "metrics.json").read_text())
-        except (OSError, ValueError) as err:
-            raise AirflowFailException(f"train: the trainer finished but {out} lacks mlflow_run.json or "
-                                       f"metrics.json ({err}); check the training log above") from err
-        context["ti"].xcom_push(key="mlflow_run_id", value=record["run_id"])
-        context["ti"].xcom_push(key="mlflow_experiment_id", value=record.get("experiment_id"))
-        return {**result, "out": str(out), "mlflow_run_id": record["run_id"],
-                "experiment_id": record.get("experiment_id"), "model_uri": record.get("model_uri"),
-                "metrics": metrics}
 
 
 class OptionalApprovalOperator(ApprovalOperator):

@@ -62,6 +62,31 @@ def test_operator_runs_two_processes_and_streams_their_output(capsys: pytest.Cap
     assert Path(result["checkpoint_dir"]).is_dir()
 
 
+# Each rank looks for the planted value in its own environment and in every process's command line (it
+# gets the value in two halves, which appear on command lines only apart).
+LEAK_PROBE = (
+    "import os, pathlib; planted = os.environ['PROBE_HEAD'] + os.environ['PROBE_TAIL']\n"
+    "hits = [p.parent.name for p in pathlib.Path('/proc').glob('[0-9]*/cmdline') "
+    "if planted and planted.encode() in (p.read_bytes() if p.exists() else b'')]\n"
+    "print('rank', os.environ['HOROVOD_RANK'], 'env', 'AWS_SECRET_ACCESS_KEY' in os.environ, "
+    "'airflow', any(k.startswith('AIRFLOW__') for k in os.environ), 'cmdlines', len(hits))"
+)
+
+
+def test_no_secret_of_the_worker_reaches_a_rank_or_a_command_line(capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = "planted-secret-7f3a9c"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", planted)
+    monkeypatch.setenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", f"postgresql://airflow:{planted}@db/airflow")
+    op = HorovodKubernetesOperator(task_id="train", num_workers=2, backend="local",
+                                   command=["python", "-c", LEAK_PROBE], env={"PROBE_HEAD": planted[:9], "PROBE_TAIL": planted[9:]})
+    op.execute(make_context(run_id="manual__leak"))  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        assert f"rank {rank} env False airflow False cmdlines 0" in out, out[-3000:]
+    assert planted not in out
+
+
 def test_failure_reports_exit_code_and_last_lines() -> None:
     script = (
         "import os, sys; r = os.environ['HOROVOD_RANK']; "

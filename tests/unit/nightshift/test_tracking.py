@@ -55,6 +55,19 @@ def test_logging_is_idempotent_by_run_key(logged: dict[str, Any]) -> None:
     assert len(tracking.client().search_runs([experiment.experiment_id])) == 1
 
 
+def test_the_training_run_is_found_on_the_server_by_its_run_key(logged: dict[str, Any]) -> None:
+    for name in ("model.pt", "metrics.json", "mlflow_run.json"):  # nothing of the output dir is read
+        (logged["out"] / name).unlink()
+    found = tracking.find_training_run("unit", "dag/run/train")
+    assert found["run_id"] == logged["run_id"]
+    assert found["model_uri"] == tracking.run_model_uri(logged["run_id"])
+    assert 0 < found["metrics"]["val_accuracy"] <= 1
+    with pytest.raises(TrackingError, match="no complete run tagged nightshift.run_key='dag/other/train'"):
+        tracking.find_training_run("unit", "dag/other/train")
+    with pytest.raises(TrackingError, match="no experiment 'missing'"):
+        tracking.find_training_run("missing", "dag/run/train")
+
+
 def test_register_twice_yields_one_version_with_lineage(logged: dict[str, Any]) -> None:
     first = registry.register(logged["run_id"], model_name="m", lineage={"dataset_version": "md5:1",
                                                                        "dag_id": "d", "dag_run_id": "r"})

@@ -18,6 +18,16 @@ from tests.unit.operators.conftest import make_context
 COMMAND = ["python", "-m", "nightshift.train", "--data", "/workspace/data", "--out", "/workspace/model"]
 CONTEXT = make_context()
 NAME = job_name(HorovodKubernetesOperator.identity_from(CONTEXT))
+TRACKING = "http://mlflow.nightshift.svc:5000"
+
+
+@pytest.fixture(autouse=True)
+def cluster_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIGHTSHIFT_HOME as the shared volume's path, and a tracking server the pods reach."""
+    monkeypatch.setenv("NIGHTSHIFT_HOME", "/workspace")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", TRACKING)
+    monkeypatch.delenv("NIGHTSHIFT_CLUSTER_MLFLOW_URI", raising=False)
+    monkeypatch.delenv("NIGHTSHIFT_SHARED_PVC", raising=False)
 
 
 def operator(cluster: fk.FakeCluster | None = None, **overrides: Any) -> HorovodKubernetesOperator:
@@ -65,6 +75,75 @@ def test_templates_render_into_the_manifest() -> None:
     assert launcher["image"] == "ghcr.io/example/trainer:v7"
     assert launcher["command"][-4:-2] == ["--epochs", "3"]
     assert {"name": "RUN", "value": "r1"} in launcher["env"]
+
+
+def containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    specs = manifest["spec"]["mpiReplicaSpecs"]
+    return [specs[role]["template"]["spec"]["containers"][0] for role in ("Launcher", "Worker")]
+
+
+def test_workers_gpus_and_backend_are_templates_checked_at_execute(validate_mpijob: Any) -> None:
+    op = operator(num_workers="{{ params.workers }}", gpus_per_worker="{{ params.gpus_per_worker }}",
+                  backend="{{ params.backend }}")
+    assert op.pool_slots == 1  # unknown at parse time: the cluster policy sizes it per run
+    for name in ("num_workers", "gpus_per_worker", "backend"):
+        assert name in HorovodKubernetesOperator.template_fields
+    op.render_template_fields({"params": {"workers": 4, "gpus_per_worker": 8, "backend": "kubernetes"}})
+    manifest = op.build_manifest(TaskIdentity("d", "train", "r1", 1))
+    validate_mpijob(manifest)
+    assert (op.num_workers, op.gpus_per_worker, op.backend) == (4, 8, "kubernetes")
+    worker = manifest["spec"]["mpiReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 4 and manifest["spec"]["slotsPerWorker"] == 8
+    assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_workers", "0"), ("num_workers", "two"),
+                                              ("gpus_per_worker", "-1"), ("backend", "slurm")])
+def test_a_bad_rendered_value_names_its_field(field: str, value: str) -> None:
+    op = operator(**{field: "{{ params.x }}"})
+    op.render_template_fields({"params": {"x": value}})
+    with pytest.raises(errors.InvalidJobConfig, match=field):
+        op.execute(CONTEXT)  # type: ignore[arg-type]
+
+
+def test_pods_mount_the_shared_claim_at_nightshift_home_and_log_to_the_tracking_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIGHTSHIFT_SHARED_PVC", "team-rwx")
+    monkeypatch.setenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "postgresql://airflow:hunter2@db/airflow")
+    manifest = operator().build_manifest(TaskIdentity("d", "train", "r1", 1))
+    for role in ("Launcher", "Worker"):
+        pod = manifest["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]
+        assert {"name": "nightshift-shared", "persistentVolumeClaim": {"claimName": "team-rwx"}} in pod["volumes"]
+        assert {"name": "nightshift-shared", "mountPath": "/workspace"} in pod["containers"][0]["volumeMounts"]
+    for container in containers(manifest):
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["MLFLOW_TRACKING_URI"] == TRACKING and env["NIGHTSHIFT_HOME"] == "/workspace"
+        assert not [name for name in env if name.startswith("AIRFLOW")]
+    assert "hunter2" not in yaml.safe_dump(manifest)
+    monkeypatch.setenv("NIGHTSHIFT_CLUSTER_MLFLOW_URI", "http://mlflow.internal:5000")
+    launcher = containers(operator().build_manifest(TaskIdentity("d", "train", "r1", 1)))[0]
+    assert {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.internal:5000"} in launcher["env"]
+
+
+def test_a_path_the_pods_cannot_see_is_refused_before_submitting() -> None:
+    op = operator(command=[*COMMAND, "--extra=/home/airflow/data.csv"])
+    with pytest.raises(errors.InvalidJobConfig, match=r"cannot see /home/airflow/data.csv.*under a volume mount"):
+        op.build_manifest(TaskIdentity("d", "train", "r1", 1))
+    mounted = operator(command=[*COMMAND, "--extra=/data/x.csv"], volumes=[{"name": "d", "emptyDir": {}}],
+                       volume_mounts=[{"name": "d", "mountPath": "/data"}])
+    mounted.build_manifest(TaskIdentity("d", "train", "r1", 1))  # a volume of its own covers it
+
+
+@pytest.mark.parametrize(("uri", "message"), [
+    ("sqlite:////workspace/mlflow.db", "tracking server that the pods reach"),
+    ("http://alice:s3cret@mlflow:5000", "carries a password"),
+])
+def test_a_tracking_uri_the_pods_cannot_use_is_refused(monkeypatch: pytest.MonkeyPatch, uri: str,
+                                                       message: str) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(errors.InvalidJobConfig, match=message) as raised:
+        operator().build_manifest(TaskIdentity("d", "train", "r1", 1))
+    assert "s3cret" not in str(raised.value)
 
 
 def test_checkpoint_dir_is_keyed_by_dag_run_task_never_try() -> None:

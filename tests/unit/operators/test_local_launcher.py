@@ -1,0 +1,48 @@
+"""The local backend's pure parts: which environment reaches the ranks, and how many ranks fit here."""
+
+from __future__ import annotations
+
+import pytest
+
+from operators.errors import InvalidJobConfig
+from operators.local_launcher import check_local_capacity, child_environment
+
+WORKER_ENV = {
+    "PATH": "/venv/bin:/usr/bin",
+    "HOME": "/home/airflow",
+    "LC_ALL": "C.UTF-8",
+    "NIGHTSHIFT_HOME": "/srv/nightshift",
+    "NIGHTSHIFT_PLUGINS": "mypkg.plugins",
+    "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000",
+    "HOROVOD_GLOO_TIMEOUT_SECONDS": "60",
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://airflow:pw@db/airflow",
+    "AIRFLOW_CONN_AWS_DEFAULT": "aws://AKIA:secret@",
+    "AWS_SECRET_ACCESS_KEY": "planted",
+    "NIGHTSHIFT_API_TOKEN": "planted",
+    "DATABASE_URL": "postgresql://u:pw@h/d",
+}
+
+
+def test_only_the_allowlist_reaches_the_ranks() -> None:
+    env = child_environment(WORKER_ENV, {"EXTRA": "from the job"})
+    assert set(env) == {"PATH", "HOME", "LC_ALL", "NIGHTSHIFT_HOME", "NIGHTSHIFT_PLUGINS", "MLFLOW_TRACKING_URI",
+                        "HOROVOD_GLOO_TIMEOUT_SECONDS", "PYTHONUNBUFFERED", "EXTRA"}
+    assert "planted" not in env.values()
+
+
+def test_a_tracking_uri_with_a_password_is_refused() -> None:
+    with pytest.raises(InvalidJobConfig, match="MLFLOW_TRACKING_URI carries a password") as raised:
+        child_environment({"MLFLOW_TRACKING_URI": "https://bob:hunter2@mlflow.example"})
+    assert "hunter2" not in str(raised.value)
+
+
+def test_cpu_jobs_need_a_core_per_worker() -> None:
+    assert check_local_capacity(2, 0, cores=2) == 2
+    with pytest.raises(InvalidJobConfig, match="has 2 cores for 3 workers; ask for at most 2 workers"):
+        check_local_capacity(3, 0, cores=2)
+
+
+def test_gpu_jobs_run_a_rank_per_gpu_and_need_that_many_gpus() -> None:
+    assert check_local_capacity(2, 4, gpus=8) == 8
+    with pytest.raises(InvalidJobConfig, match=r"needs 8 GPUs \(2 workers x 4 GPUs\) but this machine has 0"):
+        check_local_capacity(2, 4, gpus=0)
