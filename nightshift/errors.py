@@ -31,6 +31,14 @@ class CheckpointMismatch(NightshiftError):
     """A checkpoint was written for a different model or configuration."""
 
 
+class DeviceUnavailable(NightshiftError):
+    """A rank cannot train on the device it was asked for (no GPU, too few GPUs, a CPU-only Horovod)."""
+
+
+class DeviceMismatch(NightshiftError):
+    """The ranks of one job resolved to different kinds of device."""
+
+
 class TrackingError(NightshiftError):
     """An MLflow run could not be logged or found."""
 

@@ -23,7 +23,8 @@ def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kw
 
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
+    # CPU tensors whatever device trained the model, so the weights load anywhere without a map_location.
+    torch.save({name: value.detach().cpu() for name, value in model.state_dict().items()}, buffer)
     atomic_write_bytes(out / MODEL_FILE, buffer.getvalue())
     info = {
         "model": model_name,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nightshift.errors import NightshiftError, UsageError
-from nightshift.train.config import TrainConfig
+from nightshift.train.config import COMPRESSIONS, DEVICES, PRECISIONS, TrainConfig
 
 DEFAULTS = TrainConfig(data=".", out=".", checkpoint_dir=".")  # type: ignore[arg-type]
 
@@ -51,7 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=int, default=d.log_every,
                         help=f"steps between progress lines ({d.log_every})")
     parser.add_argument("--threads", type=int, default=d.threads,
-                        help="torch threads per process (0: cores / local processes)")
+                        help="torch threads per process (0: cores / local processes; on resume, the "
+                             "checkpoint's count)")
+    parser.add_argument("--device", choices=DEVICES, default=d.device,
+                        help=f"auto: CUDA when torch sees a GPU, one per local rank, else CPU ({d.device})")
+    parser.add_argument("--precision", choices=PRECISIONS, default=d.precision,
+                        help=f"bf16/fp16: autocast (fp16 with loss scaling) ({d.precision})")
+    parser.add_argument("--compression", choices=COMPRESSIONS, default=d.compression,
+                        help=f"gradient compression for the allreduce ({d.compression})")
     parser.add_argument("--mlflow-experiment", default=None, help="log the run to this MLflow experiment")
     parser.add_argument("--mlflow-run-name", default=None)
     parser.add_argument("--tag", dest="tags", type=_tag, action="append", default=[], help="KEY=VALUE MLflow tag")
@@ -63,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model_kwargs=args.model_kwargs, dataset=args.dataset, epochs=args.epochs, batch_size=args.batch_size,
         lr=args.lr, momentum=args.momentum, seed=args.seed, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, log_every=args.log_every, threads=args.threads,
+        device=args.device, precision=args.precision, compression=args.compression,
         mlflow_experiment=args.mlflow_experiment, mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
     )
 

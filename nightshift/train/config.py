@@ -10,9 +10,16 @@ from typing import Any
 
 from nightshift.errors import UsageError
 
+DEVICES = ("auto", "cuda", "cpu")
+PRECISIONS = ("fp32", "bf16", "fp16")
+COMPRESSIONS = ("none", "fp16")
+
 # Fields that must match between a checkpoint and the run resuming from it: anything else would
-# make the resumed run silently differ from the uninterrupted one.
-RESUME_FIELDS = ("model", "model_kwargs", "dataset", "batch_size", "lr", "momentum", "epochs", "seed")
+# make the resumed run silently differ from the uninterrupted one. `device` enters the key resolved
+# ("cpu" or "cuda", never "auto"): CPU and GPU kernels round differently, so a checkpoint written on
+# one is refused on the other. The torch thread count is not in the key; see `threads_on_resume`.
+RESUME_FIELDS = ("model", "model_kwargs", "dataset", "batch_size", "lr", "momentum", "epochs", "seed",
+                 "device", "precision", "compression")
 
 
 @dataclass
@@ -32,6 +39,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every: int = 20
     threads: int = 0
+    device: str = "auto"
+    precision: str = "fp32"
+    compression: str = "none"
     mlflow_experiment: str | None = None
     mlflow_run_name: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
@@ -49,17 +59,37 @@ class TrainConfig:
             raise UsageError(f"--momentum must be in [0, 1), got {self.momentum!r}")
         if self.threads < 0:
             raise UsageError(f"--threads must be 0 (automatic) or positive, got {self.threads!r}")
+        for name, allowed in (("device", DEVICES), ("precision", PRECISIONS), ("compression", COMPRESSIONS)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not isinstance(self.model_kwargs, dict):
             raise UsageError(f"--model-kwargs must be a JSON object, got {self.model_kwargs!r}")
 
-    def resume_key(self, world_size: int) -> dict[str, Any]:
-        """What a checkpoint must agree with for a resume to be exact."""
+    def resume_key(self, world_size: int, device: str) -> dict[str, Any]:
+        """What a checkpoint must agree with for a resume to be exact, on `device` ("cpu" or "cuda")."""
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"the resume key needs the resolved device type, got {device!r}")
         key = {name: getattr(self, name) for name in RESUME_FIELDS}
+        key["device"] = device
         key["world_size"] = world_size
         return json.loads(json.dumps(key))
 
     def threads_per_process(self, local_size: int) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // max(1, local_size))
+
+    def threads_conflict(self, saved: list[int]) -> str | None:
+        """Why a checkpoint whose ranks ran with `saved` torch threads cannot be resumed, or None.
+
+        The thread count changes the reduction order of CPU kernels, so a resume with another count
+        could end a few ulps away from the uninterrupted run. With `--threads 0` (automatic, the
+        default) the trainer restores each rank's count from the checkpoint, so an Airflow retry on a
+        machine with another core count still resumes exactly. An explicit `--threads N` is a choice
+        the checkpoint must agree with, like the fields of the resume key.
+        """
+        if self.threads and any(count != self.threads for count in saved):
+            there = saved[0] if len(set(saved)) == 1 else saved
+            return f"threads: {there!r} there, {self.threads!r} here"
+        return None
 
     def params(self) -> dict[str, Any]:
         """Hyperparameters as plain JSON values, for metrics, MLflow and the registry."""

@@ -1,8 +1,9 @@
 """The data-parallel trainer: one instance per Horovod process.
 
 Only rank 0 reads or writes checkpoints, logs and writes outputs. A resumed run is bit-for-bit the
-uninterrupted one: the model, optimizer, scheduler, every rank's RNG states and the position in
-the epoch's sample order all come back, and the sample order is a pure function of seed and epoch.
+uninterrupted one: the model, optimizer, scheduler, loss scaler, every rank's RNG states (CPU and
+CUDA) and torch thread count, and the position in the epoch's sample order all come back, and the
+sample order is a pure function of seed and epoch. README.md ("Training") says what that covers on GPUs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import math
 import random
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -28,26 +30,35 @@ from nightshift.models import MODELS
 from nightshift.train.artifacts import save_trained_model
 from nightshift.train.checkpoint import FORMAT, AsyncCheckpointWriter, CheckpointStore
 from nightshift.train.config import TrainConfig
+from nightshift.train.device import autocast, compression, configure_determinism, grad_scaler, select_device
 
 log = logging.getLogger("nightshift.train")
 
 EVAL_BATCH = 1024
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states in a form `torch.load(weights_only=True)` accepts."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states in a form `torch.load(weights_only=True)` accepts; with a CUDA
+    `device`, also that GPU's generator (a CPU byte tensor, like the others)."""
     _, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
-    return {
+    state = {
         "torch": torch.get_rng_state(),
         "numpy": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "python": [version, list(internal), gauss],
     }
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        if device is None or device.type != "cuda":
+            raise ValueError("this RNG state holds a CUDA generator: restore it on a CUDA device")
+        torch.cuda.set_rng_state(state["cuda"], device)
     np_state = state["numpy"]
     np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
                          np_state["has_gauss"], np_state["cached_gaussian"]))
@@ -66,8 +77,6 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, train: Split, validation: Split, hvd: Any) -> None:
         self.config = config
-        self.train_split = train
-        self.validation_split = validation
         self.hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
@@ -75,14 +84,26 @@ class Trainer:
         self.model_kwargs = {"input_shape": tuple(train.input_shape), "num_classes": train.num_classes,
                              **config.model_kwargs}
 
+        # Collective: a rank that cannot use the device it was asked for fails every rank, here.
+        self.device = select_device(config.device, hvd)
+        configure_determinism(self.device)
         torch.set_num_threads(config.threads_per_process(hvd.local_size()))
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        seed_everything(config.seed)
-        self.model = self._build_model()
+        seed_everything(config.seed)  # seeds every GPU's generator too
+        # Built on the CPU, then moved: the initial weights are the same on either device.
+        self.model = self._build_model().to(self.device)
+        # The whole split goes to the device once, rather than pinned host memory and a non_blocking
+        # copy per batch: a Split is already held in memory whole (the dataset loaders' contract), the
+        # demo's train split is 0.3 MB, and a batch is then a gather on the GPU with no host work or
+        # transfer per step. Pinning would not even overlap here: `features[index]` on a pinned tensor
+        # returns unpinned memory. A dataset that does not fit in GPU memory needs a streaming loader.
+        self.train_split = _on_device(train, self.device)
+        self.validation_split = _on_device(validation, self.device)
         optimizer = torch.optim.SGD(self.model.parameters(), lr=config.lr * self.size, momentum=config.momentum)
         # Wrap before loading any state: DistributedOptimizer rebuilds the optimizer from its
         # parameter groups, dropping state loaded into the inner one.
-        self.optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=self.model.named_parameters())
+        self.optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=self.model.named_parameters(),
+                                                  compression=compression(config.compression, hvd))
+        self.scaler = grad_scaler(self.device, config.precision)
         self.sampler: DistributedSampler[int] = DistributedSampler(
             range(len(train)), num_replicas=self.size, rank=self.rank, shuffle=True, seed=config.seed,  # type: ignore[arg-type]
         )
@@ -107,15 +128,19 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------
 
     def _checkpoint_state(self) -> dict[str, Any]:
+        ranks = self.hvd.allgather_object({"rng": rng_state(self.device), "threads": torch.get_num_threads()},
+                                          name="nightshift.rng")
         return {
             "format": FORMAT,
             "step": self.step,
             "epoch": self.step // self.steps_per_epoch,
-            "resume_key": self.config.resume_key(self.size),
+            "resume_key": self.config.resume_key(self.size, self.device.type),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": self.hvd.allgather_object(rng_state(), name="nightshift.rng"),
+            "scaler": self.scaler.state_dict(),  # {} unless --precision fp16
+            "rng": [entry["rng"] for entry in ranks],
+            "threads": [entry["threads"] for entry in ranks],  # torch threads of each rank
             "sampler": {"seed": self.config.seed, "epoch": self.step // self.steps_per_epoch},
             "epoch_loss": list(self.epoch_loss),
         }
@@ -134,17 +159,23 @@ class Trainer:
         if found is None:
             return {}
         checkpoint, state = found
-        expected = self.config.resume_key(self.size)
-        if state["resume_key"] != expected:
-            diff = sorted(k for k in expected if state["resume_key"].get(k) != expected[k])
-            details = ", ".join(f"{k}: {state['resume_key'].get(k)!r} there, {expected[k]!r} here" for k in diff)
-            return {"error": f"{checkpoint.path} was written by a different configuration ({details}); "
+        expected = self.config.resume_key(self.size, self.device.type)
+        diff = sorted(k for k in expected if state["resume_key"].get(k) != expected[k])
+        details = [f"{k}: {state['resume_key'].get(k)!r} there, {expected[k]!r} here" for k in diff]
+        threads = self.config.threads_conflict(list(state.get("threads", [])))
+        if threads:
+            details.append(threads)
+        if details:
+            return {"error": f"{checkpoint.path} was written by a different configuration ({', '.join(details)}); "
                              f"resume with the same arguments or use a new --checkpoint-dir"}
         return {"state": state, "path": str(checkpoint.path)}
 
     def resume(self) -> None:
         # broadcast_object names its collective after the object's type unless told: rank 0's dict
-        # and the others' None would then never meet.
+        # and the others' None would then never meet. Rank 0 loads the checkpoint onto the CPU (not
+        # its GPU) because the state travels to every rank pickled, and a pickled CUDA tensor would
+        # unpickle onto rank 0's GPU everywhere; each rank's load_state_dict then copies the model and
+        # optimizer state onto its own device, and the RNG states must be CPU tensors anyway.
         verdict = self.hvd.broadcast_object(self._find_checkpoint() if self.is_chief else None, root_rank=0,
                                             name="nightshift.resume")
         if "error" in verdict:
@@ -155,9 +186,12 @@ class Trainer:
                 self.model.load_state_dict(state["model"], strict=True)
                 self.optimizer.load_state_dict(state["optimizer"])
                 self.scheduler.load_state_dict(state["scheduler"])
+                if self.scaler.is_enabled():
+                    self.scaler.load_state_dict(state.get("scaler", {}))
             except (RuntimeError, ValueError, KeyError) as err:
                 raise CheckpointMismatch(f"{verdict['path']} does not fit model {self.config.model!r}: {err}") from err
-            set_rng_state(state["rng"][self.rank])
+            set_rng_state(state["rng"][self.rank], self.device)
+            self._restore_threads(state.get("threads"))
             self.step = int(state["step"])
             self.epoch_loss = [float(state["epoch_loss"][0]), int(state["epoch_loss"][1])]
             self.resumed_from = self.step
@@ -169,6 +203,18 @@ class Trainer:
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.is_chief:
             self._truncate_metrics()
+
+    def _restore_threads(self, saved: list[int] | None) -> None:
+        """Run with the torch thread count this rank had when the checkpoint was written (the CPU
+        kernels' reduction order depends on it); an explicit --threads that differs was refused."""
+        if not saved:
+            return
+        threads = int(saved[self.rank])
+        if threads != torch.get_num_threads():
+            if self.is_chief:
+                log.info("using %d torch threads per process as the checkpoint was written with (not %d), "
+                         "so that the resumed run stays bit-for-bit", threads, torch.get_num_threads())
+            torch.set_num_threads(threads)
 
     def _truncate_metrics(self) -> None:
         """Forget metric lines written after the checkpoint we resumed from: they will be redone."""
@@ -192,6 +238,8 @@ class Trainer:
     # -- training ------------------------------------------------------------------------------
 
     def evaluate(self, split: Split) -> dict[str, float]:
+        # In fp32 whatever --precision is: these are the metrics of the saved fp32 weights, as the
+        # evaluate step will see them.
         self.model.eval()
         loss_sum, correct = 0.0, 0
         with torch.no_grad():
@@ -212,16 +260,25 @@ class Trainer:
         steps_run = 0
         epoch_metrics: dict[str, float] = {}
         self.model.train()
+        if self.is_chief:
+            where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+            log.info("training on %s (%s) x %d ranks: precision %s, gradient compression %s, %d torch threads",
+                     self.device, where, self.size, config.precision, config.compression, torch.get_num_threads())
+            if self.device.type == "cpu" and config.precision == "fp16":
+                log.warning("--precision fp16 on the CPU is allowed but slow: CPUs have no fp16 arithmetic units "
+                            "and torch's float16 convolution backward there is tens of times slower than fp32; "
+                            "use --precision bf16 for mixed precision on CPUs")
         while self.step < self.total_steps:
             epoch = self.step // self.steps_per_epoch
             self.sampler.set_epoch(epoch)
             batches = torch.tensor(list(self.sampler), dtype=torch.long).split(config.batch_size)
             for batch in batches[self.step % self.steps_per_epoch:]:
-                x, y = self.train_split.features[batch], self.train_split.labels[batch]
+                index = batch.to(self.device, non_blocking=True)
+                x, y = self.train_split.features[index], self.train_split.labels[index]
                 self.optimizer.zero_grad()
-                loss = F.cross_entropy(self.model(x), y)
-                loss.backward()
-                self.optimizer.step()
+                with autocast(self.device, config.precision):
+                    loss = F.cross_entropy(self.model(x), y)
+                self._backward_and_step(loss)
                 self.scheduler.step()
                 self.step += 1
                 steps_run += 1
@@ -252,6 +309,21 @@ class Trainer:
             epoch_metrics = self.evaluate(self.validation_split)
         return self._finish(epoch_metrics, steps_run, time.perf_counter() - started)
 
+    def _backward_and_step(self, loss: torch.Tensor) -> None:
+        if not self.scaler.is_enabled():
+            loss.backward()
+            self.optimizer.step()
+            return
+        # Horovod's pattern for a GradScaler (its examples/pytorch ImageNet and MNIST scripts): wait
+        # for the allreduce first, so that unscale_ checks the averaged gradients for inf/NaN (every
+        # rank then skips or takes the step alike), then step without reducing a second time.
+        self.scaler.scale(loss).backward()
+        self.optimizer.synchronize()
+        self.scaler.unscale_(self.optimizer)
+        with self.optimizer.skip_synchronize():
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+
     def _end_epoch(self, epoch: int) -> dict[str, float]:
         if not self.is_chief:
             self.epoch_loss = [0.0, 0]
@@ -274,6 +346,9 @@ class Trainer:
             "steps_run": steps_run,
             "resumed_from_step": self.resumed_from,
             "world_size": self.size,
+            "device": self.device.type,
+            "precision": self.config.precision,
+            "compression": self.config.compression,
             "seconds": seconds,
             "checkpoint_seconds": self.checkpoint_seconds,
         }
@@ -284,3 +359,7 @@ class Trainer:
         outcome = {k: v for k, v in summary.items() if k not in ("seconds", "checkpoint_seconds")}
         log.info("training done: %s", json.dumps(outcome, sort_keys=True))
         return summary
+
+
+def _on_device(split: Split, device: torch.device) -> Split:
+    return replace(split, features=split.features.to(device), labels=split.labels.to(device))
