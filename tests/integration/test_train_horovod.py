@@ -1,10 +1,12 @@
-"""Real `horovodrun -np 2 --gloo` jobs: a normal run, a SIGKILLed and resumed run, a corrupt checkpoint."""
+"""Real `horovodrun --gloo` jobs: a normal run, a SIGKILLed and resumed run, a corrupt checkpoint, and
+mixed precision with fp16 gradient compression resumed bit-for-bit on 1 and 2 processes."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,3 +119,48 @@ def test_corrupt_newest_checkpoint_is_skipped(demo_data: Path, tmp_path: Path,
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["resumed_from_step"] == 220 and summary["steps_run"] == 20
     assert_bitwise_equal(weights(out), weights(reference[0] / "out"))
+
+
+# --- mixed precision and gradient compression, on the CPU -------------------------------------------
+
+# 2 short epochs, a checkpoint every 7 steps so that some land mid-epoch.
+MIXED_ARGS = ["--epochs", "2", "--batch-size", "32", "--checkpoint-every", "7", "--keep-checkpoints", "20",
+              "--log-every", "10", "--threads", "1", "--seed", "11", "--device", "cpu"]
+
+
+def run_np(np_: int, data: Path, out: Path, ckpt: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", sys.executable, "-m", "nightshift.train",
+           "--data", str(data), "--out", str(out), "--checkpoint-dir", str(ckpt), *MIXED_ARGS, *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize(("np_", "extra"), [
+    (1, ["--precision", "bf16", "--compression", "fp16"]),
+    (2, ["--precision", "bf16", "--compression", "fp16"]),
+    # fp16 autocast with a GradScaler (allowed on the CPU); the dense model, as CPU fp16 convolutions are slow.
+    (2, ["--precision", "fp16", "--compression", "fp16", "--model", "mlp"]),
+], ids=["np1-bf16", "np2-bf16", "np2-fp16-mlp"])
+def test_mixed_precision_with_compression_resumes_bit_for_bit(demo_data: Path, tmp_path: Path, np_: int,
+                                                              extra: list[str]) -> None:
+    precision = extra[extra.index("--precision") + 1]
+    reference = run_np(np_, demo_data, tmp_path / "ref-out", tmp_path / "ref-ckpt", *extra)
+    summary = json.loads((tmp_path / "ref-out" / "metrics.json").read_text())
+    assert summary["world_size"] == np_ and summary["device"] == "cpu" and summary["precision"] == precision
+    assert summary["compression"] == "fp16" and summary["val_accuracy"] > 0.5
+    assert f"precision {precision}, gradient compression fp16" in reference.stderr
+
+    files = CheckpointStore(tmp_path / "ref-ckpt").files()
+    middle = files[len(files) // 2]
+    state = CheckpointStore(tmp_path / "ref-ckpt").load(middle)
+    assert state["resume_key"]["precision"] == precision and state["resume_key"]["compression"] == "fp16"
+    assert state["resume_key"]["device"] == "cpu" and state["threads"] == [1] * np_ and len(state["rng"]) == np_
+    assert bool(state["scaler"]) == (precision == "fp16")  # the loss scale and its growth tracker
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(middle.path, tmp_path / "ckpt" / middle.path.name)
+
+    run_np(np_, demo_data, tmp_path / "out", tmp_path / "ckpt", *extra)
+    resumed = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert resumed["resumed_from_step"] == middle.step and resumed["steps_run"] == summary["steps"] - middle.step
+    assert_bitwise_equal(weights(tmp_path / "out"), weights(tmp_path / "ref-out"))

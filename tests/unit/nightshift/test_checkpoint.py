@@ -33,6 +33,17 @@ def test_write_then_load_round_trips_and_names_sort_by_step(store: CheckpointSto
     assert torch.equal(loaded["model"]["w"], torch.full((3,), 1.5))
 
 
+
+def test_loss_scaler_and_thread_counts_survive_a_weights_only_load(store: CheckpointStore) -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    full = {**state(1), "scaler": scaler.state_dict(), "threads": [2, 3]}
+    store.write(full)
+    _, loaded = store.latest_valid()  # type: ignore[misc]
+    assert loaded["threads"] == [2, 3]
+    restored = torch.amp.GradScaler("cpu")
+    restored.load_state_dict(loaded["scaler"])
+    assert restored.get_scale() == 1024.0 and restored.get_growth_interval() == 7
+
 def test_keeps_only_the_newest_k(store: CheckpointStore) -> None:
     for step in (1, 2, 3, 4):
         store.write(state(step))

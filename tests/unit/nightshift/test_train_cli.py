@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
+from nightshift.train.checkpoint import CheckpointStore
 from nightshift.train.config import TrainConfig
 
 
-def train(*args: str | Path) -> subprocess.CompletedProcess[str]:
+def train(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "nightshift.train", *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def assert_clean_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -70,3 +75,72 @@ def test_config_names_the_bad_field() -> None:
         TrainConfig(data=Path("."), out=Path("."), checkpoint_dir=Path("."), lr=0.0)
     with pytest.raises(Exception, match=r"--momentum must be in \[0, 1\)"):
         TrainConfig(data=Path("."), out=Path("."), checkpoint_dir=Path("."), momentum=1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda would train")
+def test_device_cuda_without_a_gpu_fails_before_training_naming_the_host(demo_data: Path,
+                                                                         run_dirs: list[str | Path]) -> None:
+    result = train("--data", demo_data, "--device", "cuda", *run_dirs,
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert_clean_error(result, "nightshift.train:", f"on host {socket.gethostname()}",
+                       "rank 0 (local rank 0)", "--device cuda", "torch.cuda.is_available() is False",
+                       "torch.cuda.device_count() is 0", "CUDA_VISIBLE_DEVICES is ''")
+    assert "training on" not in result.stderr and not Path(run_dirs[3]).exists()  # no step, no checkpoint
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--device", "tpu"), ("--precision", "fp8"), ("--compression", "int8")])
+def test_unknown_device_precision_or_compression(demo_data: Path, run_dirs: list[str | Path], flag: str,
+                                                 value: str) -> None:
+    assert_clean_error(train("--data", demo_data, flag, value, *run_dirs), flag, "invalid choice", repr(value))
+
+
+# A finished single-process run of the small dense model with a checkpoint every 10 of its 40 steps,
+# written with 1 torch thread: what the resume tests below start from.
+MLP_RUN = ["--model", "mlp", "--epochs", "1", "--checkpoint-every", "10", "--keep-checkpoints", "10", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def mlp_run(demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("mlp-run")
+    result = train("--data", demo_data, "--out", base / "out", "--checkpoint-dir", base / "ckpt", *MLP_RUN,
+                   "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert [c.step for c in CheckpointStore(base / "ckpt").files()] == [10, 20, 30, 40]
+    return base
+
+
+def copy_checkpoint(run: Path, step: int, ckpt: Path) -> None:
+    ckpt.mkdir()
+    (checkpoint,) = [c for c in CheckpointStore(run / "ckpt").files() if c.step == step]
+    shutil.copy(checkpoint.path, ckpt / checkpoint.path.name)
+
+
+def test_an_explicit_thread_count_must_match_the_checkpoint(demo_data: Path, mlp_run: Path, tmp_path: Path) -> None:
+    copy_checkpoint(mlp_run, 20, tmp_path / "ckpt")
+    result = train("--data", demo_data, "--out", tmp_path / "out", "--checkpoint-dir", tmp_path / "ckpt", *MLP_RUN,
+                   "--threads", "2")
+    assert_clean_error(result, "different configuration", "threads: 1 there, 2 here", "--checkpoint-dir")
+
+
+def test_the_automatic_thread_count_is_restored_from_the_checkpoint(demo_data: Path, mlp_run: Path,
+                                                                     tmp_path: Path) -> None:
+    copy_checkpoint(mlp_run, 20, tmp_path / "ckpt")
+    result = train("--data", demo_data, "--out", tmp_path / "out", "--checkpoint-dir", tmp_path / "ckpt", *MLP_RUN,
+                   "--threads", "0")
+    assert result.returncode == 0, result.stderr
+    if (os.cpu_count() or 1) > 1:  # automatic would have picked more than the checkpoint's 1
+        assert "using 1 torch threads per process as the checkpoint was written with" in result.stderr
+    assert "resumed from checkpoint" in result.stderr
+    resumed = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    reference = torch.load(mlp_run / "out" / "model.pt", weights_only=True)
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+def test_a_checkpoint_written_on_another_device_is_refused(demo_data: Path, mlp_run: Path, tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    state = CheckpointStore(mlp_run / "ckpt").latest_valid()[1]  # type: ignore[index]
+    state["resume_key"]["device"] = "cuda"  # as a GPU run would have written it
+    store.write(state)
+    result = train("--data", demo_data, "--out", tmp_path / "out", "--checkpoint-dir", tmp_path / "ckpt", *MLP_RUN,
+                   "--threads", "1", "--device", "cpu")
+    assert_clean_error(result, "different configuration", "device: 'cuda' there, 'cpu' here")

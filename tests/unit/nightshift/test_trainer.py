@@ -35,6 +35,14 @@ def test_rng_states_survive_a_weights_only_checkpoint(tmp_path: Path) -> None:
     assert draw() == expected
 
 
+
+def test_a_cuda_rng_state_is_only_restored_on_a_gpu() -> None:
+    state = rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    state["cuda"] = torch.zeros(16, dtype=torch.uint8)  # as a GPU rank's checkpoint holds it
+    with pytest.raises(ValueError, match="restore it on a CUDA device"):
+        set_rng_state(state, torch.device("cpu"))
+
 def test_resume_key_covers_what_changes_the_result() -> None:
     base = TrainConfig(data=Path("d"), out=Path("o"), checkpoint_dir=Path("c"))
     other_paths = TrainConfig(data=Path("elsewhere"), out=Path("o2"), checkpoint_dir=Path("c"), log_every=3)
