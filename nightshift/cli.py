@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.data.cli",
     "nightshift.train.cli",
     "nightshift.serving_cli",
+    "nightshift.plan_cli",
 )
 
 

@@ -7,6 +7,7 @@ checkpoint directory are derived here too, so the local and Kubernetes backends 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 import shlex
@@ -264,19 +265,20 @@ def _resources(requests: Mapping[str, str | None], limits: Mapping[str, str | in
 
 
 def _pod_spec(config: MPIJobConfig, container: dict[str, Any]) -> dict[str, Any]:
+    # Deep copies: the launcher's and the workers' templates share no object (YAML would print anchors).
     if config.image_pull_policy:
         container["imagePullPolicy"] = config.image_pull_policy
     if config.volume_mounts:
-        container["volumeMounts"] = [dict(m) for m in config.volume_mounts]
+        container["volumeMounts"] = copy.deepcopy([dict(m) for m in config.volume_mounts])
     spec: dict[str, Any] = {"containers": [container]}
     if config.volumes:
-        spec["volumes"] = [dict(v) for v in config.volumes]
+        spec["volumes"] = copy.deepcopy([dict(v) for v in config.volumes])
     if config.service_account_name:
         spec["serviceAccountName"] = config.service_account_name
     if config.node_selector:
         spec["nodeSelector"] = dict(config.node_selector)
     if config.tolerations:
-        spec["tolerations"] = [dict(t) for t in config.tolerations]
+        spec["tolerations"] = copy.deepcopy([dict(t) for t in config.tolerations])
     if config.priority_class_name:
         spec["priorityClassName"] = config.priority_class_name
     if config.image_pull_secrets:

@@ -22,12 +22,32 @@ def mpijob_schema() -> dict[str, Any]:
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
+def strict(schema: Any) -> Any:
+    """The schema with unknown fields forbidden wherever it lists the known ones.
+
+    The published CRDs allow unknown fields, so a misspelt field (`slotsPerWorkerr`) would pass; an
+    object that declares `properties` and neither `additionalProperties` nor
+    `x-kubernetes-preserve-unknown-fields` accepts nothing else here.
+    """
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict(value) for key, value in schema.items()}
+    if ("properties" in schema and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
 @pytest.fixture
 def validate_mpijob(mpijob_schema: dict[str, Any]) -> Any:
     import jsonschema
 
+    schema = strict(mpijob_schema)
+
     def check(manifest: dict[str, Any]) -> None:
-        jsonschema.validate(manifest, mpijob_schema)
+        jsonschema.validate(manifest, schema)
 
     return check
 

@@ -1,0 +1,43 @@
+"""`nightshift plan --conf JSON`: the Kubernetes objects a `nightly_retrain` run with that conf would create.
+
+Rendering needs the DAG and its operator, which are Airflow's: the work is handed to `operators.plan`,
+imported only when this command runs, so `nightshift` itself never imports Airflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from nightshift.errors import UsageError
+
+
+def _conf(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"--conf is not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--conf must be a JSON object of the DAG's params")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    plan = subparsers.add_parser(
+        "plan", help="print, as YAML, every Kubernetes object a nightly_retrain run with this conf would create")
+    plan.add_argument("--conf", type=_conf, default={}, help="the trigger conf: a JSON object of the DAG's params")
+    plan.add_argument("--run-id", default="manual__plan", help="the run id to render names and paths for")
+    plan.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from operators.plan import PlanError, plan, render_yaml
+
+    try:
+        objects = plan(args.conf, run_id=args.run_id)
+    except PlanError as err:
+        raise UsageError(str(err)) from err
+    sys.stdout.write(render_yaml(objects))
+    return 0

@@ -1,0 +1,101 @@
+"""What a `nightly_retrain` run would submit to Kubernetes, rendered without a cluster (`nightshift plan`).
+
+The DAG file is imported as Airflow would import it, the trigger conf is checked by the DAG's own Params
+(unknown keys refused too), and the `train` task's templates are rendered with that run's params and a
+staged dataset standing in for `stage_dataset`'s result. The MPIJob is built by the same code path the
+operator runs at execute, so the plan is what the cluster would receive.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from operators.errors import InvalidJobConfig
+
+REPO = Path(__file__).resolve().parents[1]
+DAGS_DIR = REPO / "dags"
+DAG_FILE = "nightly_retrain.py"
+TRAIN_TASK = "train"
+PLAN_RUN_ID = "manual__plan"
+# What stage_dataset would return; the hash is known only once the data has been versioned.
+DATASET_VERSION_PLACEHOLDER = "md5:dataset-version"
+
+
+class PlanError(ValueError):
+    """The trigger conf (or what it asks for) cannot become a run; the message names the key."""
+
+
+def load_dag(dags_dir: Path = DAGS_DIR, dag_file: str = DAG_FILE) -> Any:
+    """The DAG object of `dag_file`, imported with the DAG folder on sys.path (as Airflow puts it)."""
+    if str(dags_dir) not in sys.path:
+        sys.path.insert(0, str(dags_dir))
+    spec = importlib.util.spec_from_file_location(f"nightshift_plan_{Path(dag_file).stem}", dags_dir / dag_file)
+    if spec is None or spec.loader is None:
+        raise PlanError(f"cannot import {dags_dir / dag_file}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dag
+
+
+def effective_params(dag: Any, conf: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's params: the conf over the DAG's defaults, validated by each Param's own schema."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    unknown = sorted(set(conf) - set(dag.params))
+    if unknown:
+        raise PlanError(f"unknown conf key(s) {', '.join(unknown)}; {dag.dag_id} takes: {', '.join(dag.params)}")
+    params = copy.deepcopy(dag.params)
+    try:
+        params.update(dict(conf))
+        return dict(params.validate())
+    except ParamValidationError as err:  # its first line names the param and what is wrong
+        raise PlanError(str(err).splitlines()[0]) from err
+
+
+class _StagedTI:
+    """Stands in for the task instance in templates: `xcom_pull` answers with what stage_dataset returns."""
+
+    def __init__(self, dag_id: str, run_id: str, task_id: str) -> None:
+        self.dag_id, self.run_id, self.task_id = dag_id, run_id, task_id
+        self.try_number, self.map_index = 1, -1
+
+    def xcom_pull(self, task_ids: str | None = None, key: str = "return_value", **_: Any) -> Any:
+        if task_ids != "stage_dataset" or key != "return_value":
+            return None
+        from nightly_tasks.steps import workspace_for
+
+        workspace = workspace_for(self.dag_id, self.run_id)
+        return {"path": str(workspace / "data"), "workspace": str(workspace), "hash": DATASET_VERSION_PLACEHOLDER}
+
+
+def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None) -> list[dict[str, Any]]:
+    """Every Kubernetes object a run with `conf` creates, in creation order (none on the local backend)."""
+    dag = dag if dag is not None else load_dag()
+    params = effective_params(dag, conf)
+    if params.get("backend") == "local":
+        return []
+    from operators.horovod import HorovodKubernetesOperator
+
+    task = copy.deepcopy(dag.get_task(TRAIN_TASK))
+    if not isinstance(task, HorovodKubernetesOperator):
+        raise PlanError(f"{dag.dag_id}.{TRAIN_TASK} is a {type(task).__name__}, not a HorovodKubernetesOperator")
+    ti = _StagedTI(dag.dag_id, run_id, TRAIN_TASK)
+    context = {"params": params, "run_id": run_id, "dag": dag, "ti": ti, "task_instance": ti, "task": task}
+    task.render_template_fields(context)  # type: ignore[arg-type]
+    try:
+        return [task.build_manifest(task.identity_from(context), task.namespace or None)]
+    except InvalidJobConfig as err:
+        raise PlanError(f"{TRAIN_TASK}: {err}") from err
+
+
+def render_yaml(objects: list[dict[str, Any]]) -> str:
+    import yaml
+
+    if not objects:
+        return "# backend=local: this run creates no Kubernetes objects (horovodrun on the Airflow worker)\n"
+    return yaml.safe_dump_all(objects, sort_keys=False)

@@ -1,0 +1,86 @@
+"""`nightshift plan --conf JSON`, run as a user runs it: the MPIJob a nightly_retrain run would submit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+NIGHTSHIFT = str(Path(sys.executable).with_name("nightshift"))
+TRACKING = "http://mlflow.nightshift.svc:5000"
+
+
+def plan(conf: dict[str, Any] | str, **env: str) -> subprocess.CompletedProcess[str]:
+    text = conf if isinstance(conf, str) else json.dumps(conf)
+    child = {**os.environ, "NIGHTSHIFT_HOME": "/nightshift", "MLFLOW_TRACKING_URI": TRACKING,
+             "AIRFLOW__CORE__FERNET_KEY": "planted-fernet", **env}
+    child.pop("NIGHTSHIFT_CLUSTER_MLFLOW_URI", None)
+    return subprocess.run([NIGHTSHIFT, "plan", "--conf", text], capture_output=True, text=True, env=child,
+                          cwd=REPO, timeout=120, check=False)
+
+
+def test_four_workers_of_eight_gpus(validate_mpijob: Any) -> None:
+    done = plan({"backend": "kubernetes", "workers": 4, "gpus_per_worker": 8}, NIGHTSHIFT_SHARED_PVC="team-rwx")
+    assert done.returncode == 0, done.stderr
+    objects = list(yaml.safe_load_all(done.stdout))
+    assert [o["kind"] for o in objects] == ["MPIJob"]
+    job = objects[0]
+    validate_mpijob(job)
+    assert job["spec"]["slotsPerWorker"] == 8
+    workers = job["spec"]["mpiReplicaSpecs"]["Worker"]
+    assert workers["replicas"] == 4
+    assert workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
+    command = launcher["containers"][0]["command"]
+    assert command[:3] == ["mpirun", "-np", "32"]
+    for role in ("Launcher", "Worker"):
+        pod = job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]
+        assert pod["volumes"] == [{"name": "nightshift-shared", "persistentVolumeClaim": {"claimName": "team-rwx"}}]
+        mounts = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
+        assert mounts == ["/nightshift"]
+        env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+        assert env["MLFLOW_TRACKING_URI"] == TRACKING
+        assert not [name for name in env if name.startswith("AIRFLOW")]
+    paths = [arg.split("=", 1)[-1] for arg in command[command.index("nightshift.train"):] if "/" in arg]
+    assert paths and all(p.startswith("/nightshift/") for p in paths if p.startswith("/")), paths
+    assert "--checkpoint-dir" in command and "planted-fernet" not in done.stdout
+
+
+def test_the_local_backend_creates_no_kubernetes_object() -> None:
+    done = plan({"workers": 2})
+    assert done.returncode == 0 and not list(yaml.safe_load_all(done.stdout))
+
+
+@pytest.mark.parametrize(("conf", "message"), [
+    ({"backend": "kubernetes", "workerz": 4}, "unknown conf key(s) workerz"),
+    ({"workers": "four"}, "Invalid input for param workers: 'four' is not of type 'integer'"),
+    ({"workers": 0}, "Invalid input for param workers: 0 is less than the minimum of 1"),
+    ({"backend": "slurm"}, "Invalid input for param backend: 'slurm' is not one of"),
+    ('["workers", 4]', "must be a JSON object"),
+])
+def test_a_bad_conf_exits_non_zero_with_the_params_message(conf: dict[str, Any] | str, message: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from nightshift.cli import main
+
+    text = conf if isinstance(conf, str) else json.dumps(conf)
+    try:
+        code = main(["plan", "--conf", text])
+    except SystemExit as exit_:  # argparse's own usage errors
+        code = exit_.code  # type: ignore[assignment]
+    out, err = capsys.readouterr()
+    assert code == 2 and message in err, err
+    assert out == "" and len(err.strip().splitlines()) == 1
+
+
+def test_a_tracking_store_the_pods_cannot_reach_is_refused() -> None:
+    done = plan({"backend": "kubernetes"}, MLFLOW_TRACKING_URI="sqlite:////nightshift/mlflow.db")
+    assert done.returncode == 2
+    assert "needs an MLflow tracking server that the pods reach" in done.stderr
