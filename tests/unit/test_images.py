@@ -175,6 +175,46 @@ def test_trainer_builds_horovod_with_the_required_frameworks() -> None:
     assert "HOROVOD_GPU" not in cpu_stage
 
 
+def _nccl_check() -> str:
+    (build,) = [r for r in _runs(TRAINER / "Dockerfile") if "pip wheel" in r]
+    match = re.search(r"(if \[ \"\$\{HOROVOD_GPU_OPERATIONS:-\}\" = NCCL \]; then .*? fi)", build)
+    assert match is not None, "the Horovod build does not check for NCCL"
+    return match.group(1)
+
+
+def test_trainer_checks_the_cuda_build_has_nccl_with_the_driver_stub_in_place() -> None:
+    (build,) = [r for r in _runs(TRAINER / "Dockerfile") if "pip wheel" in r]
+    stub = build.index('ldconfig "${HOROVOD_CUDA_HOME}/lib64/stubs"')
+    check = build.index("horovodrun --check-build > /build/check-build.txt")
+    assert stub < check < build.index(_nccl_check()) < build.rindex("&& ldconfig")  # the stub is dropped after
+    assert build.rstrip().endswith("&& ldconfig")
+
+
+@pytest.mark.parametrize(("operations", "report", "ok"), [
+    ("NCCL", "Available Tensor Operations:\n    [X] NCCL\n    [ ] DDL\n    [X] Gloo\n", True),
+    ("NCCL", "Available Tensor Operations:\n    [ ] NCCL\n    [ ] DDL\n    [X] Gloo\n", False),
+    ("", "Available Tensor Operations:\n    [ ] NCCL\n    [X] Gloo\n", True),  # the CPU variant
+])
+def test_the_nccl_check_fails_a_cuda_build_without_nccl(tmp_path: Path, operations: str, report: str,
+                                                         ok: bool) -> None:
+    (tmp_path / "check-build.txt").write_text(report)
+    script = _nccl_check().replace("/build/check-build.txt", str(tmp_path / "check-build.txt"))
+    env = {**os.environ, "HOROVOD_GPU_OPERATIONS": operations}
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=10)
+    assert (result.returncode == 0) is ok, result.stderr
+    if not ok:
+        assert "Horovod was built without NCCL operations" in result.stderr
+
+
+def test_trainer_cuda_toolkit_matches_the_cuda_of_the_torch_wheel() -> None:
+    text = (TRAINER / "Dockerfile").read_text()
+    cuda = re.search(r"^ARG CUDA_VERSION=(\d+)\.(\d+)\.\d+$", text, re.M)
+    wheel = re.search(r"TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu(\d+)", text)
+    assert cuda is not None and wheel is not None
+    assert wheel.group(1) == cuda.group(1) + cuda.group(2), (
+        f"CUDA {cuda.group(1)}.{cuda.group(2)} toolkit but a cu{wheel.group(1)} torch wheel"
+    )
+
 def test_trainer_versions_match_the_project_pins() -> None:
     pins = _pins()
     text = (TRAINER / "Dockerfile").read_text()
