@@ -252,6 +252,30 @@ class _Job:
         return steps[min(max(self.tick, 0), len(steps) - 1)]
 
 
+_STRICT_SCHEMA: dict[str, Any] = {}
+
+
+def _validate_strictly(body: dict[str, Any]) -> None:
+    """422 Invalid, as an API server with `fieldValidation=Strict` answers, for what the CRD does not accept."""
+    import jsonschema
+    import yaml
+
+    from tests.unit.operators.conftest import MPIJOB_CRD, strict
+
+    if not _STRICT_SCHEMA:
+        if not MPIJOB_CRD.exists():
+            import pytest
+
+            pytest.skip(f"MPIJob CRD schema not found at {MPIJOB_CRD} (needs ../shared/schemas beside the repo)")
+        crd = yaml.safe_load(MPIJOB_CRD.read_text())
+        version = next(v for v in crd["spec"]["versions"] if v["name"] == "v2beta1")
+        _STRICT_SCHEMA.update(strict(version["schema"]["openAPIV3Schema"]))
+    try:
+        jsonschema.validate(body, _STRICT_SCHEMA)
+    except jsonschema.ValidationError as err:
+        raise _api_error(422, "Unprocessable Entity", f"MPIJob.kubeflow.org is invalid: {err.message}") from err
+
+
 class FakeCluster:
     """CustomObjectsApi + CoreV1Api in one object, with scripted MPIJobs. Thread-safe."""
 
@@ -270,6 +294,7 @@ class FakeCluster:
         self, group: str, version: str, namespace: str, plural: str, body: dict[str, Any], **_: Any
     ) -> dict[str, Any]:
         assert (group, version, plural) == ("kubeflow.org", "v2beta1", "mpijobs")
+        _validate_strictly(body)
         name = body["metadata"]["name"]
         with self._lock:
             if (namespace, name) in self.jobs:

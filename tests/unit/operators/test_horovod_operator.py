@@ -146,6 +146,16 @@ def test_a_tracking_uri_the_pods_cannot_use_is_refused(monkeypatch: pytest.Monke
     assert "s3cret" not in str(raised.value)
 
 
+def test_the_fake_api_refuses_what_the_crd_does_not_know_as_a_strict_server_would() -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    body = operator().build_manifest(TaskIdentity("d", "train", "r1", 1))
+    body["spec"]["slotsPerWorkerr"] = body["spec"].pop("slotsPerWorker")
+    with pytest.raises(ApiException) as raised:
+        fk.FakeCluster().create_namespaced_custom_object("kubeflow.org", "v2beta1", "default", "mpijobs", body)
+    assert raised.value.status == 422 and "slotsPerWorkerr" in str(raised.value.body)
+
+
 def test_checkpoint_dir_is_keyed_by_dag_run_task_never_try() -> None:
     op = operator()
     first = op.build_manifest(TaskIdentity("d", "train", "r1", 1))
