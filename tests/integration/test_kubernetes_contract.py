@@ -129,5 +129,6 @@ def test_a_job_whose_pods_could_not_log_fails_with_the_reason(tracking_server: s
         mlflow_experiment="nightly_retrain", mlflow_run_key="nightly_retrain/never-logged")
     op.__dict__["hook"] = fk.FakeHook(cluster)
     ti = RecordingTI(dag_id="nightly_retrain", task_id="train", run_id="r", try_number=1, map_index=-1, pushed={})
-    with pytest.raises(TrainingResultMissing, match="no complete run tagged nightshift.run_key='nightly_retrain/never"):
+    with pytest.raises(TrainingResultMissing,
+                       match=r"no complete run tagged nightshift\.run_key=.nightly_retrain/nev"):
         op.execute({"ti": ti, "run_id": "r"})  # type: ignore[arg-type]
