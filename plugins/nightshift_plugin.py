@@ -8,7 +8,9 @@
   version -> model version -> deployment (from the run ledger in NIGHTSHIFT_HOME), `/nightshift/lineage.json`
   the same as JSON, `/nightshift/data-docs/...` the GX Data Docs pages. The page is also a nav entry.
 
-These endpoints are not behind Airflow's auth manager; Nightshift binds Airflow to 127.0.0.1.
+Every endpoint is behind Airflow's auth manager, as the REST API is: a request without a valid token
+(the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read
+`nightly_retrain`'s runs gets 403 (run parameters, failure reasons and sample data values are the DAG's).
 Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.0.0.1:5000).
 """
 
@@ -138,22 +140,33 @@ tr.failed td{{color:#a00}}</style></head>
 {body}</table></body></html>"""
 
 
+def _require_dag_runs_read() -> Any:
+    """The API server's own check: may this user read the runs of `nightly_retrain`?"""
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+    from airflow.api_fastapi.core_api.security import requires_access_dag
+
+    return requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN, param_dag_id=DAG_ID)
+
+
 def create_app() -> Any:
-    from fastapi import FastAPI, HTTPException
+    from fastapi import Depends, FastAPI, HTTPException
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
-    app = FastAPI(title="Nightshift", description="nightly_retrain lineage and GX Data Docs")
+    app = FastAPI(title="Nightshift", description="nightly_retrain lineage and GX Data Docs",
+                  dependencies=[Depends(_require_dag_runs_read())])
 
+    # Return annotations are left out: with postponed evaluation FastAPI would have to resolve names
+    # imported inside this function, and /openapi.json answered 500 when it could not.
     @app.get("/lineage", response_class=HTMLResponse)
-    def lineage_page(limit: int = RECENT) -> HTMLResponse:
+    def lineage_page(limit: int = RECENT):  # type: ignore[no-untyped-def]
         return HTMLResponse(lineage_html(lineage_records(limit)))
 
     @app.get("/lineage.json")
-    def lineage_json(limit: int = RECENT) -> JSONResponse:
+    def lineage_json(limit: int = RECENT):  # type: ignore[no-untyped-def]
         return JSONResponse(lineage_records(limit))
 
     @app.get("/data-docs/{path:path}")
-    def data_docs(path: str) -> FileResponse:
+    def data_docs(path: str):  # type: ignore[no-untyped-def]
         root = _data_docs_root().resolve()
         target = (root / path).resolve()
         if root not in target.parents or not target.is_file():

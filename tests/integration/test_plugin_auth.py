@@ -1,0 +1,70 @@
+"""The plugin's pages and JSON behind Airflow's auth, in the real API server app (in a child process).
+
+A request without a token gets 401, a user who may not read `nightly_retrain` gets 403 on every page,
+and a user who may gets the lineage page, its JSON and the Data Docs, but never a file outside them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dags.conftest import REPO, airflow_env, run_json  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.integration
+
+PROBE = f"""
+import json, sys
+sys.path[:0] = [{str(REPO / 'dags')!r}]
+from fastapi.testclient import TestClient
+from airflow.api_fastapi.app import create_app, get_auth_manager
+from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+from nightly_tasks import lineage
+lineage.append_record("nightly_retrain", {{"run_id": "r1", "status": "success", "dataset_version": "abc123",
+                      "model_version": "7", "serving_url": "http://127.0.0.1:1", "outcome": "promoted v7",
+                      "reason": "sample bad value 99.5"}})
+client = TestClient(create_app("core"))
+manager = get_auth_manager()
+tokens = {{name: manager.generate_jwt(SimpleAuthManagerUser(username=name, role=role))
+          for name, role in (("alice", "viewer"), ("outsider", "viewer"))}}
+paths = ["/nightshift/lineage", "/nightshift/lineage.json", "/nightshift/data-docs/run/index.html"]
+out = {{"anonymous": [client.get(p).status_code for p in paths]}}
+for name, token in tokens.items():
+    answers = [client.get(p, headers={{"Authorization": f"Bearer {{token}}"}}) for p in paths]
+    out[name] = [a.status_code for a in answers]
+    out[name + "_bodies"] = [a.text for a in answers]
+cookie = client.get("/nightshift/lineage", cookies={{"_token": tokens["alice"]}})
+out["cookie"] = cookie.status_code
+escape = client.get("/nightshift/data-docs/..%2F..%2F..%2F..%2F..%2Fetc%2Fpasswd",
+                    headers={{"Authorization": "Bearer " + tokens["alice"]}})
+out["escape"] = [escape.status_code, "root:" in escape.text]
+out["openapi"] = client.get("/nightshift/openapi.json").status_code
+print(json.dumps(out))
+"""
+
+
+def test_pages_need_a_login_and_read_access_to_the_dag(airflow_env: dict[str, str], tmp_path: Path,
+                                                        nightshift_home: Path) -> None:
+    page = nightshift_home / "gx" / "data_docs" / "run" / "index.html"
+    page.parent.mkdir(parents=True)
+    page.write_text("<html>data docs: sample bad value 99.5</html>")
+    env = {**airflow_env,
+           "AIRFLOW__CORE__AUTH_MANAGER": "tests.integration.auth_managers.DagScopedAuthManager",
+           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "alice:viewer,outsider:viewer",
+           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(tmp_path / "passwords.json"),
+           "PYTHONPATH": str(REPO)}
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    subprocess.run([airflow, "db", "migrate"], env=env, cwd=REPO, check=True, capture_output=True, timeout=300)
+    out = run_json(PROBE, env)
+    assert out["anonymous"] == [401, 401, 401]
+    assert out["outsider"] == [403, 403, 403]
+    assert not any("abc123" in body or "99.5" in body for body in out["outsider_bodies"])
+    assert out["alice"] == [200, 200, 200]
+    html, records, docs = out["alice_bodies"]
+    assert "abc123" in html and "v7" in html and '"run_id":"r1"' in records.replace(" ", "") and "99.5" in docs
+    assert out["cookie"] == 200  # the UI's session cookie is a login too
+    assert out["escape"] == [404, False]
+    assert out["openapi"] == 200
