@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,18 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo-data")
     write_demo_dataset(out, seed=0)
     return out
+
+
+@pytest.fixture
+def airflow_env(tmp_path: Path, nightshift_home: Path) -> dict[str, str]:
+    """A throwaway AIRFLOW_HOME with this repo's dags and plugins; Airflow is only ever imported in children."""
+    env = dict(os.environ)
+    env.update({
+        "AIRFLOW_HOME": str(tmp_path / "airflow-home"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path / 'airflow.db'}",
+        "NIGHTSHIFT_HOME": str(nightshift_home),
+    })
+    return env

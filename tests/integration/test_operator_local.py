@@ -79,7 +79,8 @@ def test_no_secret_of_the_worker_reaches_a_rank_or_a_command_line(capsys: pytest
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", planted)
     monkeypatch.setenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", f"postgresql://airflow:{planted}@db/airflow")
     op = HorovodKubernetesOperator(task_id="train", num_workers=2, backend="local",
-                                   command=["python", "-c", LEAK_PROBE], env={"PROBE_HEAD": planted[:9], "PROBE_TAIL": planted[9:]})
+                                   command=["python", "-c", LEAK_PROBE],
+                                   env={"PROBE_HEAD": planted[:9], "PROBE_TAIL": planted[9:]})
     op.execute(make_context(run_id="manual__leak"))  # type: ignore[arg-type]
     out = capsys.readouterr().out
     for rank in (0, 1):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dags.conftest import REPO, airflow_env, run_json  # noqa: F401 (a fixture)
+from tests.dags.conftest import REPO, run_json
 
 pytestmark = pytest.mark.integration
 

@@ -62,7 +62,7 @@ def test_the_training_run_is_found_on_the_server_by_its_run_key(logged: dict[str
     assert found["run_id"] == logged["run_id"]
     assert found["model_uri"] == tracking.run_model_uri(logged["run_id"])
     assert 0 < found["metrics"]["val_accuracy"] <= 1
-    with pytest.raises(TrackingError, match="no complete run tagged nightshift.run_key='dag/other/train'"):
+    with pytest.raises(TrackingError, match=r"no complete run tagged nightshift\.run_key='dag/other/train'"):
         tracking.find_training_run("unit", "dag/other/train")
     with pytest.raises(TrackingError, match="no experiment 'missing'"):
         tracking.find_training_run("missing", "dag/run/train")
