@@ -99,7 +99,7 @@ def bench_dag_run(tmp: Path) -> dict[str, Any]:
     home = tmp / "dag-home"
     env = demo.airflow_env(home, home / "airflow-home")
     env["NIGHTSHIFT_RETRAIN_CRON"] = "none"
-    data = tmp / "digits"
+    data = home / "data" / "digits"  # a data_source must lie under the data roots (NIGHTSHIFT_HOME/data)
     subprocess.run([str(BIN / "nightshift"), "demo-data", str(data)], env=env, check=True, capture_output=True)
     demo.prepare_airflow(env)
     conf = {"data_source": str(data), "epochs": EPOCHS, "workers": 2, "backend": "local"}

@@ -17,6 +17,30 @@ def home() -> Path:
     return Path(os.environ.get("NIGHTSHIFT_HOME", Path.home() / ".nightshift")).expanduser()
 
 
+def data_roots() -> list[Path]:
+    """Where a run's `data_source` may lie: NIGHTSHIFT_DATA_ROOTS (paths separated by ':'), else the demo
+    data and `data/` under NIGHTSHIFT_HOME."""
+    configured = [Path(p).expanduser() for p in os.environ.get("NIGHTSHIFT_DATA_ROOTS", "").split(os.pathsep) if p]
+    return configured or [home() / "demo-data", home() / "data"]
+
+
+def confined_data_source(data_source: str | Path) -> Path:
+    """`data_source` resolved (symlinks too), or UsageError when it lies outside every data root.
+
+    A trigger form is a way in for anyone who may trigger the DAG: it must not make the worker read
+    (and report sample values of) files it was never meant to serve as training data.
+    """
+    from nightshift.errors import UsageError
+
+    path = Path(data_source).expanduser().resolve()
+    roots = data_roots()
+    if not any(path.is_relative_to(root.expanduser().resolve()) for root in roots):
+        allowed = ", ".join(str(root) for root in roots)
+        raise UsageError(f"data_source {data_source} is outside the allowed data roots ({allowed}); put the data "
+                         f"under one of them, or add its directory to NIGHTSHIFT_DATA_ROOTS")
+    return path
+
+
 def mlflow_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
 

@@ -54,7 +54,12 @@ class GXDataGateOperator(GXValidateBatchOperator):
         from nightshift.data.validate import check_data, describe_failures, parquet_files, read_table
         from nightshift.errors import DataError
 
-        path = resolve_data_source(str(self.data_source or ""))
+        from nightshift.errors import UsageError
+
+        try:
+            path = resolve_data_source(str(self.data_source or ""))
+        except UsageError as err:
+            raise AirflowFailException(f"validate_data: {err}") from err
         try:
             files = parquet_files(path)
             frames = [(file, read_table(file)) for file in files]

@@ -23,9 +23,14 @@ DEMO_DATASET = "demo-data/digits"
 
 
 def resolve_data_source(data_source: str) -> Path:
-    """The data directory to validate; empty means the demo dataset in NIGHTSHIFT_HOME (written if missing)."""
+    """The data directory to validate; empty means the demo dataset in NIGHTSHIFT_HOME (written if missing).
+
+    A given directory must lie under the configured data roots (nightshift.settings.data_roots).
+    """
     if data_source.strip():
-        return Path(data_source).expanduser()
+        from nightshift.settings import confined_data_source
+
+        return confined_data_source(data_source.strip())
     from nightshift.data.demo import write_demo_dataset
     from nightshift.datasets import SPLITS, split_path
 
