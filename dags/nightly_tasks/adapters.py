@@ -52,9 +52,7 @@ class GXDataGateOperator(GXValidateBatchOperator):
 
         from nightly_tasks.steps import resolve_data_source
         from nightshift.data.validate import check_data, describe_failures, parquet_files, read_table
-        from nightshift.errors import DataError
-
-        from nightshift.errors import UsageError
+        from nightshift.errors import DataError, UsageError
 
         try:
             path = resolve_data_source(str(self.data_source or ""))
