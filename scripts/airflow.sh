@@ -4,6 +4,8 @@
 #   scripts/airflow.sh dags list         # any other airflow command, in the same environment
 # State: NIGHTSHIFT_HOME (default ~/.nightshift); Airflow's home (SQLite DB, logs, generated admin
 # password) in $NIGHTSHIFT_HOME/airflow-home unless AIRFLOW_HOME is set. AIRFLOW_PORT (default 8080).
+# DAGs from $REPO/dags unless AIRFLOW__CORE__DAGS_FOLDER is set. Every component imports the cluster
+# policy in $REPO/config/airflow_local_settings.py (gpu pool slots from the run's params).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,7 +15,8 @@ export AIRFLOW_HOME="${AIRFLOW_HOME:-$NIGHTSHIFT_HOME/airflow-home}"
 PORT="${AIRFLOW_PORT:-8080}"
 
 export PATH="$BIN:$PATH"
-export AIRFLOW__CORE__DAGS_FOLDER="$REPO/dags"
+export PYTHONPATH="$REPO/config${PYTHONPATH:+:$PYTHONPATH}"
+export AIRFLOW__CORE__DAGS_FOLDER="${AIRFLOW__CORE__DAGS_FOLDER:-$REPO/dags}"
 export AIRFLOW__CORE__PLUGINS_FOLDER="$REPO/plugins"
 export AIRFLOW__CORE__LOAD_EXAMPLES="False"
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$AIRFLOW_HOME/airflow.db}"
