@@ -6,13 +6,11 @@ One training run yields at most one version of a registered model: `register` fi
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 from nightshift import tracking
 from nightshift.errors import ChallengerRejected, RegistryError
+from nightshift.ledger import code_version
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -25,25 +23,13 @@ def _is_missing(err: Exception) -> bool:
     return getattr(err, "error_code", "") in {"RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"}
 
 
-def code_commit() -> str:
-    """The git commit of the running code: `NIGHTSHIFT_GIT_COMMIT`, else `git rev-parse HEAD`, else ''."""
-    if os.environ.get("NIGHTSHIFT_GIT_COMMIT"):
-        return os.environ["NIGHTSHIFT_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.stdout.strip()
-
-
 def lineage_tags(run_id: str, lineage: dict[str, Any] | None,
                  evaluation: dict[str, Any] | None) -> dict[str, str]:
     """Tags for a model version: the caller's lineage, the training run's params and metrics, the gate."""
     mlflow_client = tracking.client()
     run = mlflow_client.get_run(run_id)
     tags: dict[str, str] = {f"{TAG_PREFIX}training_run_id": run_id,
-                            f"{TAG_PREFIX}code_commit": code_commit()}
+                            f"{TAG_PREFIX}code_commit": code_version()}
     for key, value in (lineage or {}).items():
         if value is not None:
             tags[f"{TAG_PREFIX}{key}"] = str(value)

@@ -61,6 +61,11 @@ def checkpoints_dir() -> Path:
     return Path(os.environ.get("NIGHTSHIFT_CHECKPOINTS") or home() / "checkpoints")
 
 
+def data_docs_dir() -> Path:
+    """The GX Data Docs site: validation pages, one folder per validation."""
+    return home() / "gx" / "data_docs"
+
+
 def serving_dir() -> Path:
     return Path(os.environ.get("NIGHTSHIFT_SERVING") or home() / "serving")
 

@@ -17,7 +17,6 @@ Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.
 from __future__ import annotations
 
 import html
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,21 +25,16 @@ from urllib.parse import quote
 from airflow.plugins_manager import AirflowPlugin
 from airflow.sdk import BaseOperatorLink
 
+from nightshift.ledger import read_records
+from nightshift.settings import data_docs_dir
+
 DAG_ID = "nightly_retrain"
 PREFIX = "/nightshift"
 RECENT = 50
 
 
-def _home() -> Path:
-    return Path(os.environ.get("NIGHTSHIFT_HOME", Path.home() / ".nightshift")).expanduser()
-
-
 def _mlflow_ui() -> str:
     return os.environ.get("NIGHTSHIFT_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
-
-
-def _data_docs_root() -> Path:
-    return _home() / "gx" / "data_docs"
 
 
 def _xcom(ti_key: Any, key: str) -> Any:
@@ -84,7 +78,7 @@ class DataDocsLink(BaseOperatorLink):
         if not page:
             return ""
         try:
-            relative = Path(str(page)).resolve().relative_to(_data_docs_root().resolve())
+            relative = Path(str(page)).resolve().relative_to(data_docs_dir().resolve())
         except ValueError:
             return ""
         return f"{PREFIX}/data-docs/{quote(relative.as_posix())}"
@@ -92,20 +86,7 @@ class DataDocsLink(BaseOperatorLink):
 
 def lineage_records(limit: int = RECENT) -> list[dict[str, Any]]:
     """The newest `limit` records of the run ledger, newest first."""
-    path = _home() / "airflow" / DAG_ID / "runs.jsonl"
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in reversed(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-        if len(records) >= limit:
-            break
-    return records
+    return list(reversed(read_records(DAG_ID, newest=limit)))
 
 
 def _cell(value: Any) -> str:
@@ -167,7 +148,7 @@ def create_app() -> Any:
 
     @app.get("/data-docs/{path:path}")
     def data_docs(path: str):  # type: ignore[no-untyped-def]
-        root = _data_docs_root().resolve()
+        root = data_docs_dir().resolve()
         target = (root / path).resolve()
         if root not in target.parents or not target.is_file():
             raise HTTPException(status_code=404, detail="no such Data Docs page")

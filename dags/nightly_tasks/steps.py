@@ -13,8 +13,6 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from nightly_tasks import lineage
-
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "nightshift-digits"
@@ -33,8 +31,9 @@ def resolve_data_source(data_source: str) -> Path:
         return confined_data_source(data_source.strip())
     from nightshift.data.demo import write_demo_dataset
     from nightshift.datasets import SPLITS, split_path
+    from nightshift.settings import home
 
-    path = lineage.nightshift_home() / DEMO_DATASET
+    path = home() / DEMO_DATASET
     if not all(split_path(path, s).is_file() for s in SPLITS):
         log.info("No data_source given: writing the demo dataset to %s", path)
         write_demo_dataset(path, seed=0)
@@ -60,6 +59,8 @@ def stage(validated: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]
 def check_changes(staged: dict[str, Any], params: dict[str, Any], dag_id: str, run_id: str,
                   ti: Any) -> str:
     """Branch: "train", or "skip_training" when data, code and training params match the last success."""
+    from nightshift import ledger as lineage
+
     current = lineage.fingerprint(staged["hash"], dict(params))
     previous = lineage.last_successful(dag_id, exclude_run_id=run_id)
     ti.xcom_push(key="fingerprint", value=current)
@@ -111,11 +112,12 @@ def register(decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_
     if not decision["passed"]:
         raise AirflowSkipException(f"Not registered: the gate rejected the new model "
                                    f"({'; '.join(decision['reasons'])}); the champion keeps serving")
+    from nightshift.ledger import code_version
     from nightshift.registry import register as register_version
 
     lineage_tags = {"dataset_version": staged["hash"], "dataset_git_rev": staged.get("git_rev"),
                     "dataset_source": staged.get("source"), "dag_id": dag_id, "dag_run_id": run_id,
-                    "code_version": lineage.code_version()}
+                    "code_version": code_version()}
     version = register_version(decision["run_id"], model_name=MODEL_NAME, lineage=lineage_tags,
                                evaluation=decision)
     ti.xcom_push(key="model_version", value={"name": version["model_name"], "version": version["version"]})
@@ -150,6 +152,8 @@ def _brief(smoke: Any) -> Any:
 
 def report(dag_id: str, run_id: str, params: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
     """The run's summary: logged, appended to the ledger (the lineage page, the next run's change check)."""
+    from nightshift import ledger as lineage
+
     staged = results.get("stage_dataset") or {}
     fingerprint = results.get("fingerprint") or {}
     trained, decision = results.get("train"), results.get("evaluate")
@@ -225,6 +229,8 @@ def failure_summary(context: Any) -> None:
     lines.append("=" * 72)
     log.error("\n".join(lines))
     try:
+        from nightshift import ledger as lineage
+
         lineage.append_record(dag_id, {"dag_id": dag_id, "run_id": run_id, "status": "failed",
                                        "failed_task": task_id, "reason": reason[:2000],
                                        "outcome": f"failed at {task_id}"})

@@ -69,8 +69,7 @@ def gx_dir() -> Path:
     return Path(override) if override else Path(__file__).resolve().parents[2] / "gx"
 
 
-def data_docs_dir() -> Path:
-    return settings.home() / "gx" / "data_docs"
+data_docs_dir = settings.data_docs_dir
 
 
 def _new_site_dir() -> Path:

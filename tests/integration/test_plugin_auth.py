@@ -22,7 +22,7 @@ sys.path[:0] = [{str(REPO / 'dags')!r}]
 from fastapi.testclient import TestClient
 from airflow.api_fastapi.app import create_app, get_auth_manager
 from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
-from nightly_tasks import lineage
+from nightshift import ledger as lineage
 lineage.append_record("nightly_retrain", {{"run_id": "r1", "status": "success", "dataset_version": "abc123",
                       "model_version": "7", "serving_url": "http://127.0.0.1:1", "outcome": "promoted v7",
                       "reason": "sample bad value 99.5"}})

@@ -1,7 +1,9 @@
-"""The run ledger of `nightly_retrain`: one JSON line per finished run, in NIGHTSHIFT_HOME.
+"""The run ledger of `nightly_retrain`: one JSON line per finished run, in NIGHTSHIFT_HOME, and the code version.
 
 It answers "what did the last successful run train on?" (the skip-training check) and feeds the
-plugin's lineage page (dataset version -> model version -> deployment). Standard library only.
+plugin's lineage page (dataset version -> model version -> deployment). The DAG's tasks, the plugin and
+the registry all read and write it here. Standard library only (the plugin imports it into the API
+server); `code_version` is the one answer to "which code is this?" for runs, tags and model versions.
 """
 
 from __future__ import annotations
@@ -15,17 +17,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from nightshift import settings
+
 LEDGER_NAME = "runs.jsonl"
 # Code that shapes a trained model; a change here means a retrain even on the same data.
 CODE_PATHS = ("nightshift", "operators", "dags", "gx")
 
 
-def nightshift_home() -> Path:
-    return Path(os.environ.get("NIGHTSHIFT_HOME", Path.home() / ".nightshift")).expanduser()
-
-
 def ledger_path(dag_id: str) -> Path:
-    return nightshift_home() / "airflow" / dag_id / LEDGER_NAME
+    return settings.home() / "airflow" / dag_id / LEDGER_NAME
 
 
 def append_record(dag_id: str, record: dict[str, Any]) -> Path:
@@ -45,8 +45,8 @@ def append_record(dag_id: str, record: dict[str, Any]) -> Path:
     return path
 
 
-def read_records(dag_id: str) -> list[dict[str, Any]]:
-    """Every record of the ledger, oldest first; a torn last line is ignored."""
+def read_records(dag_id: str, newest: int | None = None) -> list[dict[str, Any]]:
+    """Every record of the ledger (or the `newest` ones), oldest first; a torn line is ignored."""
     try:
         lines = ledger_path(dag_id).read_text().splitlines()
     except FileNotFoundError:
@@ -57,7 +57,7 @@ def read_records(dag_id: str) -> list[dict[str, Any]]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    return records
+    return records[-newest:] if newest else records
 
 
 def last_successful(dag_id: str, exclude_run_id: str | None = None) -> dict[str, Any] | None:
