@@ -21,15 +21,19 @@ class MPIJobWorkerOOMKilled(MPIJobFailed):
     """A pod of the MPIJob was killed for exceeding its memory limit."""
 
 
-class MPIJobImagePullFailed(MPIJobFailed):
+class MPIJobStartupFailure(MPIJobFailed):
+    """The MPIJob never started running: nothing of it is worth keeping for inspection."""
+
+
+class MPIJobImagePullFailed(MPIJobStartupFailure):
     """A pod of the MPIJob cannot pull its image (ErrImagePull, ImagePullBackOff, InvalidImageName)."""
 
 
-class MPIJobUnschedulable(MPIJobFailed):
+class MPIJobUnschedulable(MPIJobStartupFailure):
     """Pods of the MPIJob stayed unschedulable past startup_timeout."""
 
 
-class MPIJobStartupTimeout(MPIJobFailed):
+class MPIJobStartupTimeout(MPIJobStartupFailure):
     """The MPIJob did not start running within startup_timeout."""
 
 

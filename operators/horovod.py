@@ -18,7 +18,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from operators.errors import InvalidJobConfig, MPIJobFailed, TrainingResultMissing
+from operators.errors import InvalidJobConfig, MPIJobFailed, MPIJobStartupFailure, TrainingResultMissing
 from operators.mpijob_spec import (
     MPIJobConfig,
     TaskIdentity,
@@ -498,12 +498,10 @@ class HorovodKubernetesOperator(BaseOperator):
         error: BaseException | None = None,
         force: bool = False,
     ) -> None:
-        from operators.mpijob_launcher import STARTUP_FAILURES
-
         if self.cleanup == "never":
             self.log.info("Keeping MPIJob %s (cleanup='never')", name)
             return
-        never_started = error is not None and type(error).__name__ in STARTUP_FAILURES
+        never_started = isinstance(error, MPIJobStartupFailure)
         if force or never_started or self.cleanup == "always" or (succeeded and self.cleanup == "on_success"):
             try:
                 launcher.delete(name)

@@ -39,9 +39,6 @@ ERROR_CLASSES: dict[str, type[errors.MPIJobFailed]] = {
     )
 }
 # Failures where the job never ran: its pods would sit pending and hold quota, so they are always deleted.
-STARTUP_FAILURES = ("MPIJobImagePullFailed", "MPIJobUnschedulable", "MPIJobStartupTimeout")
-
-
 def error_for(kind: str | None, message: str) -> errors.MPIJobFailed:
     """The exception for an error kind named by `mpijob_status` (or a trigger event)."""
     return ERROR_CLASSES.get(kind or "", errors.MPIJobFailed)(message)
