@@ -151,6 +151,8 @@ with DAG(
             "--epochs", "{{ params.epochs }}",
             "--batch-size", "{{ params.batch_size }}",
             "--lr", "{{ params.learning_rate }}",
+            # A worker that asked for GPUs must train on them: without one it fails at once, naming the host.
+            "--device", "{{ 'cuda' if params.gpus_per_worker | int > 0 else 'cpu' }}",
             "--mlflow-experiment", steps.EXPERIMENT,
             "--mlflow-run-name", "{{ run_id }}",
             "--tag", "nightshift.run_key={{ dag.dag_id }}/{{ run_id }}",

@@ -52,6 +52,7 @@ def test_four_workers_of_eight_gpus(validate_mpijob: Any) -> None:
     paths = [arg.split("=", 1)[-1] for arg in command[command.index("nightshift.train"):] if "/" in arg]
     assert paths and all(p.startswith("/nightshift/") for p in paths if p.startswith("/")), paths
     assert "--checkpoint-dir" in command and "planted-fernet" not in done.stdout
+    assert command[command.index("--device") + 1] == "cuda"  # a GPU worker never falls back to the CPU
 
 
 def test_the_local_backend_creates_no_kubernetes_object() -> None:
