@@ -331,6 +331,7 @@ def test_airflow_image_ships_dags_and_plugins_to_the_configured_folders() -> Non
     copies = [args for kw, args in _instructions(AIRFLOW / "Dockerfile") if kw == "COPY"]
     assert "--chown=airflow:0 dags/ /opt/airflow/dags/" in copies
     assert "--chown=airflow:0 plugins/ /opt/airflow/plugins/" in copies
+    assert "--chown=airflow:0 config/airflow_local_settings.py /opt/airflow/config/airflow_local_settings.py" in copies
 
 
 def test_dockerignore_keeps_everything_the_airflow_image_copies() -> None:
