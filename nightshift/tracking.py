@@ -1,29 +1,44 @@
-"""MLflow tracking: one run per training task, and the servable model it logs.
+"""MLflow tracking: one run per training task, and the self-contained servable model it logs.
 
 The trainer's rank 0 calls `log_training_run(out_dir, ...)` once training ends. The run holds the
 hyperparameters (from `model.json`), per-epoch metrics (from `metrics.jsonl`, step = epoch), the final
-metrics (`metrics.json`) and a pyfunc model that takes the dataset's raw table columns (for the demo,
-`pixel_0`…`pixel_63` in 0-16), so `mlflow models serve --env-manager local` answers the user's own
-rows. Logging is idempotent by the tag `nightshift.run_key`.
+metrics (`metrics.json`) and a pyfunc model (`nightshift.served_model`) that takes the dataset's raw table
+columns. The model carries its inference code (MLflow `code_paths`: the Nightshift modules it imports and
+the user's model plugins) and requirements a package index can install, so it loads where MLflow models
+load, not only in this project's virtualenv. Logging is idempotent by the tag `nightshift.run_key`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import shutil
 import tempfile
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-from mlflow.pyfunc import PythonModel
 
 from nightshift import settings
 from nightshift.errors import TrackingError
+
+# The served model lives in its own module; these names stay importable from here. NightshiftPyfunc in
+# particular: models logged before the split pickled it by reference as nightshift.tracking.NightshiftPyfunc.
+from nightshift.served_model import (  # noqa: F401  (re-exported)
+    FEATURE_SPECS,
+    MAX_ROWS,
+    PREDICTION_COLUMN,
+    SERVED_MODULES,
+    SERVING_INFO,
+    FeatureSpec,
+    NightshiftPyfunc,
+    TorchTableClassifier,
+    feature_spec,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -33,35 +48,9 @@ MODEL_URI_TAG = "nightshift.model_uri"
 COMPLETE_TAG = "nightshift.complete"
 MODEL_ARTIFACT = "model"
 RUN_RECORD = "mlflow_run.json"
-# Rows one request may carry. A larger batch is a client bug or an abuse; the server answers 400.
-MAX_ROWS = int(os.environ.get("NIGHTSHIFT_SERVING_MAX_ROWS", "4096"))
-PREDICTION_COLUMN = "predicted_label"
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """The raw table columns a served model accepts, their valid range and how the trainer scaled them."""
-
-    columns: tuple[str, ...]
-    scale: float = 1.0
-    low: float = -math.inf
-    high: float = math.inf
-
-
-FEATURE_SPECS: dict[str, FeatureSpec] = {
-    "digits": FeatureSpec(columns=tuple(f"pixel_{i}" for i in range(64)), scale=16.0, low=0.0, high=16.0),
-}
-
-
-def feature_spec(dataset: str, input_shape: list[int] | tuple[int, ...] | None = None) -> FeatureSpec:
-    """The serving columns of `dataset`; an unknown dataset gets `x_0`… over its flattened input."""
-    if dataset in FEATURE_SPECS:
-        return FEATURE_SPECS[dataset]
-    size = int(np.prod(input_shape)) if input_shape else 0
-    if size <= 0:
-        raise TrackingError(f"dataset {dataset!r} has no FeatureSpec and model.json has no input_shape; "
-                            f"add it to nightshift.tracking.FEATURE_SPECS")
-    return FeatureSpec(columns=tuple(f"x_{i}" for i in range(size)))
+# What the logged model's requirements.txt pins, at the versions installed where it was logged.
+# mlflow-skinny is what pyfunc loading and `mlflow models serve` need; a full `mlflow` install satisfies it.
+SERVED_REQUIREMENTS = ("mlflow-skinny", "torch", "numpy", "pandas", "cloudpickle")
 
 
 def client() -> MlflowClient:
@@ -105,73 +94,6 @@ def ensure_experiment(name: str) -> str:
         if experiment is None:
             raise
         return str(experiment.experiment_id)
-
-
-# --- the served model -------------------------------------------------------------------------------
-
-
-def _invalid(message: str) -> Exception:
-    from mlflow.exceptions import MlflowException
-
-    return MlflowException.invalid_parameter_value(message)
-
-
-class TorchTableClassifier:
-    """Loads `model.pt` + `model.json` and classifies rows of the raw table; bad input → 400."""
-
-    def __init__(self, model_dir: str | Path) -> None:
-        from nightshift.train.artifacts import load_trained_model, read_model_info
-
-        spec = read_model_info(model_dir)
-        self.num_classes = int(spec["num_classes"])
-        self.features = feature_spec(spec["dataset"], spec.get("input_shape"))
-        self.model = load_trained_model(model_dir)  # weights_only load, eval mode
-
-    def validate(self, frame: Any) -> np.ndarray:
-        if not isinstance(frame, pd.DataFrame):
-            raise _invalid(f"expected a table with columns {self.features.columns[0]}…"
-                           f"{self.features.columns[-1]}, got {type(frame).__name__}")
-        if len(frame) == 0:
-            raise _invalid("the request has no rows")
-        if len(frame) > MAX_ROWS:
-            raise _invalid(f"the request has {len(frame)} rows; send at most {MAX_ROWS} per request")
-        missing = [c for c in self.features.columns if c not in frame.columns]
-        if missing:
-            raise _invalid(f"missing columns {missing[:5]}{'…' if len(missing) > 5 else ''}")
-        try:
-            values = frame[list(self.features.columns)].to_numpy(dtype=np.float32)
-        except (TypeError, ValueError) as err:
-            raise _invalid(f"feature columns must be numbers ({err})") from err
-        if not np.isfinite(values).all():
-            raise _invalid("feature values must be finite numbers")
-        if values.min() < self.features.low or values.max() > self.features.high:
-            raise _invalid(f"feature values must lie in [{self.features.low:g}, {self.features.high:g}]")
-        return values
-
-    def predict_proba(self, frame: pd.DataFrame) -> np.ndarray:
-        import torch
-
-        values = self.validate(frame) / np.float32(self.features.scale)
-        with torch.inference_mode():
-            logits = self.model(torch.from_numpy(np.ascontiguousarray(values)))
-            return torch.softmax(logits, dim=1).numpy()
-
-    def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
-        proba = self.predict_proba(frame)
-        out = pd.DataFrame(proba, columns=[f"prob_{k}" for k in range(self.num_classes)])
-        out.insert(0, PREDICTION_COLUMN, proba.argmax(axis=1).astype(np.int64))
-        return out
-
-
-class NightshiftPyfunc(PythonModel):
-    """The pyfunc wrapper MLflow pickles (by reference); the classifier is rebuilt from the artifacts."""
-
-    def load_context(self, context: Any) -> None:
-        self.classifier = TorchTableClassifier(context.artifacts["model_dir"])
-
-    # No annotations here: MLflow reads predict()'s type hints as a schema and warns about these.
-    def predict(self, context, model_input, params=None):
-        return self.classifier.predict(model_input)
 
 
 # --- logging a training run -------------------------------------------------------------------------
@@ -237,8 +159,83 @@ def example_frame(spec: FeatureSpec, rows: int = 3) -> pd.DataFrame:
     return pd.DataFrame(grid, columns=list(spec.columns))
 
 
-def _pip_requirements() -> list[str]:
-    return [f"{name}=={metadata.version(name)}" for name in ("mlflow", "torch", "numpy", "pandas")]
+def pip_requirements() -> list[str]:
+    """The served model's requirements.txt: public versions a package index has, nothing local.
+
+    torch is pinned without its local tag (`2.13.0`, never `2.13.0+cpu`): which build, CPU or CUDA, is
+    the installing side's choice, made by the index it points pip at (the serving image's
+    `TORCH_VARIANT`, `https://download.pytorch.org/whl/cpu` or `.../cu128`; plain PyPI gives the CUDA
+    build on Linux x86_64). `torch==2.13.0` accepts any of them.
+    """
+    from packaging.version import Version
+
+    return [f"{name}=={Version(metadata.version(name)).public}" for name in SERVED_REQUIREMENTS]
+
+
+def _plugin_modules(spec: dict[str, Any]) -> list[str]:
+    """The modules that made the model's name buildable here: NIGHTSHIFT_PLUGINS and a `module:factory`."""
+    modules = [m.strip() for m in os.environ.get("NIGHTSHIFT_PLUGINS", "").split(",") if m.strip()]
+    name = str(spec.get("model") or "")
+    if ":" in name:
+        modules.append(name.partition(":")[0])
+    return list(dict.fromkeys(modules))
+
+
+def _copy_module_source(module_name: str, dest: Path) -> Path:
+    """Copy the top-level package (or single-file module) that `module_name` belongs to into `dest`."""
+    top = module_name.split(".")[0]
+    found = importlib.util.find_spec(top)
+    if found is None:
+        raise TrackingError(f"model plugin {module_name!r} cannot be found, so it cannot travel with the model")
+    if found.submodule_search_locations:
+        locations = list(found.submodule_search_locations)
+        if len(locations) != 1:
+            raise TrackingError(f"model plugin package {top!r} is a namespace package spread over {locations}; "
+                                f"make it a regular package (with __init__.py) so it can travel with the model")
+        target = dest / top
+        shutil.copytree(locations[0], target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        return target
+    if not found.origin or not found.origin.endswith(".py"):
+        raise TrackingError(f"model plugin {module_name!r} is not Python source ({found.origin}); it cannot "
+                            f"travel with the model: install it in the serving image instead")
+    target = dest / Path(found.origin).name
+    shutil.copy2(found.origin, target)
+    return target
+
+
+def _plugin_requirements(tops: set[str]) -> tuple[list[str], list[str]]:
+    """Split plugin top-level modules into (source to ship, requirements): an installed distribution
+    (torchvision, a user's pip-installed package) is a requirement at its installed version; a module
+    that no distribution provides (the user's own code on PYTHONPATH) travels as source.
+    """
+    from packaging.version import Version
+
+    provided = metadata.packages_distributions()
+    ship, requirements = [], []
+    for top in sorted(tops - {"nightshift"}):
+        dists = provided.get(top)
+        if dists:
+            if dists[0] not in SERVED_REQUIREMENTS and top not in SERVED_REQUIREMENTS:
+                requirements.append(f"{dists[0]}=={Version(metadata.version(dists[0])).public}")
+        else:
+            ship.append(top)
+    return ship, requirements
+
+
+def stage_code(dest: Path, ship: list[str]) -> list[str]:
+    """Lay out the model's `code_paths` under `dest`: the Nightshift modules in SERVED_MODULES (as a
+    package `nightshift/` holding only those), and the source of each top-level module in `ship`.
+    """
+    package = dest / "nightshift"
+    root = Path(importlib.util.find_spec("nightshift").origin or "").parent  # type: ignore[union-attr]
+    for module_name in SERVED_MODULES:
+        found = importlib.util.find_spec(module_name)
+        if found is None or not found.origin:
+            raise TrackingError(f"served-model module {module_name} not found under {root}")
+        relative = Path(found.origin).relative_to(root)
+        (package / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(found.origin, package / relative)
+    return [str(package), *(str(_copy_module_source(top, dest)) for top in ship)]
 
 
 def _find_run(mlflow_client: MlflowClient, experiment_id: str, run_key: str) -> Any:
@@ -264,6 +261,8 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
     import mlflow
     from mlflow.models import infer_signature
 
+    from nightshift.models import MODELS
+
     out = Path(out_dir)
     spec = _read_json(out / "model.json")
     final = _read_json(out / "metrics.json")
@@ -283,6 +282,10 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
 
     features = feature_spec(spec["dataset"], spec.get("input_shape"))
     classifier = TorchTableClassifier(out)
+    plugins = _plugin_modules(spec)
+    factory = MODELS.get(str(spec["model"]))
+    ship, plugin_requirements = _plugin_requirements(
+        {m.split(".")[0] for m in (*plugins, str(getattr(factory, "__module__", "nightshift")))})
     example = example_frame(features)
     signature = infer_signature(example, classifier.predict(example))
     run = mlflow_client.create_run(experiment_id, run_name=run_name, tags=tags)
@@ -299,16 +302,21 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
                 if (out / name).is_file():
                     mlflow.log_artifact(str(out / name), artifact_path="training")
             with tempfile.TemporaryDirectory() as staging:
+                model_dir, code_dir = Path(staging) / "model_dir", Path(staging) / "code"
+                model_dir.mkdir()
                 # Only the weights and their description go into the model: not checkpoints, not logs.
                 for name in ("model.pt", "model.json"):
-                    (Path(staging) / name).write_bytes((out / name).read_bytes())
+                    (model_dir / name).write_bytes((out / name).read_bytes())
+                (model_dir / SERVING_INFO).write_text(json.dumps(
+                    {"features": features.to_json(), "plugins": plugins}, indent=2, sort_keys=True))
                 info = mlflow.pyfunc.log_model(
                     name=MODEL_ARTIFACT,
                     python_model=NightshiftPyfunc(),
-                    artifacts={"model_dir": staging},
+                    artifacts={"model_dir": str(model_dir)},
+                    code_paths=stage_code(code_dir, ship),
                     signature=signature,
                     input_example=example,
-                    pip_requirements=_pip_requirements(),
+                    pip_requirements=[*pip_requirements(), *plugin_requirements],
                 )
             mlflow.set_tags({MODEL_URI_TAG: info.model_uri, COMPLETE_TAG: "true"})
     except Exception as err:

@@ -104,3 +104,160 @@ def test_classifier_rejects_bad_input_as_400(trained: Path, frame: pd.DataFrame,
     with pytest.raises(MlflowException, match=message) as info:
         TorchTableClassifier(trained).predict(frame)
     assert info.value.get_http_status_code() == 400
+
+
+# --- the served model: its own code, installable requirements, a light import chain ------------------
+
+# What the served model's import chain must never pull in: the training and orchestration stacks.
+FORBIDDEN_IN_SERVING = ("great_expectations", "dvc", "horovod", "sklearn", "airflow")
+
+
+def _local_model(run_id: str) -> Path:
+    import mlflow.artifacts
+
+    return Path(mlflow.artifacts.download_artifacts(tracking.run_model_uri(run_id)))
+
+
+def _run_python(code: str, cwd: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `code` in a fresh interpreter of this venv, away from the repository; its last line is JSON."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "NIGHTSHIFT_PLUGINS"}}
+    result = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True,
+                            timeout=120, env={**base, **(env or {})})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+_CHAIN_CHECK = """
+import json, sys
+import mlflow.pyfunc
+import pandas as pd
+model = mlflow.pyfunc.load_model(sys.argv[1])
+columns = model.metadata.get_input_schema().input_names()
+out = model.predict(pd.DataFrame([[3.0] * len(columns)] * 4, columns=columns))
+import nightshift
+print(json.dumps({"nightshift_file": nightshift.__file__, "rows": len(out),
+                  "nightshift": sorted(m for m in sys.modules if m.split(".")[0] == "nightshift"),
+                  "tops": sorted({m.split(".")[0] for m in sys.modules})}))
+"""
+
+
+def test_logged_model_carries_its_code_and_installable_requirements(logged: dict[str, Any]) -> None:
+    import yaml
+
+    model_dir = _local_model(logged["run_id"])
+    flavor = yaml.safe_load((model_dir / "MLmodel").read_text())["flavors"]["python_function"]
+    assert flavor["code"] == "code"
+    shipped = sorted(str(p.relative_to(model_dir / "code")) for p in (model_dir / "code").rglob("*.py"))
+    packages = {"nightshift", "nightshift.train"}
+    expected = sorted(m.replace(".", "/") + ("/__init__.py" if m in packages else ".py")
+                      for m in tracking.SERVED_MODULES)
+    assert shipped == expected
+    requirements = (model_dir / "requirements.txt").read_text().split()
+    assert {r.split("==")[0] for r in requirements} == set(tracking.SERVED_REQUIREMENTS)
+    assert all("==" in r and "+" not in r for r in requirements), requirements  # public versions only
+    assert "torch==2.13.0" in requirements
+    served = json.loads((model_dir / "artifacts" / "model_dir" / "serving.json").read_text())
+    assert served["plugins"] == [] and served["features"]["columns"][0] == "pixel_0"
+    assert served["features"]["high"] == 16.0
+
+
+def test_importing_the_served_module_pulls_no_training_or_orchestration_stack(tmp_path: Path) -> None:
+    loaded = _run_python("import json, sys, nightshift.served_model\n"
+                         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))", tmp_path)
+    assert not set(FORBIDDEN_IN_SERVING) & set(loaded), set(FORBIDDEN_IN_SERVING) & set(loaded)
+
+
+def test_the_loaded_model_runs_on_its_own_code_and_imports_only_served_modules(logged: dict[str, Any],
+                                                                               tmp_path: Path) -> None:
+    model_dir = _local_model(logged["run_id"])
+    seen = _run_python(_CHAIN_CHECK, tmp_path, str(model_dir))
+    assert seen["rows"] == 4
+    # MLflow puts the model's code first on sys.path: the package this process imported is the model's.
+    assert Path(seen["nightshift_file"]).is_relative_to(model_dir / "code")
+    assert set(seen["nightshift"]) <= set(tracking.SERVED_MODULES), (
+        f"the served model imports {sorted(set(seen['nightshift']) - set(tracking.SERVED_MODULES))}, which do "
+        f"not travel with it: add them to SERVED_MODULES or drop the import")
+    assert not set(FORBIDDEN_IN_SERVING) & set(seen["tops"])
+
+
+PLUGIN = '''
+from torch import nn
+
+from nightshift.models import register_model
+
+
+@register_model("acme_tiny")
+class AcmeTiny(nn.Module):
+    def __init__(self, input_shape=(64,), num_classes=10):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+'''
+
+
+def test_a_plugin_model_travels_with_its_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import torch
+
+    plugins = tmp_path / "plugins"
+    (plugins / "acme_nets").mkdir(parents=True)
+    (plugins / "acme_nets" / "__init__.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(plugins))
+    monkeypatch.setenv("NIGHTSHIFT_PLUGINS", "acme_nets")
+    monkeypatch.delitem(sys.modules, "acme_nets", raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.manual_seed(0)
+    torch.save(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).state_dict(
+        prefix="net."), out / "model.pt")
+    (out / "model.json").write_text(json.dumps({
+        "model": "acme_tiny", "model_kwargs": {"input_shape": [64], "num_classes": 10}, "dataset": "digits",
+        "input_shape": [64], "num_classes": 10, "params": {}}))
+    (out / "metrics.json").write_text(json.dumps({"val_accuracy": 0.1}))
+    run_id = log_training_run(out, experiment="plugins")
+    model_dir = _local_model(run_id)
+    assert (model_dir / "code" / "acme_nets" / "__init__.py").read_text() == PLUGIN
+    served = json.loads((model_dir / "artifacts" / "model_dir" / "serving.json").read_text())
+    assert served["plugins"] == ["acme_nets"]
+    # Elsewhere: neither NIGHTSHIFT_PLUGINS nor the plugin's folder, only what the model carries.
+    seen = _run_python(_CHAIN_CHECK, tmp_path, str(model_dir))
+    assert seen["rows"] == 4 and "acme_nets" in seen["tops"]
+
+
+def test_an_installed_plugin_distribution_becomes_a_requirement() -> None:
+    ship, requirements = tracking._plugin_requirements({"yaml", "nightshift", "torch", "my_local_nets"})
+    assert ship == ["my_local_nets"]
+    assert len(requirements) == 1 and requirements[0].startswith("PyYAML==")
+
+
+def test_a_model_logged_before_the_split_still_loads(trained: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, demo_data: Path) -> None:
+    """Registered versions from before pickled `nightshift.tracking.NightshiftPyfunc` and carried no code."""
+    import mlflow.pyfunc
+    import yaml
+
+    class OldNightshiftPyfunc(tracking.NightshiftPyfunc):
+        pass
+
+    OldNightshiftPyfunc.__module__, OldNightshiftPyfunc.__qualname__ = "nightshift.tracking", "NightshiftPyfunc"
+    with monkeypatch.context() as patch:  # pickled by reference to where the class used to live
+        patch.setattr(tracking, "NightshiftPyfunc", OldNightshiftPyfunc)
+        mlflow.pyfunc.save_model(tmp_path / "old", python_model=OldNightshiftPyfunc(),
+                                 artifacts={"model_dir": str(trained)},
+                                 pip_requirements=["mlflow", "torch==2.13.0+cpu", "numpy", "pandas"])
+    old = tmp_path / "old"
+    assert b"nightshift.tracking" in (old / "python_model.pkl").read_bytes()
+    assert yaml.safe_load((old / "MLmodel").read_text())["flavors"]["python_function"].get("code") is None
+    assert not (old / "artifacts" / "model_dir" / "serving.json").exists()
+    model = mlflow.pyfunc.load_model(str(old))
+    assert type(model.unwrap_python_model()) is tracking.NightshiftPyfunc
+    frame = pd.read_parquet(demo_data / "test.parquet")
+    out = model.predict(frame.drop(columns=["label"]).head(50))
+    assert (out["predicted_label"].to_numpy() == frame["label"].head(50).to_numpy()).mean() > 0.7
