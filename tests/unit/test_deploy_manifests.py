@@ -27,6 +27,9 @@ EXPECTED_RULES = {
     ("", "pods"): {"get", "list", "watch"},
     ("", "pods/log"): {"get", "list", "watch"},
     ("", "events"): {"get", "list", "watch"},
+    # Kueue: why a queued job waits, and which ClusterQueue its LocalQueue feeds (read only).
+    ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch"},
+    ("kueue.x-k8s.io", "localqueues"): {"get", "list", "watch"},
     ("serving.kserve.io", "inferenceservices"): {"create", "get", "list", "watch", "patch", "delete"},
 }
 
