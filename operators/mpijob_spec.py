@@ -39,15 +39,14 @@ MAX_LABEL_LEN = 63
 CLEAN_POD_POLICIES = ("None", "Running", "All")
 IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
-# Defaults match the MPI Operator's non-root example: workers run sshd for the launcher's mpirun.
+# Defaults match the MPI Operator's non-root example: workers run sshd for the launcher's horovodrun.
 DEFAULT_SSH_AUTH_MOUNT_PATH = "/home/mpiuser/.ssh"
 DEFAULT_WORKER_COMMAND = ("/usr/sbin/sshd", "-De", "-f", "/home/mpiuser/.sshd_config")
 DEFAULT_LAUNCHER_RESOURCES: Mapping[str, Mapping[str, str]] = {
     "requests": {"cpu": "250m", "memory": "256Mi"},
 }
-# Passed from the launcher to every rank by mpirun (-x NAME), as Horovod's docs do; each is set in the
-# image (PATH, LD_LIBRARY_PATH) or in the container env the builder writes.
-MPIRUN_EXPORTED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED")
+# Where the MPI Operator mounts the hostfile it writes for the launcher (`<worker-fqdn> slots=N` lines).
+MPI_HOSTFILE = "/etc/mpi/hostfile"
 
 
 @dataclass(frozen=True)
@@ -240,11 +239,14 @@ def check_no_credentials(what: str, uri: str) -> None:
 
 
 def launcher_command(config: MPIJobConfig) -> list[str]:
-    """What the launcher pod runs: `mpirun` over the hostfile the MPI Operator mounts, then the entrypoint."""
-    exported = dict.fromkeys([*MPIRUN_EXPORTED_ENV, *config.env])
-    argv = ["mpirun", "-np", str(config.total_processes), "-bind-to", "none", "-map-by", "slot"]
-    for name in exported:
-        argv += ["-x", name]
+    """What the launcher pod runs: `horovodrun --gloo` over the hostfile the MPI Operator mounts, then the entrypoint.
+
+    Gloo, not MPI, so the same command runs with a Horovod built without MPI (Gloo only). horovodrun reads the
+    operator's `host slots=N` hostfile, reaches the workers over ssh with the image's client configuration
+    (port, identity: `images/trainer/ssh_config`), and passes the launcher's environment to every rank
+    itself, so the container env (MLFLOW_TRACKING_URI, NIGHTSHIFT_HOME, ...) needs no forwarding list.
+    """
+    argv = ["horovodrun", "--gloo", "-np", str(config.total_processes), "--hostfile", MPI_HOSTFILE]
     return [*argv, *config.command]
 
 

@@ -84,16 +84,16 @@ def test_gpu_job_shape() -> None:
     assert launcher["replicas"] == 1
     lc = launcher["template"]["spec"]["containers"][0]
     assert GPU_RESOURCE not in str(lc["resources"])
-    # mpirun starts one rank per GPU over the hostfile, then the user's entrypoint unchanged.
-    assert lc["command"][:3] == ["mpirun", "-np", "32"]
-    assert lc["command"][-len(COMMAND) :] == COMMAND
+    # horovodrun (Gloo) starts one rank per GPU over the operator's hostfile, then the entrypoint unchanged.
+    assert lc["command"] == ["horovodrun", "--gloo", "-np", "32", "--hostfile", "/etc/mpi/hostfile", *COMMAND]
     assert lc["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
 def test_cpu_job_runs_one_rank_per_worker_and_asks_no_gpu() -> None:
     manifest = build_mpijob(config(num_workers=3), IDENTITY)
     assert manifest["spec"]["slotsPerWorker"] == 1
-    assert manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"][2] == "3"
+    command = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("-np") + 1] == "3"
     assert GPU_RESOURCE not in str(manifest)
 
 
@@ -113,9 +113,10 @@ def test_everything_config_reaches_both_pod_templates() -> None:
         assert env["NCCL_DEBUG"] == "INFO" and env["PYTHONUNBUFFERED"] == "1"
         assert pod["metadata"]["labels"]["dag_id"] == "nightly_retrain"
         assert pod["metadata"]["labels"]["team"] == safe_label_value("ml platform")
-    launcher_cmd = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
-    # user env is exported by mpirun to every rank
-    assert "MLFLOW_TRACKING_URI" in launcher_cmd
+    launcher = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    # horovodrun --gloo passes the launcher's env to every rank itself: no forwarding list on the command line
+    assert launcher["command"][:2] == ["horovodrun", "--gloo"] and "-x" not in launcher["command"]
+    assert {"MLFLOW_TRACKING_URI", "NCCL_DEBUG"} <= {e["name"] for e in launcher["env"]}
 
 
 def test_labels_are_sanitised_task_identity() -> None:

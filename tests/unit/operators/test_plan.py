@@ -40,7 +40,7 @@ def test_four_workers_of_eight_gpus(validate_mpijob: Any) -> None:
     assert workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
     command = launcher["containers"][0]["command"]
-    assert command[:3] == ["mpirun", "-np", "32"]
+    assert command[:6] == ["horovodrun", "--gloo", "-np", "32", "--hostfile", "/etc/mpi/hostfile"]
     for role in ("Launcher", "Worker"):
         pod = job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]
         assert pod["volumes"] == [{"name": "nightshift-shared", "persistentVolumeClaim": {"claimName": "team-rwx"}}]

@@ -1,0 +1,461 @@
+"""Run an MPIJob on this machine as the MPI Operator and the kubelets would, on emulated hosts.
+
+Order of events, as on a cluster with `launcherCreationPolicy: WaitForWorkersReady`: the run's services
+(`--service`), then the workers (sshd) start; once every one accepts TCP connections the launcher starts;
+the job ends with the launcher, whose exit status is the job's. A worker whose main process dies is a
+failed pod: its remaining processes are killed (the kubelet would tear the container down) and the job
+fails, naming it. Whatever happens (success, failure, timeout, SIGINT/SIGTERM) every process,
+namespace, link and temporary file of the run is removed before `run_mpijob` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from types import FrameType
+from typing import Any, TextIO
+
+from nightshift.mpijob_local import files, network
+from nightshift.mpijob_local.errors import HostNotSuitable, ManifestNotSupported, MPIJobFailed, PodStartFailed
+from nightshift.mpijob_local.manifest import CONFIG_MOUNT_PATH, LocalJob, PodSpec, parse_job
+
+POD_INIT = str(Path(__file__).with_name("pod_init.py"))
+TEMP_PREFIX = "nightshift-mpijob-"
+EXIT_TIMEOUT = 124
+LOST_WORKER_GRACE_S = 15.0  # time the launcher gets to fail by itself once a worker pod died
+TAIL_LINES = 80
+_ERROR_LINE = re.compile(r"\b[\w.]*(Error|Exception|error)\b:? ")
+_PROBE = """
+import socket, sys, time
+deadline = time.monotonic() + float(sys.argv[1])
+pending = sys.argv[2:]
+while True:
+    left = []
+    for target in pending:
+        host, port = target.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            left.append(target)
+    pending = left
+    if not pending or time.monotonic() >= deadline:
+        break
+    time.sleep(0.2)
+print(" ".join(pending))
+sys.exit(1 if pending else 0)
+"""
+
+
+@dataclass(frozen=True)
+class Service:
+    """A process of this machine put on the job's network under a DNS name (e.g. an MLflow server)."""
+
+    host: str
+    port: int
+    argv: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", self.host) or len(self.host) > 63:
+            raise ManifestNotSupported(f"--service host {self.host!r} must be a DNS name of at most 63 characters")
+        if not 0 < self.port < 65536:
+            raise ManifestNotSupported(f"--service {self.host}: port {self.port} is out of range")
+        if not self.argv:
+            raise ManifestNotSupported(f"--service {self.host}: no command")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a job here: directories for its claims, links, limits, services."""
+
+    claims: Mapping[str, str] = field(default_factory=dict)
+    link: network.LinkShape = field(default_factory=network.LinkShape)
+    timeout_s: float | None = None
+    services: tuple[Service, ...] = ()
+    ready_timeout_s: float = 120.0
+
+
+@dataclass
+class RunningPod:
+    name: str
+    role: str  # launcher | worker | service
+    namespace: str
+    slot: int
+    ip: str
+    dns_names: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    pump: threading.Thread | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    ready_port: int | None = None
+
+
+class _Stopped(Exception):
+    """SIGINT or SIGTERM arrived: stop the job and clean up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def count_gpus() -> int:
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _first_error(lines: Sequence[str]) -> str:
+    """The line a person should read first: a rank's error, else horovodrun's, else the last line."""
+    errors = [line for line in lines if _ERROR_LINE.search(line)]
+    ranks = [line for line in errors if ">:" in line]  # horovodrun prefixes rank output with [i]<stderr>:
+    if ranks or errors:
+        return (ranks or errors)[0].strip()
+    return next((line.strip() for line in reversed(lines) if line.strip()), "no output")
+
+
+def _is_sshd(argv: Sequence[str]) -> bool:
+    return bool(argv) and PurePosixPath(argv[0]).name == "sshd"
+
+
+def _sshd_config_path(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "-f":
+            return argv[i + 1]
+    return None
+
+
+def preflight(job: LocalJob, options: RunOptions, pod_path: str) -> None:
+    """Refuse, with one line saying what to do, what this machine cannot run."""
+    if os.geteuid() != 0:
+        raise HostNotSuitable("run-mpijob needs root (network namespaces, mounts): run it as root or with sudo")
+    needed = {"ip": "iproute2", "unshare": "util-linux", "ssh-keygen": "openssh-client"}
+    if options.link.shaped:
+        needed["tc"] = "iproute2"
+    for tool, package in needed.items():
+        if shutil.which(tool) is None:
+            raise HostNotSuitable(f"`{tool}` not found: install {package} (apt-get install -y {package})")
+    for pod in job.pods:
+        program = pod.argv[0]
+        found = program if "/" in program else shutil.which(program, path=pod_path)
+        if not found or not os.access(found, os.X_OK):
+            package = " (apt-get install -y openssh-server)" if _is_sshd(pod.argv) else ""
+            raise HostNotSuitable(f"pod {pod.name}: `{program}` not found on this machine{package}")
+    if any(_is_sshd(w.argv) for w in job.workers) and shutil.which("ssh") is None:
+        raise HostNotSuitable("`ssh` not found: install openssh-client (apt-get install -y openssh-client)")
+    for claim, directory in options.claims.items():
+        if not Path(directory).is_dir():
+            raise ManifestNotSupported(f"--volume {claim}={directory}: {directory} is not a directory")
+
+
+def remove_stale_runs() -> list[str]:
+    """Namespaces and temporary directories of runs whose run-mpijob died without cleaning up."""
+    removed = network.remove_stale_namespaces()
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}*-*")):
+        match = re.match(rf"{TEMP_PREFIX}(\d+)-", os.path.basename(path))
+        if match and not network.pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+class LocalRun:
+    """One run of a job: its temporary directory, network, pods; `close()` removes all of them."""
+
+    def __init__(self, job: LocalJob, options: RunOptions, *, out: TextIO, err: TextIO) -> None:
+        self.job, self.options, self.out, self.err = job, options, out, err
+        self.owner = os.getpid()
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{self.owner}-"))
+        self.net = network.Network(self.owner)
+        self.pods: list[RunningPod] = []
+        self.stop_signal: int | None = None
+        self._write_lock = threading.Lock()
+        self.python_bin = str(Path(sys.executable).parent)
+        self.pod_path = files.image_env(self.python_bin, "/", "")["PATH"]
+
+    # ------------------------------------------------------------------ set-up
+    def say(self, message: str) -> None:
+        with self._write_lock:
+            self.err.write(f"run-mpijob: {message}\n")
+            self.err.flush()
+
+    def check_stop(self) -> None:
+        if self.stop_signal is not None:
+            raise _Stopped(self.stop_signal)
+
+    def plan(self) -> None:
+        """Namespaces, addresses and names for every pod and service."""
+        entries: list[tuple[str, str, str, list[str]]] = [
+            ("launcher", self.job.launcher.name, network.namespace_name(self.owner, "launcher"),
+             self.job.dns_names(self.job.launcher))]
+        for worker in self.job.workers:
+            entries.append(("worker", worker.name, network.namespace_name(self.owner, "worker", worker.index),
+                            self.job.dns_names(worker)))
+        for i, service in enumerate(self.options.services):
+            names = [service.host] + ([service.host.split(".")[0]] if "." in service.host else [])
+            entries.append(("service", service.host, network.namespace_name(self.owner, "service", i), names))
+        for slot, (role, name, namespace, names) in enumerate(entries):
+            self.pods.append(RunningPod(name=name, role=role, namespace=namespace, slot=slot,
+                                        ip=network.address(slot), dns_names=names))
+
+    def create_network(self) -> None:
+        self.net.create_switch()
+        for pod in self.pods:
+            self.check_stop()
+            self.net.add_host(pod.namespace, pod.slot)
+            if self.options.link.shaped:
+                self.net.shape(pod.namespace, pod.slot, self.options.link)
+            self.say(f"pod {pod.name}: {pod.ip} on {network.host_veth(pod.slot)} (netns {pod.namespace})")
+
+    def write_files(self) -> None:
+        job = self.job
+        self.secret = files.write_ssh_secret(self.tmp / "ssh")
+        self.mpi_config = files.write_mpi_config(self.tmp / "mpi", job.hostfile(), job.discover_hosts())
+        self.hosts = files.write_text(self.tmp / "hosts", files.hosts_file([(p.ip, p.dns_names) for p in self.pods]))
+        self.ssh_config = files.write_text(self.tmp / "ssh_config", files.ssh_config(job.ssh_auth_mount_path))
+        self.sshd_config = files.write_text(self.tmp / "sshd_config",
+                                            files.sshd_config(job.ssh_auth_mount_path, self.pod_path), 0o600)
+        (self.tmp / "pods").mkdir()
+
+    def _home(self) -> tuple[str, bool]:
+        """The image user's home (where its Secret is mounted) and whether the pod gets a fresh one."""
+        home = str(PurePosixPath(self.job.ssh_auth_mount_path).parent)
+        interpreter_inside = Path(sys.prefix).resolve().is_relative_to(home) or Path(
+            self.python_bin).resolve().is_relative_to(home)
+        return home, not interpreter_inside and home != "/"
+
+    def pod_spec(self, running: RunningPod, spec: PodSpec | None, service: Service | None) -> dict[str, Any]:
+        directory = self.tmp / "pods" / running.name
+        (directory / "scratch").mkdir(parents=True)
+        hostname = files.write_text(directory / "hostname", f"{running.name}\n")
+        mounts: list[dict[str, Any]] = [
+            {"source": str(self.hosts), "target": "/etc/hosts", "read_only": True},
+            {"source": str(hostname), "target": "/etc/hostname", "read_only": True},
+        ]
+        base = {"hostname": running.name, "scratch": str(directory / "scratch"), "mounts": mounts}
+        if service is not None:
+            env = {**os.environ, "HOSTNAME": running.name}
+            return {**base, "tmpfs": [], "cwd": os.getcwd(), "env": env, "argv": list(service.argv)}
+        assert spec is not None
+        home, fresh_home = self._home()
+        secret_targets = {self.job.ssh_auth_mount_path, os.path.join(pwd.getpwuid(0).pw_dir, ".ssh")}
+        mounts += [{"source": str(self.secret), "target": t, "read_only": True} for t in sorted(secret_targets)]
+        mounts.append({"source": str(self.ssh_config), "target": "/etc/ssh/ssh_config", "read_only": True})
+        if spec.role == "launcher":
+            mounts.append({"source": str(self.mpi_config), "target": CONFIG_MOUNT_PATH, "read_only": True})
+        if _is_sshd(spec.argv):
+            targets = {"/etc/ssh/sshd_config", _sshd_config_path(spec.argv) or "/etc/ssh/sshd_config"}
+            mounts += [{"source": str(self.sshd_config), "target": t, "read_only": True} for t in sorted(targets)]
+            mounts.append({"source": None, "target": "/run/sshd", "dir": True})
+            running.ready_port = files.SSH_PORT
+        for k, mount in enumerate(spec.mounts):
+            source = mount.source
+            if source is None:  # emptyDir: a directory of this pod only
+                source = str(directory / f"empty-{k}")
+                Path(source).mkdir()
+            mounts.append({"source": source, "target": mount.target, "read_only": mount.read_only})
+        env = files.merged_env(files.image_env(self.python_bin, home, running.name), spec.env)
+        if spec.gpus:
+            first = sum(p.gpus for p in self.job.pods[: self.job.pods.index(spec)])
+            devices = ",".join(str(i) for i in range(first, first + spec.gpus))
+            env.update({"CUDA_VISIBLE_DEVICES": devices, "NVIDIA_VISIBLE_DEVICES": devices})
+        return {**base, "tmpfs": [home] if fresh_home else [], "cwd": spec.working_dir or home, "env": env,
+                "argv": list(spec.argv)}
+
+    def start_pod(self, running: RunningPod, spec: PodSpec | None = None, service: Service | None = None) -> None:
+        self.check_stop()
+        spec_file = self.tmp / "pods" / f"{running.name}.json"
+        spec_file.write_text(json.dumps(self.pod_spec(running, spec, service)))
+        spec_file.chmod(0o600)
+        argv = ["ip", "netns", "exec", running.namespace, "unshare", "--uts", "--mount", "--propagation",
+                "private", "--", sys.executable, "-I", POD_INIT, str(spec_file)]
+        running.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        running.pump = threading.Thread(target=self._pump, args=(running,), daemon=True,
+                                        name=f"log-{running.name}")
+        running.pump.start()
+
+    def _pump(self, running: RunningPod) -> None:
+        assert running.proc is not None and running.proc.stdout is not None
+        for raw in iter(running.proc.stdout.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            running.tail.append(line)
+            with self._write_lock:
+                self.out.write(f"[{running.name}] {line}\n")
+                self.out.flush()
+
+    def probe(self, targets: Sequence[tuple[str, int]], wait_s: float) -> subprocess.Popen[str]:
+        """TCP connects from inside the launcher's namespace (the view the launcher will have)."""
+        argv = ["ip", "netns", "exec", self.pods[0].namespace, sys.executable, "-I", "-c", _PROBE, str(wait_s),
+                *(f"{ip}:{port}" for ip, port in targets)]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def wait_ready(self, pods: Sequence[RunningPod]) -> None:
+        waiting = [p for p in pods if p.ready_port]
+        if not waiting:
+            return
+        probe = self.probe([(p.ip, p.ready_port or 0) for p in waiting], self.options.ready_timeout_s)
+        try:
+            while probe.poll() is None:
+                self.check_stop()
+                for pod in pods:
+                    if pod.proc is not None and pod.proc.poll() is not None:
+                        last = next((line for line in reversed(pod.tail) if line.strip()), "no output")
+                        raise PodStartFailed(f"pod {pod.name} exited before it was ready "
+                                             f"({_exit_text(pod.proc.returncode)}): {last}")
+                time.sleep(0.1)
+        finally:
+            if probe.poll() is None:
+                probe.kill()
+            stdout, _ = probe.communicate()
+        if probe.returncode != 0:
+            late = set(stdout.split())
+            names = [f"{p.name} (port {p.ready_port})" for p in waiting if f"{p.ip}:{p.ready_port}" in late]
+            raise PodStartFailed(f"not ready after {self.options.ready_timeout_s:.0f}s: {', '.join(names)}")
+
+    # ------------------------------------------------------------------ the job
+    def run(self) -> int:
+        started = time.monotonic()
+        limits = [t for t in (self.options.timeout_s, self.job.active_deadline_seconds) if t]
+        deadline = started + min(limits) if limits else None
+        self.plan()
+        self.write_files()
+        self.create_network()
+        by_name = {p.name: p for p in self.pods}
+        services = [p for p in self.pods if p.role == "service"]
+        for running, service in zip(services, self.options.services, strict=True):
+            self.start_pod(running, service=service)
+            running.ready_port = service.port
+        for spec in self.job.workers:
+            self.start_pod(by_name[spec.name], spec=spec)
+        self.wait_ready([p for p in self.pods if p.role != "launcher"])
+        self.say(f"{len(self.job.workers)} worker(s) ready in {time.monotonic() - started:.1f}s; "
+                 f"starting the launcher")
+        launcher = by_name[self.job.launcher.name]
+        self.start_pod(launcher, spec=self.job.launcher)
+        assert launcher.proc is not None
+        workers = [by_name[w.name] for w in self.job.workers]
+        lost_at: float | None = None
+        timed_out = False
+        while launcher.proc.poll() is None:
+            self.check_stop()
+            now = time.monotonic()
+            for worker in workers:
+                if worker.proc is not None and worker.proc.poll() is not None and lost_at is None:
+                    lost_at = now
+                    self.say(f"worker {worker.name} stopped ({_exit_text(worker.proc.returncode)}): "
+                             f"the job fails")
+                    network.kill_namespaces([worker.namespace], grace_s=0)
+            if lost_at is not None and now - lost_at > LOST_WORKER_GRACE_S:
+                network.kill_namespaces([launcher.namespace], grace_s=10)
+            elif deadline is not None and now > deadline:
+                timed_out = True
+                network.kill_namespaces([launcher.namespace], grace_s=10)
+            time.sleep(0.1)
+        code = launcher.proc.returncode
+        elapsed = time.monotonic() - started
+        if timed_out:
+            raise MPIJobFailed(f"MPIJob {self.job.name} did not finish within {min(limits):.0f}s "
+                               f"(--timeout / activeDeadlineSeconds); its pods were stopped", EXIT_TIMEOUT)
+        if code == 0 and lost_at is None:
+            self.say(f"MPIJob {self.job.name} succeeded in {elapsed:.1f}s")
+            return 0
+        lost = self.lost_workers(workers)
+        what = f"lost {'; '.join(lost)}" if lost else f"first error: {_first_error(launcher.tail)[-300:]}"
+        raise MPIJobFailed(f"MPIJob {self.job.name} failed after {elapsed:.1f}s: launcher "
+                           f"{_exit_text(code)}; {what}", code if code > 0 else 1)
+
+    def lost_workers(self, workers: Sequence[RunningPod]) -> list[str]:
+        """Workers that died, whose link is down, or that the launcher's namespace cannot reach."""
+        probe = self.probe([(w.ip, files.SSH_PORT) for w in workers if w.ready_port], 2.0)
+        unreachable = set(probe.communicate(timeout=30)[0].split())
+        lost = []
+        for worker in workers:
+            why = []
+            if worker.proc is not None and worker.proc.poll() is not None:
+                why.append(f"its processes are gone: {_exit_text(worker.proc.returncode)}")
+            state = self.net.link_state(worker.namespace, worker.slot)
+            if state != "up":
+                why.append(f"its link is {state}")
+            elif not why and f"{worker.ip}:{files.SSH_PORT}" in unreachable:
+                why.append("unreachable from the launcher")
+            if why:
+                lost.append(f"host {worker.name} ({', '.join(why)})")
+        return lost
+
+    # ------------------------------------------------------------------ clean-up
+    def close(self) -> list[str]:
+        """Stop every process, delete namespaces (and their links), remove the temporary directory."""
+        left = self.net.close()
+        for pod in self.pods:
+            if pod.proc is not None:
+                try:
+                    pod.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pod.proc.kill()
+                    pod.proc.wait()
+                    left.append(f"pod {pod.name}: pid {pod.proc.pid} needed SIGKILL")
+            if pod.pump is not None:
+                pod.pump.join(timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.tmp.exists():
+            left.append(str(self.tmp))
+        return left
+
+
+@contextlib.contextmanager
+def _stop_on_signals(run: LocalRun) -> Iterator[None]:
+    """SIGINT/SIGTERM set a flag the run checks; the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        run.stop_signal = signum
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run_mpijob(manifest: Mapping[str, Any], options: RunOptions, *, out: TextIO | None = None,
+               err: TextIO | None = None) -> int:
+    """Run `manifest` on emulated hosts; 0 on success, else raises `MPIJobFailed` (exit code inside)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    job = parse_job(manifest, claims=options.claims, gpus_available=count_gpus())
+    pod_path = files.image_env(str(Path(sys.executable).parent), "/", "")["PATH"]
+    preflight(job, options, pod_path)
+    for name in remove_stale_runs():
+        err.write(f"run-mpijob: removed {name}, left by a run that did not clean up\n")
+    run = LocalRun(job, options, out=out, err=err)
+    with _stop_on_signals(run):
+        try:
+            return run.run()
+        except _Stopped as stopped:
+            raise MPIJobFailed(f"MPIJob {job.name} stopped by {stopped}; its pods were removed",
+                               128 + stopped.signum) from None
+        finally:
+            left = run.close()
+            if left:
+                err.write(f"run-mpijob: could not remove: {'; '.join(left)}\n")
