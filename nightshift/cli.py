@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.train.cli",
     "nightshift.serving_cli",
     "nightshift.plan_cli",
+    "nightshift.mpijob_local.cli",
 )
 
 
