@@ -29,6 +29,11 @@ def failing_pages(report: Any) -> list[str]:
 
 
 def _batch_definition(gx_context: Any) -> Any:
+    # The provider builds the GX context itself and hands it here first: the only place to turn off its
+    # progress bars (tqdm on stderr, which the task supervisor logs at ERROR, one line per split).
+    from nightshift.data.validate import disable_progress_bars
+
+    disable_progress_bars(gx_context)
     source = gx_context.data_sources.add_or_update_pandas(name=GX_SOURCE)
     return source.add_dataframe_asset(name="split").add_batch_definition_whole_dataframe("whole")
 
@@ -57,9 +62,16 @@ class GXDataGateOperator(GXValidateBatchOperator):
         from great_expectations_provider.common.errors import GXValidationFailed
 
         from nightly_tasks.steps import resolve_data_source
-        from nightshift.data.validate import check_data, describe_failures, parquet_files, read_table
+        from nightshift.data.validate import (
+            check_data,
+            describe_failures,
+            parquet_files,
+            quiet_gx_logging,
+            read_table,
+        )
         from nightshift.errors import DataError, UsageError
 
+        quiet_gx_logging()  # before the provider first imports GX, which logs ~200 INFO lines on import
         try:
             path = resolve_data_source(str(self.data_source or ""))
         except UsageError as err:

@@ -12,6 +12,7 @@ for the report and the Data Docs page.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from datetime import UTC, datetime
@@ -35,6 +36,11 @@ SAMPLE_SIZE = 5
 SUMMARY_FAILURES = 8
 
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")  # never phone home, even by accident
+# GX logs its internals at INFO: on import ~200 "Skipping registering function ..." lines (its public-API
+# docs registry), then "Multiple declarations of metric ...", "Created temporary directory ..." per context.
+QUIET_GX_LOGGERS = ("great_expectations",)
+# A module that sets its own logger to INFO when it is imported.
+GX_LOGGER_AT_INFO = "great_expectations.data_context.types.base"
 
 
 class ExpectationFailure(TypedDict):
@@ -86,6 +92,7 @@ def _suite_json(path: str) -> str:
 
 def load_suite(name: str = SUITE) -> gx.ExpectationSuite:
     """The suite `name` from `gx/expectations/` as a GX object (e.g. for the Airflow provider)."""
+    quiet_gx_logging()
     import great_expectations as gx
 
     import nightshift.data.expectations  # noqa: F401  (registers the custom expectations the suite uses)
@@ -128,12 +135,32 @@ def read_table(path: str | Path) -> pd.DataFrame:
             from err
 
 
-def _context(site_dir: Path) -> Any:
-    import great_expectations as gx
+def quiet_gx_logging() -> None:
+    """Keep GX's warnings and errors, not its INFO chatter; imports GX (its import is what logs first)."""
+    for name in QUIET_GX_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    import great_expectations.data_context.types.base  # noqa: F401
+
+    logging.getLogger(GX_LOGGER_AT_INFO).setLevel(logging.WARNING)
+
+
+def disable_progress_bars(context: Any) -> None:
+    """No tqdm bars from this GX context: they go to stderr, which Airflow's task supervisor logs at ERROR.
+
+    GX 1.x reads `progress_bars` from the context's config (`globally: false`, as `progress_bars:` in
+    great_expectations.yml); it passes `disable=` to tqdm itself, so tqdm's TQDM_DISABLE does not help.
+    """
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
-    context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
+
+
+def _context(site_dir: Path) -> Any:
+    quiet_gx_logging()
+    import great_expectations as gx
+
+    context = gx.get_context(mode="ephemeral")
+    disable_progress_bars(context)
     site_dir.mkdir(parents=True, exist_ok=True)
     context.add_data_docs_site(
         site_name=DOCS_SITE,
