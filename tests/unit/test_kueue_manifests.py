@@ -308,12 +308,15 @@ def test_each_cel_check_catches_its_violation(kind: str, mutate: Callable[[dict[
 
 
 # --- Kueue's ClusterQueue admission webhook (not CEL, but enforced on create and update) -----------------
+# As in kubernetes-sigs/kueue pkg/webhooks/clusterqueue_webhook.go: a resource and a flavor belong to one
+# resource group; a flavor lists its resources in coveredResources' order; quantities are not negative;
+# borrowingLimit and lendingLimit need a cohort; lendingLimit is at most nominalQuota.
 
 MSG_NAME_ORDER = "must match the name in coveredResources"
 MSG_DUPLICATE = "Duplicate value"
 MSG_NEGATIVE = "must be greater than or equal to 0"
 MSG_LENDING_NO_COHORT = "lendingLimit must be nil when cohort is empty"
-MSG_LENDING_ABOVE_NOMINAL = "lendingLimit must be less than or equal to nominalQuota"
+MSG_LENDING_ABOVE_NOMINAL = "lendingLimit must be less than or equal to the nominalQuota"
 
 
 def _cluster_queue_webhook(cq: dict[str, Any]) -> list[str]:
