@@ -9,9 +9,28 @@ STAMP := $(VENV)/.nightshift-installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast airflow bench lint clean
+# Debian packages some integration tests need, as command:package: sshd (emulated hosts), redis-server
+# (stream scoring), ip (network namespaces), chromium and chromedriver (the browser test). Installed when
+# missing and running as root; otherwise those tests skip with a reason.
+SYSTEM_PACKAGES := sshd:openssh-server redis-server:redis-server ip:iproute2 chromium:chromium \
+	chromedriver:chromium-driver
 
-setup: $(STAMP)
+.PHONY: setup system-packages demo test test-fast airflow bench lint clean
+
+setup: system-packages $(STAMP)
+
+system-packages:
+	@PATH="$$PATH:/usr/sbin:/sbin"; missing=""; \
+	for pair in $(SYSTEM_PACKAGES); do \
+		command -v "$${pair%%:*}" >/dev/null || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "apt-get install$$missing"; \
+		apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y $$missing >/dev/null; \
+	else \
+		echo "note: not root, not installing Debian packages$$missing (the tests that need them skip)"; \
+	fi
 
 $(STAMP): pyproject.toml constraints.txt scripts/horovod-wheel.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -1,22 +1,28 @@
 """`airflow standalone` (scripts/airflow.sh) on 127.0.0.1: trigger `nightly_retrain` through the REST API v2
 with params, as the UI's trigger form does; once on good data (success, a model version, extra links, the
-lineage page), once on corrupt data (fails at validate_data, no new model version)."""
+lineage page), once on corrupt data (fails at validate_data, no new model version), once waiting for an
+approval. Last, in headless Chromium, a person's view: the trigger form submitted with its defaults starts
+a run (screenshots in `$NIGHTSHIFT_ARTIFACTS/browser`, default `.artifacts/browser`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.integration.airflow_helpers import REPO, registered_versions, stop_model_server
+
+if TYPE_CHECKING:
+    from selenium.webdriver.remote.webdriver import WebDriver
 
 pytestmark = pytest.mark.integration
 
@@ -158,14 +164,13 @@ def test_trigger_with_params_through_the_rest_api_succeeds(standalone: dict[str,
     assert mine["nightshift://models/nightshift-digits/champion"]["model_version"] == "1"
 
 
-def test_corrupt_data_fails_at_validation_without_a_new_model(standalone: dict[str, Any],
-                                                              tmp_path: Path) -> None:
+def test_corrupt_data_fails_at_validation_without_a_new_model(standalone: dict[str, Any]) -> None:
     import pandas as pd
 
     from nightshift.data.demo import write_demo_dataset
 
     api: Api = standalone["api"]
-    bad = tmp_path / "corrupt"
+    bad = standalone["home"] / "data" / "corrupt"  # under a data root (NIGHTSHIFT_HOME/data by default)
     write_demo_dataset(bad, seed=0)
     frame = pd.read_parquet(bad / "train.parquet")
     frame.loc[frame.index[:25], "label"] = 42  # labels outside 0-9
@@ -216,3 +221,121 @@ def test_require_approval_waits_for_a_person_then_deploys(standalone: dict[str, 
     states = api.task_states(run_id)
     assert states["approve"] == "success" and states["deploy"] == "success", states
     assert registered_versions(standalone["home"]) == ["1", "2"]
+
+
+# Headless Chromium against the React UI: Debian's chromium and chromium-driver (`make setup` installs them
+# as root), driven by selenium; nothing is downloaded at run time.
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1920,1080")
+BROWSER_BINARIES = {name: shutil.which(name) for name in ("chromium", "chromedriver")}
+MISSING_BROWSER = [name for name, path in BROWSER_BINARIES.items() if path is None]
+# A marker, not a skip inside a fixture: the module's Airflow would start before a function fixture skips.
+needs_browser = pytest.mark.skipif(
+    bool(MISSING_BROWSER),
+    reason=f"{' and '.join(MISSING_BROWSER)} not found: apt-get install chromium chromium-driver (make setup does, "
+           "as root)")
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[WebDriver]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(BROWSER_BINARIES["chromium"])
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    service = Service(str(BROWSER_BINARIES["chromedriver"]), log_output=str(tmp_path / "chromedriver.log"))
+    driver = webdriver.Chrome(options=options, service=service)  # quit() ends chromium, then chromedriver
+    try:
+        driver.set_page_load_timeout(60)
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def artifacts() -> Path:
+    root = Path(os.environ.get("NIGHTSHIFT_ARTIFACTS") or REPO / ".artifacts")
+    (root / "browser").mkdir(parents=True, exist_ok=True)
+    return root / "browser"
+
+
+def _screenshot_dialog(driver: WebDriver, path: Path) -> None:
+    """The open dialog down to its last button: the window grows to the dialog's bottom for the shot."""
+    size = driver.get_window_size()
+    bottom = driver.execute_script(
+        "return document.querySelector('[role=dialog][data-state=open]').getBoundingClientRect().bottom;")
+    driver.set_window_size(size["width"], max(size["height"], min(int(bottom) + 200, 4000)))
+    try:
+        driver.save_screenshot(str(path))
+    finally:
+        driver.set_window_size(size["width"], size["height"])
+
+
+def _screenshot_newest_runs(driver: WebDriver, path: Path) -> None:
+    """The page, with the grid (left panel) scrolled to its newest runs when it has more than fit."""
+    driver.execute_script(
+        "for (const e of document.querySelectorAll('*')) {"
+        "  if (e.scrollWidth > e.clientWidth && ['auto', 'scroll'].includes(getComputedStyle(e).overflowX)"
+        "      && e.getBoundingClientRect().right < window.innerWidth / 3) e.scrollLeft = e.scrollWidth; }")
+    driver.save_screenshot(str(path))
+
+
+@pytest.mark.browser
+@needs_browser
+def test_trigger_form_submits_with_its_defaults(browser: WebDriver, standalone: dict[str, Any],
+                                                artifacts: Path) -> None:
+    """Last in the module (it leaves a run behind until it ends, and the DAG has max_active_runs=1)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    api: Api = standalone["api"]
+    defaults = {name: spec["value"] for name, spec in api.call("GET", f"/dags/{DAG_ID}/details")["params"].items()}
+    before = {run["dag_run_id"] for run in api.call("GET", f"/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]}
+    wait = WebDriverWait(browser, 60)
+
+    browser.get(f"{api.base}/dags/{DAG_ID}")
+    wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "[data-testid=trigger-dag-button]"))).click()
+    dialog = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, "[role=dialog][data-state=open]")))
+    for name in defaults:  # the form has loaded the DAG's params: a field for each
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, f"[role=dialog] [name=element_{name}]")))
+    submit = dialog.find_element(By.CSS_SELECTOR, "[data-testid=trigger-dag-submit]")
+    _screenshot_dialog(browser, artifacts / "trigger-form.png")
+    try:
+        WebDriverWait(browser, 10).until(lambda _: submit.is_enabled())
+    except Exception as err:
+        raise AssertionError(f"the Trigger button stays disabled with the defaults; the form says:\n{dialog.text}"
+                             f"\n(screenshot {artifacts / 'trigger-form.png'})") from err
+    submit.click()
+
+    # The UI opens the new run's page; the REST API shows what it started.
+    wait.until(ec.url_contains(f"/dags/{DAG_ID}/runs/"), message=f"pressing Trigger did not open a run page: "
+               f"{browser.current_url}\n{browser.find_element(By.TAG_NAME, 'body').text[:2000]}")
+    deadline = time.monotonic() + 30
+    while not (new := [run for run in api.call("GET", f"/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]
+                       if run["dag_run_id"] not in before]):
+        assert time.monotonic() < deadline, f"no new run of {DAG_ID} after pressing Trigger ({browser.current_url})"
+        time.sleep(1)
+    assert len(new) == 1, new
+    run = new[0]
+    run_id = run["dag_run_id"]
+    assert run["run_type"] == "manual" and run.get("triggered_by", "ui") == "ui", run
+    assert run["state"] in {"queued", "running", "success"}, run
+    assert run["conf"] == defaults, f"conf {run['conf']} != the Params' defaults {defaults}"
+
+    # Started: its first task ran (or runs) and the grid shows it.
+    deadline = time.monotonic() + 120
+    while api.task_states(run_id).get("validate_data") in {None, "scheduled", "queued"}:
+        assert time.monotonic() < deadline, api.task_states(run_id)
+        time.sleep(2)
+    browser.refresh()  # the run page polls, but its task table can lag: load it with the first task's state
+    wait.until(ec.presence_of_element_located((By.XPATH, f"//*[contains(text(), '{run_id}')]")),
+               message=f"the run page of {run_id} did not load")
+    time.sleep(2)
+    _screenshot_newest_runs(browser, artifacts / "run-grid.png")
+
+    state = api.wait_run(run_id, timeout=420)
+    assert state == "success", f"{api.task_states(run_id)}; log {standalone['log']}"
