@@ -47,6 +47,9 @@ run, `skip_training` runs instead of `train` and nothing downstream of it (unles
 | `batch_size` | batch size per worker |
 | `workers` | Horovod workers: pods of the MPIJob, or local processes |
 | `gpus_per_worker` | GPUs each worker asks for (0 = CPU); also the MPI slots per worker |
+| `gpus` | total GPUs, packed into the fewest equal workers of at most one node (0: workers x GPUs per worker) |
+| `queue` | Kueue LocalQueue for the MPIJob (default `NIGHTSHIFT_KUEUE_QUEUE`; empty: no Kueue) |
+| `priority` | Kueue WorkloadPriorityClass of the MPIJob |
 | `backend` | `local` (horovodrun on the worker machine), `kubernetes` (an MPIJob), or `auto` |
 | `min_improvement` | how much test accuracy the new model must gain over the champion to be promoted |
 | `require_approval` | wait for a person to approve in the UI (Required actions) before deploying |
@@ -72,6 +75,17 @@ PARAMS = {
                      description="Horovod workers (MPIJob worker pods, or local processes)."),
     "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per worker",
                              description="GPUs per worker; 0 trains on CPU."),
+    "gpus": Param(0, type="integer", minimum=0, maximum=4096, title="GPUs in total",
+                  description="Total GPUs, packed into the fewest equal workers of at most one node's GPUs "
+                              "(NIGHTSHIFT_GPUS_PER_NODE or the cluster's nodes). 0: workers x GPUs per worker."),
+    "queue": Param(os.environ.get("NIGHTSHIFT_KUEUE_QUEUE") or None, type=["null", "string"], title="Kueue queue",
+                   description="Kubernetes: the Kueue LocalQueue the MPIJob waits in for GPU quota (it is "
+                               "created suspended, admitted by Kueue, and resumes from its checkpoint after a "
+                               "preemption). Empty: no Kueue."),
+    "priority": Param(os.environ.get("NIGHTSHIFT_KUEUE_PRIORITY") or None, type=["null", "string"],
+                      title="Kueue priority",
+                      description="A Kueue WorkloadPriorityClass, e.g. nightly-low or interactive-high "
+                                  "(default NIGHTSHIFT_KUEUE_PRIORITY)."),
     "backend": Param("local", type="string", enum=["local", "kubernetes", "auto"], title="Backend",
                      description="local: horovodrun here; kubernetes: an MPIJob; auto: kubernetes when "
                                  "the kubernetes_default connection exists."),
@@ -142,7 +156,10 @@ with DAG(
         task_id="train",
         num_workers="{{ params.workers }}",
         gpus_per_worker="{{ params.gpus_per_worker }}",
+        gpus="{{ params.gpus }}",
         backend="{{ params.backend }}",
+        kueue_queue="{{ params.queue or '' }}",
+        kueue_priority="{{ params.priority or '' }}",
         image=TRAINER_IMAGE,
         command=[
             "python", "-m", "nightshift.train",
@@ -152,7 +169,7 @@ with DAG(
             "--batch-size", "{{ params.batch_size }}",
             "--lr", "{{ params.learning_rate }}",
             # A worker that asked for GPUs must train on them: without one it fails at once, naming the host.
-            "--device", "{{ 'cuda' if params.gpus_per_worker | int > 0 else 'cpu' }}",
+            "--device", "{{ 'cuda' if params.gpus_per_worker | int > 0 or params.gpus | int > 0 else 'cpu' }}",
             "--mlflow-experiment", steps.EXPERIMENT,
             "--mlflow-run-name", "{{ run_id }}",
             "--tag", "nightshift.run_key={{ dag.dag_id }}/{{ run_id }}",

@@ -33,10 +33,14 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import contextlib
+
     from operators.plan import PlanError, plan, render_yaml
 
     try:
-        objects = plan(args.conf, run_id=args.run_id)
+        # Airflow's loggers write to stdout outside a task: keep stdout for the YAML alone.
+        with contextlib.redirect_stdout(sys.stderr):
+            objects = plan(args.conf, run_id=args.run_id)
     except PlanError as err:
         raise UsageError(str(err)) from err
     sys.stdout.write(render_yaml(objects))

@@ -37,6 +37,10 @@ class MPIJobStartupTimeout(MPIJobStartupFailure):
     """The MPIJob did not start running within startup_timeout."""
 
 
+class MPIJobQueueTimeout(MPIJobStartupFailure):
+    """Kueue did not admit (or readmit) the MPIJob within queue_timeout; the message says why it waited."""
+
+
 class MPIJobDeleted(MPIJobFailed):
     """The MPIJob disappeared (404) while the task was waiting for it."""
 

@@ -20,12 +20,14 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 
 from operators.errors import InvalidJobConfig, MPIJobFailed, MPIJobStartupFailure, TrainingResultMissing
 from operators.mpijob_spec import (
+    GPU_RESOURCE,
     MPIJobConfig,
     TaskIdentity,
     build_mpijob,
     check_no_credentials,
     checkpoint_subdir,
     job_name,
+    pack_gpus,
     paths_outside_mounts,
     pool_slots_for,
     split_command,
@@ -70,6 +72,17 @@ class HorovodKubernetesOperator(BaseOperator):
         `nightshift-workspace`), mounted at NIGHTSHIFT_HOME's path on this worker, so that the same
         paths name the same files in Airflow and in the pods. Every absolute path in `command` must lie
         under a mount.
+    :param kueue_queue: Kubernetes: the Kueue LocalQueue the job waits in (templated; None: NIGHTSHIFT_KUEUE_QUEUE;
+        empty: no Kueue). The MPIJob then carries `kueue.x-k8s.io/queue-name`, is created suspended, and
+        the task waits while Kueue holds it, logging why from the job's Workload; a preempted job waits
+        for readmission within the same try and resumes from its checkpoint.
+    :param kueue_priority: the Kueue WorkloadPriorityClass of the job (label `kueue.x-k8s.io/priority-class`).
+    :param queue_timeout: seconds the job may wait in the queue (since it was last suspended) before the
+        task fails with the reason it waited; None: no limit but the task's execution_timeout.
+    :param gpus: the total GPUs (templated; 0: `num_workers` x `gpus_per_worker`). Packed into the fewest
+        equal workers of at most one node's GPUs (NIGHTSHIFT_GPUS_PER_NODE, else the largest allocatable
+        `nvidia.com/gpu` of the cluster's nodes; locally, this machine's GPUs); see `mpijob_spec.pack_gpus`.
+        With a queue, a total above what its ClusterQueue can ever admit is refused before submitting.
     :param mlflow_experiment: with `mlflow_run_key`, the task's result comes from the tracking server:
         the complete MLflow run tagged `nightshift.run_key=<mlflow_run_key>` in this experiment (its id,
         model URI and metrics, also pushed as the `mlflow_run_id` / `mlflow_experiment_id` XComs).
@@ -86,7 +99,10 @@ class HorovodKubernetesOperator(BaseOperator):
     template_fields: Sequence[str] = (
         "num_workers",
         "gpus_per_worker",
+        "gpus",
         "backend",
+        "kueue_queue",
+        "kueue_priority",
         "mlflow_run_key",
         "image",
         "command",
@@ -152,6 +168,10 @@ class HorovodKubernetesOperator(BaseOperator):
         shared_volume_claim: str | None = None,
         mlflow_experiment: str | None = None,
         mlflow_run_key: str | None = None,
+        kueue_queue: str | None = None,
+        kueue_priority: str | None = None,
+        queue_timeout: float | None = None,
+        gpus: int | str = 0,
         pool: str | None = None,
         pool_slots: int | None = None,
         **kwargs: Any,
@@ -161,13 +181,16 @@ class HorovodKubernetesOperator(BaseOperator):
             _check_backend(backend)
         if cleanup not in CLEANUP_POLICIES:
             raise InvalidJobConfig(f"cleanup must be one of {CLEANUP_POLICIES}, got {cleanup!r}")
-        counts = {"num_workers": (num_workers, 1), "gpus_per_worker": (gpus_per_worker, 0)}
+        counts = {"num_workers": (num_workers, 1), "gpus_per_worker": (gpus_per_worker, 0), "gpus": (gpus, 0)}
         for name, (value, minimum) in counts.items():
             if not _is_template(value):
                 _to_count(name, value, minimum)
         if pool_slots is None:
-            templated = _is_template(num_workers) or _is_template(gpus_per_worker)
-            pool_slots = 1 if templated else pool_slots_for(int(num_workers), int(gpus_per_worker))
+            templated = _is_template(num_workers) or _is_template(gpus_per_worker) or _is_template(gpus)
+            if templated:
+                pool_slots = 1
+            else:
+                pool_slots = int(gpus) or pool_slots_for(int(num_workers), int(gpus_per_worker))
         super().__init__(pool=pool or GPU_POOL, pool_slots=pool_slots, **kwargs)
         self.num_workers = num_workers
         self.gpus_per_worker = gpus_per_worker
@@ -208,6 +231,11 @@ class HorovodKubernetesOperator(BaseOperator):
         self.shared_volume_claim = shared_volume_claim
         self.mlflow_experiment = mlflow_experiment
         self.mlflow_run_key = mlflow_run_key
+        # Not `queue`: BaseOperator.queue is the executor's (Celery) queue.
+        self.kueue_queue = kueue_queue
+        self.kueue_priority = kueue_priority
+        self.queue_timeout = queue_timeout
+        self.gpus = gpus
         # Per-try state that on_kill needs.
         self.job_name: str | None = None
         self._job_namespace: str | None = None
@@ -230,6 +258,7 @@ class HorovodKubernetesOperator(BaseOperator):
             namespace,
             poll_interval=self.poll_interval,
             startup_timeout=self.startup_timeout,
+            queue_timeout=self.queue_timeout,
             logger=self.log,
         )
 
@@ -239,7 +268,86 @@ class HorovodKubernetesOperator(BaseOperator):
         """Convert the rendered template fields to what they stand for, naming the field that is wrong."""
         self.num_workers = _to_count("num_workers", self.num_workers, 1)
         self.gpus_per_worker = _to_count("gpus_per_worker", self.gpus_per_worker, 0)
+        self.gpus = _to_count("gpus", self.gpus, 0)
         self.backend = _check_backend(str(self.backend).strip())
+        self.kueue_queue = _name_or_none(self.kueue_queue)
+        self.kueue_priority = _name_or_none(self.kueue_priority)
+
+    def resolve_queue(self) -> str | None:
+        """The LocalQueue: the `queue` argument, else NIGHTSHIFT_KUEUE_QUEUE; an empty one means no Kueue."""
+        import os
+
+        if self.kueue_queue is not None:
+            return self.kueue_queue or None
+        return os.environ.get("NIGHTSHIFT_KUEUE_QUEUE", "").strip() or None
+
+    def pack(self, gpus_per_node: int) -> None:
+        """Turn `gpus` (a total) into workers x GPUs per worker, each worker at most one node."""
+        workers, per_worker = pack_gpus(int(self.gpus), gpus_per_node)
+        self.log.info("%d GPUs on nodes of %d: %d worker(s) x %d GPU(s)", self.gpus, gpus_per_node, workers,
+                      per_worker)
+        self.num_workers, self.gpus_per_worker = workers, per_worker
+
+    def cluster_gpus_per_node(self, *, discover: bool) -> int:
+        """NIGHTSHIFT_GPUS_PER_NODE, else (when `discover`) the largest allocatable nvidia.com/gpu of a node."""
+        import os
+
+        configured = os.environ.get("NIGHTSHIFT_GPUS_PER_NODE", "").strip()
+        if configured:
+            return _to_count("NIGHTSHIFT_GPUS_PER_NODE", configured, 1)
+        found, why = 0, "the cluster is not asked when planning"
+        if discover:
+            from kubernetes.client.exceptions import ApiException
+
+            why = "no node of the cluster has allocatable nvidia.com/gpu"
+            try:
+                for node in self.hook.core_v1_client.list_node().items or []:
+                    allocatable = (node.status.allocatable or {}) if node.status else {}
+                    found = max(found, int(allocatable.get(GPU_RESOURCE, 0) or 0))
+            except ApiException as err:  # listing nodes needs a ClusterRole many teams do not get
+                why = f"the nodes cannot be listed ({err.status} {err.reason})"
+        if found < 1:
+            raise InvalidJobConfig(f"gpus={self.gpus} needs the GPUs of one node: set NIGHTSHIFT_GPUS_PER_NODE ({why})")
+        return found
+
+    def check_queue_capacity(self, namespace: str, queue: str) -> None:
+        """Refuse a job its ClusterQueue can never admit (more GPUs than its quota plus what it may borrow)."""
+        from kubernetes.client.exceptions import ApiException
+
+        from operators.kueue_quota import max_admissible
+        from operators.mpijob_launcher import KUEUE_GROUP, KUEUE_VERSION
+
+        total = int(self.num_workers) * int(self.gpus_per_worker)
+        if total < 1:
+            return
+        api = self.hook.custom_object_client
+        try:
+            local = api.get_namespaced_custom_object(group=KUEUE_GROUP, version=KUEUE_VERSION, namespace=namespace,
+                                                     plural="localqueues", name=queue)
+            cq_name = local["spec"]["clusterQueue"]
+            cluster_queue = api.get_cluster_custom_object(group=KUEUE_GROUP, version=KUEUE_VERSION,
+                                                          plural="clusterqueues", name=cq_name)
+            cohort = (cluster_queue.get("spec") or {}).get("cohortName")
+            peers = []
+            if cohort:
+                listing = api.list_cluster_custom_object(group=KUEUE_GROUP, version=KUEUE_VERSION,
+                                                         plural="clusterqueues")
+                peers = [q for q in listing.get("items") or [] if (q.get("spec") or {}).get("cohortName") == cohort
+                         and q["metadata"]["name"] != cq_name]
+        except ApiException as err:
+            if err.status == 404:
+                raise InvalidJobConfig(
+                    f"Kueue LocalQueue {queue!r} (or its ClusterQueue) not found in namespace {namespace}: "
+                    f"`kubectl get localqueues -n {namespace}` lists the queues, deploy/kueue/ creates them"
+                ) from err
+            self.log.warning("Cannot read Kueue queue %s (%s): submitting without the quota check", queue, err.reason)
+            return
+        limit = max_admissible(cluster_queue, GPU_RESOURCE, peers)
+        if limit is not None and total > limit:
+            raise InvalidJobConfig(
+                f"the job asks for {total} GPUs ({self.num_workers} x {self.gpus_per_worker}) but ClusterQueue "
+                f"{cq_name} (LocalQueue {queue}) can admit at most {limit}: ask for at most {limit} GPUs"
+            )
 
     def resolve_backend(self) -> str:
         """The backend this run uses; "auto" looks for the Kubernetes connection."""
@@ -338,12 +446,16 @@ class HorovodKubernetesOperator(BaseOperator):
             backoff_limit=self.backoff_limit,
             ttl_seconds_after_finished=self.ttl_seconds_after_finished,
             active_deadline_seconds=self.active_deadline_seconds,
+            queue_name=self.resolve_queue(),
+            priority_class=self.kueue_priority if self.resolve_queue() else None,
             **optional,
         )
 
     def build_manifest(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
         """The MPIJob this task submits for `identity` (pure; no cluster needed)."""
         self.settle()
+        if self.gpus:
+            self.pack(self.cluster_gpus_per_node(discover=False))
         namespace = namespace or self.namespace or "default"
         checkpoint_dir = self.resolve_checkpoint_dir(identity, "kubernetes")
         command = with_checkpoint_dir(split_command(self.command), checkpoint_dir)
@@ -388,6 +500,8 @@ class HorovodKubernetesOperator(BaseOperator):
     def execute_local(self, identity: TaskIdentity) -> dict[str, Any]:
         from operators.local_launcher import LocalHorovodLauncher, check_local_capacity
 
+        if self.gpus:  # this machine is the one node: one worker with all the GPUs asked for
+            self.num_workers, self.gpus_per_worker, self.gpus = 1, int(self.gpus), 0
         ranks = check_local_capacity(int(self.num_workers), int(self.gpus_per_worker))
         checkpoint_dir = self.resolve_checkpoint_dir(identity, "local")
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -429,6 +543,11 @@ class HorovodKubernetesOperator(BaseOperator):
 
     def execute_kubernetes(self, identity: TaskIdentity) -> dict[str, Any]:
         namespace = self.resolve_namespace()
+        if self.gpus:
+            self.pack(self.cluster_gpus_per_node(discover=True))
+            self.gpus = 0
+        if queue := self.resolve_queue():
+            self.check_queue_capacity(namespace, queue)
         body = self.build_manifest(identity, namespace)
         name = body["metadata"]["name"]
         self.job_name, self._job_namespace = name, namespace
@@ -452,6 +571,7 @@ class HorovodKubernetesOperator(BaseOperator):
                     kubernetes_conn_id=self.kubernetes_conn_id,
                     poll_interval=self.poll_interval,
                     startup_timeout=self.startup_timeout,
+                    queue_timeout=self.queue_timeout,
                 ),
                 method_name="execute_complete",
                 kwargs={"result": result},
@@ -538,6 +658,14 @@ def _to_count(name: str, value: object, minimum: int) -> int:
     if number is None or number < minimum:
         raise InvalidJobConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
     return number
+
+
+def _name_or_none(value: object) -> str | None:
+    """A rendered optional name: None stays None; "None" (a None param rendered by Jinja) and blanks are ""."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    return "" if text in {"", "None"} else text
 
 
 def _redacted(uri: str) -> str:

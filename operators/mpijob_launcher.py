@@ -17,6 +17,7 @@ from operators.mpijob_spec import (
     API_GROUP,
     API_VERSION,
     JOB_NAME_LABEL,
+    KUEUE_QUEUE_LABEL,
     LAUNCHER_CONTAINER,
     PLURAL,
 )
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta2"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+
 ERROR_CLASSES: dict[str, type[errors.MPIJobFailed]] = {
     cls.__name__: cls
     for cls in (
@@ -35,6 +40,7 @@ ERROR_CLASSES: dict[str, type[errors.MPIJobFailed]] = {
         errors.MPIJobImagePullFailed,
         errors.MPIJobUnschedulable,
         errors.MPIJobStartupTimeout,
+        errors.MPIJobQueueTimeout,
         errors.MPIJobDeleted,
     )
 }
@@ -89,6 +95,7 @@ class MPIJobLauncher:
         *,
         poll_interval: float = 10.0,
         startup_timeout: float = 600.0,
+        queue_timeout: float | None = None,
         logger: logging.Logger | Any = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -98,6 +105,8 @@ class MPIJobLauncher:
         self.namespace = namespace
         self.poll_interval = poll_interval
         self.startup_timeout = startup_timeout
+        self.queue_timeout = queue_timeout
+        self._workload_warning_given = False
         self.log = logger or log
         self._clock = clock
         self._sleep = sleep
@@ -178,11 +187,38 @@ class MPIJobLauncher:
 
     # -- following a job ---------------------------------------------------------------------------
 
+    def workload(self, job: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The Kueue Workload of a queued job (found by the job-uid label Kueue puts on it), or None."""
+        from kubernetes.client.exceptions import ApiException
+
+        uid = (job.get("metadata") or {}).get("uid")
+        if not uid:
+            return None
+        try:
+            listing = self.custom_api.list_namespaced_custom_object(
+                group=KUEUE_GROUP, version=KUEUE_VERSION, namespace=self.namespace, plural="workloads",
+                label_selector=f"{KUEUE_JOB_UID_LABEL}={uid}")
+        except ApiException as err:
+            if _status(err) not in {403, 404}:
+                raise
+            if not self._workload_warning_given:
+                self.log.warning("Cannot read Kueue Workloads in %s (%s): the wait is not explained; grant "
+                                 "get/list on workloads.kueue.x-k8s.io (deploy/rbac.yaml)", self.namespace, err.reason)
+                self._workload_warning_given = True
+            return None
+        items = (listing or {}).get("items") or []
+        return dict(items[0]) if items else None
+
     def check(self, name: str, elapsed: float) -> tuple[Verdict, list[dict[str, Any]]]:
-        """One look at the job and its pods."""
+        """One look at the job and its pods (and, while Kueue holds it, its Workload)."""
         job = self.get(name)
         pods = self.pods(name) if job is not None else []
-        return evaluate(name, job, pods, elapsed=elapsed, startup_timeout=self.startup_timeout), pods
+        workload = None
+        if job is not None and KUEUE_QUEUE_LABEL in ((job.get("metadata") or {}).get("labels") or {}):
+            workload = self.workload(job)
+        verdict = evaluate(name, job, pods, elapsed=elapsed, startup_timeout=self.startup_timeout,
+                           workload=workload, queue_timeout=self.queue_timeout)
+        return verdict, pods
 
     def stream_launcher_log(self, pod_name: str, *, follow: bool) -> None:
         """Copy the launcher container's log into the task log, line by line (blocks until it ends)."""
@@ -217,12 +253,15 @@ class MPIJobLauncher:
         Returns the final verdict on success; raises the matching `MPIJobFailed` subclass otherwise.
         """
         start = self._clock() if submitted_at is None else submitted_at
-        last_phase = None
+        last_phase, last_reason = None, None
         while True:
             verdict, pods = self.check(name, self._clock() - start)
             if verdict.phase != last_phase:
                 self.log.info("MPIJob %s/%s is %s", self.namespace, name, verdict.phase)
                 last_phase = verdict.phase
+            if verdict.phase == "Queued" and not verdict.done and verdict.message != last_reason:
+                self.log.info("%s", verdict.message)  # one line: why Kueue holds the job now
+            last_reason = verdict.message
             if verdict.done:
                 self.stream_unread_logs(pods)
                 return self.finish(verdict)

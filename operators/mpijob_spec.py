@@ -25,6 +25,11 @@ KIND = "MPIJob"
 PLURAL = "mpijobs"
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# Kueue: the LocalQueue a job waits in, and its WorkloadPriorityClass (labels Kueue reads on the job).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+# Most workers one job may have (the DAG's `workers` Param allows as many).
+MAX_WORKERS = 256
 # Labels the MPI Operator (v2) puts on the pods it creates for a job.
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 JOB_ROLE_LABEL = "training.kubeflow.org/job-role"
@@ -93,6 +98,8 @@ class MPIJobConfig:
     )
     worker_command: Sequence[str] = DEFAULT_WORKER_COMMAND
     ssh_auth_mount_path: str = DEFAULT_SSH_AUTH_MOUNT_PATH
+    queue_name: str | None = None
+    priority_class: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image.strip():
@@ -116,6 +123,10 @@ class MPIJobConfig:
             )
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace or ""):
             raise InvalidJobConfig(f"namespace must be a DNS label, got {self.namespace!r}")
+        for what, value in (("queue", self.queue_name), ("priority", self.priority_class)):
+            if value is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?", value):
+                raise InvalidJobConfig(f"{what} must be a Kueue object name (a DNS subdomain of at most 63 "
+                                       f"characters), got {value!r}")
         for key, value in self.env.items():
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", str(key)):
                 raise InvalidJobConfig(f"env name {key!r} is not a valid environment variable name")
@@ -142,6 +153,28 @@ def split_command(command: str | Sequence[str]) -> list[str]:
     if isinstance(command, str):
         return shlex.split(command)
     return [str(part) for part in command]
+
+
+def pack_gpus(total: int, gpus_per_node: int, *, max_workers: int = MAX_WORKERS) -> tuple[int, int]:
+    """(workers, GPUs per worker) for `total` GPUs on nodes of `gpus_per_node`: the fewest workers.
+
+    An MPIJob's workers are identical (one pod template), so the total is split into equal workers, each
+    no larger than a node: the smallest worker count w with total % w == 0 and total / w <= gpus_per_node.
+    12 GPUs on 8-GPU nodes: 2 workers of 6; 16: 2 of 8; 7 on 4-GPU nodes: 7 of 1 (7 is prime).
+    A total needing more than `max_workers` workers, or a node size below 1, is refused.
+    """
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise InvalidJobConfig(f"gpus must be a positive integer, got {total!r}")
+    if gpus_per_node < 1:
+        raise InvalidJobConfig(f"GPUs per node must be at least 1, got {gpus_per_node!r}")
+    smallest = -(-total // gpus_per_node)
+    for workers in range(smallest, min(total, max_workers) + 1):
+        if total % workers == 0:
+            return workers, total // workers
+    raise InvalidJobConfig(
+        f"{total} GPUs do not split into at most {max_workers} equal workers of at most {gpus_per_node} GPUs; "
+        f"ask for a multiple of a smaller number, e.g. {gpus_per_node * (total // gpus_per_node)}"
+    )
 
 
 def pool_slots_for(num_workers: int, gpus_per_worker: int) -> int:
@@ -325,12 +358,22 @@ def build_mpijob(config: MPIJobConfig, identity: TaskIdentity, *, name: str | No
         "cleanPodPolicy": config.clean_pod_policy,
         "backoffLimit": config.backoff_limit,
     }
+    job_labels = dict(labels)
+    if config.queue_name:
+        # Created suspended: Kueue unsuspends the job when its Workload is admitted (and suspends it
+        # again when it is preempted); the MPI Operator creates pods only while it is not suspended.
+        # The queue labels go on the job only: on the pods they would ask Kueue's pod integration to
+        # queue each pod on its own.
+        run_policy["suspend"] = True
+        job_labels[KUEUE_QUEUE_LABEL] = config.queue_name
+        if config.priority_class:
+            job_labels[KUEUE_PRIORITY_LABEL] = config.priority_class
     if config.ttl_seconds_after_finished is not None:
         run_policy["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
     if config.active_deadline_seconds is not None:
         run_policy["activeDeadlineSeconds"] = config.active_deadline_seconds
 
-    metadata: dict[str, Any] = {"name": name, "namespace": config.namespace, "labels": labels}
+    metadata: dict[str, Any] = {"name": name, "namespace": config.namespace, "labels": job_labels}
     if config.annotations:
         metadata["annotations"] = dict(config.annotations)
     return {

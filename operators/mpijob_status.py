@@ -6,8 +6,10 @@ Inputs are plain dicts in the API's camelCase form (what `ApiClient.sanitize_for
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from operators.mpijob_spec import JOB_ROLE_LABEL
@@ -30,6 +32,15 @@ IMAGE_PULL_KIND = "MPIJobImagePullFailed"
 UNSCHEDULABLE_KIND = "MPIJobUnschedulable"
 STARTUP_TIMEOUT_KIND = "MPIJobStartupTimeout"
 DELETED_KIND = "MPIJobDeleted"
+QUEUE_TIMEOUT_KIND = "MPIJobQueueTimeout"
+QUEUED = "Queued"
+
+# Kueue Workload (v1beta2) condition types.
+WL_QUOTA_RESERVED = "QuotaReserved"
+WL_ADMITTED = "Admitted"
+WL_EVICTED = "Evicted"
+WL_PREEMPTED = "Preempted"
+WL_REQUEUED = "Requeued"
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,58 @@ def launcher_termination(pods: Iterable[Mapping[str, Any]]) -> str | None:
     return None
 
 
+def suspended(mpijob: Mapping[str, Any]) -> bool:
+    """Kueue holds the job: `runPolicy.suspend` is true (created so, or set again on preemption)."""
+    return ((mpijob.get("spec") or {}).get("runPolicy") or {}).get("suspend") is True
+
+
+def _time(text: Any) -> float | None:
+    try:
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _condition(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == kind), None)
+
+
+def queued_since(mpijob: Mapping[str, Any], now: float) -> float:
+    """When the job last became suspended: the Suspended condition, else its creation."""
+    cond = _condition(mpijob, SUSPENDED)
+    if cond and cond.get("status") == "True" and (since := _time(cond.get("lastTransitionTime"))):
+        return since
+    return _time((mpijob.get("metadata") or {}).get("creationTimestamp")) or now
+
+
+def resumed_at(mpijob: Mapping[str, Any]) -> float | None:
+    """When Kueue last let the job run (its Suspended condition turned False), if it ever was suspended."""
+    cond = _condition(mpijob, SUSPENDED)
+    if cond and cond.get("status") == "False":
+        return _time(cond.get("lastTransitionTime"))
+    return None
+
+
+def workload_reason(workload: Mapping[str, Any] | None) -> str:
+    """Why Kueue holds the job, in one line, from its Workload's conditions."""
+    if workload is None:
+        return ("no Workload yet: Kueue has not picked the job up (is the LocalQueue name right, and Kueue's "
+                "kubeflow.org/mpijob integration enabled?)")
+    name = (workload.get("metadata") or {}).get("name", "?")
+    queue = (workload.get("spec") or {}).get("queueName", "?")
+    evicted = _condition(workload, WL_EVICTED)
+    if evicted and evicted.get("status") == "True":
+        return (f"Workload {name} was evicted ({evicted.get('reason', '?')}: {evicted.get('message', '')}); "
+                f"waiting in LocalQueue {queue} to be readmitted, then it resumes from its last checkpoint")
+    admitted = _condition(workload, WL_ADMITTED)
+    if admitted and admitted.get("status") == "True":
+        return f"Workload {name} is admitted; waiting for the job to be unsuspended"
+    reserved = _condition(workload, WL_QUOTA_RESERVED)
+    if reserved and reserved.get("status") == "False" and reserved.get("message"):
+        return f"Workload {name} in LocalQueue {queue} is pending: {reserved['message']}"
+    return f"Workload {name} in LocalQueue {queue} is pending admission"
+
+
 def explain_failure(name: str, mpijob: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     """(error kind, message) for a job that reached Failed: the most specific cause first."""
     if oom := oom_killed(pods):
@@ -169,8 +232,16 @@ def evaluate(
     *,
     elapsed: float,
     startup_timeout: float,
+    now: float | None = None,
+    workload: Mapping[str, Any] | None = None,
+    queue_timeout: float | None = None,
 ) -> Verdict:
-    """One look at the job (None when the API answered 404) and its pods, `elapsed` seconds after submit."""
+    """One look at the job (None when the API answered 404) and its pods, `elapsed` seconds after submit.
+
+    A job Kueue holds (suspended) is "Queued": it waits, saying why from its Workload, for at most
+    `queue_timeout` seconds since it was last suspended; startup_timeout counts only from when Kueue
+    last let it run. `now` is the wall-clock time the API's timestamps are compared with.
+    """
     if mpijob is None:
         return Verdict("Deleted", done=True, error_kind=DELETED_KIND, message=f"MPIJob {name} was deleted")
     current = phase(mpijob)
@@ -179,6 +250,16 @@ def evaluate(
     if current == FAILED:
         kind, message = explain_failure(name, mpijob, pods)
         return Verdict(current, done=True, error_kind=kind, message=message)
+    now = time.time() if now is None else now
+    if suspended(mpijob):
+        waited = now - queued_since(mpijob, now)
+        why = workload_reason(workload)
+        if queue_timeout is not None and waited >= queue_timeout:
+            return Verdict(QUEUED, done=True, error_kind=QUEUE_TIMEOUT_KIND,
+                           message=f"MPIJob {name} was not admitted within {queue_timeout:.0f}s: {why}")
+        return Verdict(QUEUED, message=f"MPIJob {name} is queued: {why}")
+    if (resumed := resumed_at(mpijob)) is not None:
+        elapsed = min(elapsed, max(0.0, now - resumed))
     if oom := oom_killed(pods):
         return Verdict(current, done=True, error_kind=OOM_KIND, message=f"MPIJob {name} failed: {oom}")
     if pull := image_pull_failure(pods):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from operators.mpijob_spec import API_GROUP, API_VERSION, JOB_NAME_LABEL, PLURAL
+from operators.mpijob_spec import API_GROUP, API_VERSION, JOB_NAME_LABEL, KUEUE_QUEUE_LABEL, PLURAL
 from operators.mpijob_status import Verdict, evaluate
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class MPIJobTrigger(BaseTrigger):
         config_file: str | None = None,
         in_cluster: bool | None = None,
         max_consecutive_errors: int = 3,
+        queue_timeout: float | None = None,
     ) -> None:
         super().__init__()
         self.name = name
@@ -55,6 +56,7 @@ class MPIJobTrigger(BaseTrigger):
         self.config_file = config_file
         self.in_cluster = in_cluster
         self.max_consecutive_errors = max_consecutive_errors
+        self.queue_timeout = queue_timeout
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -70,6 +72,7 @@ class MPIJobTrigger(BaseTrigger):
                 "config_file": self.config_file,
                 "in_cluster": self.in_cluster,
                 "max_consecutive_errors": self.max_consecutive_errors,
+                "queue_timeout": self.queue_timeout,
             },
         )
 
@@ -113,13 +116,34 @@ class MPIJobTrigger(BaseTrigger):
                     raise
                 job = None
             pods: list[dict[str, Any]] = []
+            workload = None
             if job is not None:
                 listing = await core_api.list_namespaced_pod(
                     namespace=self.namespace, label_selector=f"{JOB_NAME_LABEL}={self.name}"
                 )
                 pods = [to_plain(p) for p in listing.items or []]
-        elapsed = time.time() - self.submitted_at
-        return evaluate(self.name, job, pods, elapsed=elapsed, startup_timeout=self.startup_timeout)
+                if KUEUE_QUEUE_LABEL in ((job.get("metadata") or {}).get("labels") or {}):
+                    workload = await self._workload(custom_api, job)
+        now = time.time()
+        return evaluate(self.name, job, pods, elapsed=now - self.submitted_at, startup_timeout=self.startup_timeout,
+                        now=now, workload=workload, queue_timeout=self.queue_timeout)
+
+    async def _workload(self, custom_api: Any, job: dict[str, Any]) -> dict[str, Any] | None:
+        """The job's Kueue Workload, or None (not created yet, or not readable: the wait is then unexplained)."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        from operators.mpijob_launcher import KUEUE_GROUP, KUEUE_JOB_UID_LABEL, KUEUE_VERSION
+
+        try:
+            listing = await custom_api.list_namespaced_custom_object(
+                group=KUEUE_GROUP, version=KUEUE_VERSION, namespace=self.namespace, plural="workloads",
+                label_selector=f"{KUEUE_JOB_UID_LABEL}={(job.get('metadata') or {}).get('uid')}")
+        except ApiException as err:
+            if getattr(err, "status", None) not in {403, 404}:
+                raise
+            return None
+        items = (listing or {}).get("items") or []
+        return dict(items[0]) if items else None
 
     def _event(self, status: str, verdict: Verdict | None = None, message: str = "") -> TriggerEvent:
         return TriggerEvent(
@@ -134,7 +158,7 @@ class MPIJobTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        last_phase = None
+        last_phase, last_reason = None, None
         errors_in_a_row = 0
         while True:
             try:
@@ -155,6 +179,9 @@ class MPIJobTrigger(BaseTrigger):
             if verdict.phase != last_phase:
                 self.log.info("MPIJob %s/%s is %s", self.namespace, self.name, verdict.phase)
                 last_phase = verdict.phase
+            if verdict.phase == "Queued" and not verdict.done and verdict.message != last_reason:
+                self.log.info("%s", verdict.message)
+            last_reason = verdict.message
             if verdict.done:
                 yield self._event("success" if verdict.succeeded else "failed", verdict)
                 return

@@ -106,7 +106,7 @@ def test_nightly_retrain_shape_and_params(bag: dict) -> None:
     assert "report" in tasks["skip_training"]["downstream"]
     assert tasks["deploy"]["trigger_rule"].lower().endswith("none_failed_min_one_success")
     expected = {"data_source", "epochs", "learning_rate", "batch_size", "workers", "gpus_per_worker", "backend",
-                "min_improvement", "require_approval", "force"}
+                "min_improvement", "require_approval", "force", "gpus", "queue", "priority"}
     assert expected <= set(dag["params"])
     for name, param in dag["params"].items():
         assert param["description"], f"param {name} has no description"

@@ -252,7 +252,7 @@ class _Job:
         return steps[min(max(self.tick, 0), len(steps) - 1)]
 
 
-_STRICT_SCHEMA: dict[str, Any] = {}
+_STRICT_VALIDATOR: list[Any] = []
 
 
 def _validate_strictly(body: dict[str, Any]) -> None:
@@ -262,16 +262,17 @@ def _validate_strictly(body: dict[str, Any]) -> None:
 
     from tests.unit.operators.conftest import MPIJOB_CRD, strict
 
-    if not _STRICT_SCHEMA:
+    if not _STRICT_VALIDATOR:
         if not MPIJOB_CRD.exists():
             import pytest
 
             pytest.skip(f"MPIJob CRD schema not found at {MPIJOB_CRD} (needs ../shared/schemas beside the repo)")
         crd = yaml.safe_load(MPIJOB_CRD.read_text())
         version = next(v for v in crd["spec"]["versions"] if v["name"] == "v2beta1")
-        _STRICT_SCHEMA.update(strict(version["schema"]["openAPIV3Schema"]))
+        schema = strict(version["schema"]["openAPIV3Schema"])
+        _STRICT_VALIDATOR.append(jsonschema.validators.validator_for(schema)(schema))
     try:
-        jsonschema.validate(body, _STRICT_SCHEMA)
+        _STRICT_VALIDATOR[0].validate(body)
     except jsonschema.ValidationError as err:
         raise _api_error(422, "Unprocessable Entity", f"MPIJob.kubeflow.org is invalid: {err.message}") from err
 
@@ -284,6 +285,7 @@ class FakeCluster:
         self.jobs: dict[tuple[str, str], _Job] = {}
         self.deleted: list[tuple[str, str, dict[str, Any] | None]] = []
         self.created: list[str] = []
+        self.submitted: list[dict[str, Any]] = []  # every body accepted, as created
         self.log_reads: list[tuple[str, bool]] = []
         self.fail_gets_with: ApiException | None = None
         self._lock = threading.Lock()
@@ -303,6 +305,7 @@ class FakeCluster:
             stored["metadata"].update({"uid": f"uid-{len(self.created)}", "resourceVersion": "1"})
             self.jobs[(namespace, name)] = _Job(stored, self.scenario_for(name))
             self.created.append(name)
+            self.submitted.append(json.loads(json.dumps(stored)))
             return json.loads(json.dumps(stored))
 
     def get_namespaced_custom_object(

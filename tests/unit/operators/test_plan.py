@@ -22,7 +22,9 @@ def plan(conf: dict[str, Any] | str, **env: str) -> subprocess.CompletedProcess[
     text = conf if isinstance(conf, str) else json.dumps(conf)
     child = {**os.environ, "NIGHTSHIFT_HOME": "/nightshift", "MLFLOW_TRACKING_URI": TRACKING,
              "AIRFLOW__CORE__FERNET_KEY": "planted-fernet", **env}
-    child.pop("NIGHTSHIFT_CLUSTER_MLFLOW_URI", None)
+    for name in ("NIGHTSHIFT_CLUSTER_MLFLOW_URI", "NIGHTSHIFT_KUEUE_QUEUE", "NIGHTSHIFT_GPUS_PER_NODE"):
+        if name not in env:
+            child.pop(name, None)
     return subprocess.run([NIGHTSHIFT, "plan", "--conf", text], capture_output=True, text=True, env=child,
                           cwd=REPO, timeout=120, check=False)
 
@@ -53,6 +55,22 @@ def test_four_workers_of_eight_gpus(validate_mpijob: Any) -> None:
     assert paths and all(p.startswith("/nightshift/") for p in paths if p.startswith("/")), paths
     assert "--checkpoint-dir" in command and "planted-fernet" not in done.stdout
     assert command[command.index("--device") + 1] == "cuda"  # a GPU worker never falls back to the CPU
+
+
+def test_just_say_how_many_gpus_and_which_queue(validate_mpijob: Any) -> None:
+    conf = {"backend": "kubernetes", "gpus": 12, "queue": "nightly", "priority": "nightly-low"}
+    done = plan(conf, NIGHTSHIFT_GPUS_PER_NODE="8")
+    assert done.returncode == 0, done.stderr
+    (job,) = yaml.safe_load_all(done.stdout)
+    validate_mpijob(job)
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "nightly"
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "nightly-low"
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    workers = job["spec"]["mpiReplicaSpecs"]["Worker"]
+    each = workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert workers["replicas"] * each == 12 and each <= 8
+    missing = plan(conf)
+    assert missing.returncode == 2 and "set NIGHTSHIFT_GPUS_PER_NODE" in missing.stderr
 
 
 def test_the_local_backend_creates_no_kubernetes_object() -> None:
