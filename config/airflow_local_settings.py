@@ -76,12 +76,18 @@ def _size_pool_slots(ti: TaskInstance, dag_run: DagRun | None) -> None:
         params = effective_params(task, run)
         counts = {name: resolve_count(field_value(task, name), params, name, minimum)
                   for name, minimum in COUNT_FIELDS}
+        # The optional total (0 or absent, as in a mapped task's partial() without it: workers x GPUs).
+        total_gpus = getattr(task, "gpus", None)
+        if total_gpus is None and isinstance(getattr(task, "partial_kwargs", None), Mapping):
+            total_gpus = task.partial_kwargs.get("gpus")
+        counts["gpus"] = 0 if total_gpus is None else resolve_count(total_gpus, params, "gpus", 0)
     except Unresolved as err:
         log.warning("gpu pool policy: %s keeps %s pool slot(s): %s", _describe(ti), ti.pool_slots, err)
         return
     from operators.mpijob_spec import pool_slots_for
 
-    slots = pool_slots_for(counts["num_workers"], counts["gpus_per_worker"])
+    # `gpus`, when set, is the job's total (the operator packs it into workers at execute).
+    slots = counts["gpus"] or pool_slots_for(counts["num_workers"], counts["gpus_per_worker"])
     ti.pool_slots = slots
     total = _pool_total(ti.pool, run)
     if total is not None and slots > total:

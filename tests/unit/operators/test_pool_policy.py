@@ -86,6 +86,20 @@ def test_slots_follow_the_run_conf_over_the_param_defaults(policy: ModuleType, p
     assert ti.pool_slots == slots
 
 
+def test_a_gpu_total_takes_that_many_slots(policy: ModuleType, pool_of: Any) -> None:
+    from airflow.sdk import Param
+
+    def build(dag: Any) -> None:
+        dag.params["gpus"] = Param(0, type="integer")
+        horovod(gpus="{{ params.gpus }}")
+
+    dag = serialized_dag(build)
+    for conf, slots in (({"gpus": 12}, 12), ({}, 2)):  # 0: workers x gpus_per_worker
+        ti = task_instance(dag)
+        policy.task_instance_mutation_hook(ti, run(conf))
+        assert ti.pool_slots == slots
+
+
 def test_plain_ints_and_the_subscript_form_are_resolved(policy: ModuleType, pool_of: Any) -> None:
     dag = serialized_dag(lambda dag: (horovod(task_id="ints", num_workers=3, gpus_per_worker=2),
                                       horovod(task_id="subscript", gpus_per_worker="{{ params['gpus_per_worker'] }}")))
