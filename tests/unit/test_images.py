@@ -21,7 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = ROOT / "images" / "trainer"
 AIRFLOW = ROOT / "images" / "airflow"
-DOCKERFILES = [TRAINER / "Dockerfile", AIRFLOW / "Dockerfile"]
+SERVING = ROOT / "images" / "serving"
+DOCKERFILES = [TRAINER / "Dockerfile", AIRFLOW / "Dockerfile", SERVING / "Dockerfile"]
 
 
 def _hadolint() -> str | None:
@@ -354,8 +355,65 @@ def _assert_ignore_keeps_copies(image_dir: Path) -> None:
             )
 
 
-def test_images_readme_documents_both_builds_from_the_repo_root() -> None:
+# --- serving ----------------------------------------------------------------------------------------
+
+
+def _requirement_pins(path: Path) -> dict[str, str]:
+    """`name==version` lines of a requirements/constraints file, names normalised (PEP 503)."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"{path.name}: {line!r} is not pinned with =="
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def test_serving_image_is_mlserver_with_the_mlflow_runtime_and_torch_of_a_chosen_variant() -> None:
+    instructions = _instructions(SERVING / "Dockerfile")
+    text = (SERVING / "Dockerfile").read_text()
+    assert [args for kw, args in instructions if kw == "FROM"] == ["${PYTHON_IMAGE}"]
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
+    assert re.search(r"^ARG TORCH_VARIANT=cpu$", text, re.M)  # CPU by default, cu128 by build arg
+    assert f"ARG TORCH_VERSION={_pins()['torch']}" in text
+    (install,) = [r for r in _runs(SERVING / "Dockerfile") if "pip install" in r]
+    torch_at = install.index('--index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" '
+                             '"torch==${TORCH_VERSION}"')
+    assert torch_at < install.index("pip install --no-cache-dir -r /tmp/serving/requirements.txt")
+    assert "import mlflow.pyfunc, mlserver_mlflow, torch" in install
+    assert ("COPY", "images/serving/requirements.txt /tmp/serving/requirements.txt") in instructions
+    env = " ".join(args for kw, args in instructions if kw == "ENV")
+    assert "MLSERVER_MODEL_IMPLEMENTATION=mlserver_mlflow.MLflowRuntime" in env
+    assert "MLSERVER_MODEL_URI=/mnt/models" in env and "MLSERVER_HTTP_PORT=8080" in env
+    assert ("CMD", '["mlserver", "start", "/mnt/models"]') in instructions
+    users = [args for kw, args in instructions if kw == "USER"]
+    assert users and users[-1] not in {"root", "0"}
+
+
+def test_serving_requirements_pin_what_a_nightshift_model_requires() -> None:
+    from nightshift.tracking import SERVED_REQUIREMENTS
+
+    image = _requirement_pins(SERVING / "requirements.txt")
+    assert "torch" not in image  # installed first, from the variant's PyTorch index
+    assert image["mlserver"] == image["mlserver-mlflow"]
+    assert image["mlflow"] == _pins()["mlflow"]
+    # The model's requirements.txt pins what the training environment has (constraints.txt): the image
+    # must have the same, or MLServer loads the model with other libraries than it was logged with.
+    trained_with = _requirement_pins(ROOT / "constraints.txt")
+    for name in SERVED_REQUIREMENTS:
+        if name != "torch":
+            assert image[name] == trained_with[name], f"{name}: image {image[name]}, constraints {trained_with[name]}"
+
+
+def test_dockerignore_keeps_everything_the_serving_image_copies() -> None:
+    _assert_ignore_keeps_copies(SERVING)
+
+
+def test_images_readme_documents_every_build_from_the_repo_root() -> None:
     readme = (ROOT / "images" / "README.md").read_text()
     assert "docker build -f images/trainer/Dockerfile" in readme
     assert "--build-arg VARIANT=cpu" in readme
     assert "docker build -f images/airflow/Dockerfile" in readme
+    assert "docker build -f images/serving/Dockerfile" in readme
+    assert "--build-arg TORCH_VARIANT=cu128" in readme
