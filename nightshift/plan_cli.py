@@ -29,19 +29,30 @@ def add_parser(subparsers: Any) -> None:
         "plan", help="print, as YAML, every Kubernetes object a nightly_retrain run with this conf would create")
     plan.add_argument("--conf", type=_conf, default={}, help="the trigger conf: a JSON object of the DAG's params")
     plan.add_argument("--run-id", default="manual__plan", help="the run id to render names and paths for")
+    plan.add_argument("--against", metavar="REF",
+                      help="print a diff of every object against the plan the code at git REF renders")
     plan.set_defaults(func=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
     import contextlib
 
-    from operators.plan import PlanError, plan, render_yaml
+    from operators.plan import PlanError, diff, plan, plan_at_ref, render_yaml, validate_all
+    from operators.validation import ManifestInvalid
 
     try:
         # Airflow's loggers write to stdout outside a task: keep stdout for the YAML alone.
         with contextlib.redirect_stdout(sys.stderr):
             objects = plan(args.conf, run_id=args.run_id)
-    except PlanError as err:
+            unchecked = validate_all(objects)
+            before = plan_at_ref(args.against, args.conf, args.run_id) if args.against else None
+    except (PlanError, ManifestInvalid) as err:
         raise UsageError(str(err)) from err
-    sys.stdout.write(render_yaml(objects))
+    if unchecked:
+        print(f"nightshift plan: not validated (no CRD schema found; set NIGHTSHIFT_SCHEMAS): "
+              f"{', '.join(unchecked)}", file=sys.stderr)
+    if before is None:
+        sys.stdout.write(render_yaml(objects))
+    else:
+        sys.stdout.write(diff(before, objects, args.against, "working tree") or f"# no change against {args.against}\n")
     return 0

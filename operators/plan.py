@@ -93,6 +93,64 @@ def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None)
         raise PlanError(f"{TRAIN_TASK}: {err}") from err
 
 
+def validate_all(objects: list[dict[str, Any]]) -> list[str]:
+    """Validate every object strictly against its published CRD (raises ManifestInvalid); return the kinds
+    that could not be checked because no schema was found."""
+    from operators.validation import validate
+
+    return [f"{o.get('kind')} {(o.get('metadata') or {}).get('name')}" for o in objects if not validate(o)]
+
+
+def object_key(obj: dict[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{obj.get('kind')} {meta.get('namespace', '-')}/{meta.get('name')}"
+
+
+def diff(before: list[dict[str, Any]], after: list[dict[str, Any]], before_label: str, after_label: str) -> str:
+    """A unified diff of each object, matched by kind, namespace and name; empty when nothing changed."""
+    import difflib
+
+    import yaml
+
+    old = {object_key(o): yaml.safe_dump(o, sort_keys=False).splitlines() for o in before}
+    new = {object_key(o): yaml.safe_dump(o, sort_keys=False).splitlines() for o in after}
+    parts: list[str] = []
+    for key in [*old, *(k for k in new if k not in old)]:
+        lines = difflib.unified_diff(old.get(key, []), new.get(key, []), f"{before_label}: {key}",
+                                     f"{after_label}: {key}", lineterm="", n=3)
+        parts.extend(lines)
+    return "\n".join(parts) + ("\n" if parts else "")
+
+
+def plan_at_ref(ref: str, conf: Mapping[str, Any], run_id: str, repo: Path = REPO) -> list[dict[str, Any]]:
+    """The plan that the code at git `ref` renders, run from a temporary worktree of it."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="nightshift-plan-") as tmp:
+        tree = Path(tmp) / "tree"
+        added = subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "--quiet", str(tree), ref],
+                               capture_output=True, text=True, check=False)
+        if added.returncode != 0:
+            raise PlanError(f"cannot check out {ref!r}: {added.stderr.strip().splitlines()[-1:]}")
+        try:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+            done = subprocess.run([sys.executable, "-m", "nightshift.cli", "plan", "--conf", json.dumps(dict(conf)),
+                                   "--run-id", run_id], cwd=tree, env=env, capture_output=True, text=True,
+                                  timeout=300, check=False)
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)],
+                           capture_output=True, check=False)
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PlanError(f"the plan at {ref} failed: {reason}")
+    return [o for o in yaml.safe_load_all(done.stdout) if o]
+
+
 def render_yaml(objects: list[dict[str, Any]]) -> str:
     import yaml
 

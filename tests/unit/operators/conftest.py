@@ -6,7 +6,10 @@ from typing import Any
 
 import pytest
 
+from operators.validation import strict
 from tests.conftest import SHARED
+
+__all__ = ["MPIJOB_CRD", "make_context", "strict"]
 
 MPIJOB_CRD = SHARED / "schemas" / "kubeflow.org_mpijobs.yaml"
 
@@ -20,24 +23,6 @@ def mpijob_schema() -> dict[str, Any]:
 
     crd = yaml.safe_load(Path(MPIJOB_CRD).read_text())
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
-def strict(schema: Any) -> Any:
-    """The schema with unknown fields forbidden wherever it lists the known ones.
-
-    The published CRDs allow unknown fields, so a misspelt field (`slotsPerWorkerr`) would pass; an
-    object that declares `properties` and neither `additionalProperties` nor
-    `x-kubernetes-preserve-unknown-fields` accepts nothing else here.
-    """
-    if isinstance(schema, list):
-        return [strict(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: strict(value) for key, value in schema.items()}
-    if ("properties" in schema and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")):
-        out["additionalProperties"] = False
-    return out
 
 
 @pytest.fixture

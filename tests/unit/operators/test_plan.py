@@ -103,3 +103,38 @@ def test_a_tracking_store_the_pods_cannot_reach_is_refused() -> None:
     done = plan({"backend": "kubernetes"}, MLFLOW_TRACKING_URI="sqlite:////nightshift/mlflow.db")
     assert done.returncode == 2
     assert "needs an MLflow tracking server that the pods reach" in done.stderr
+
+
+def test_validation_is_strict_a_misspelt_field_fails(mpijob_schema: dict[str, Any]) -> None:
+    from operators.mpijob_spec import MPIJobConfig, TaskIdentity, build_mpijob
+    from operators.validation import ManifestInvalid, validate
+
+    job = build_mpijob(MPIJobConfig(image="t:1", command=["python"], num_workers=2), TaskIdentity("d", "t", "r"))
+    assert validate(job) is True
+    job["spec"]["slotsPerWorkerr"] = job["spec"].pop("slotsPerWorker")
+    with pytest.raises(ManifestInvalid, match=r"MPIJob .* spec: Additional properties .*'slotsPerWorkerr'"):
+        validate(job)
+
+
+@pytest.mark.integration
+def test_against_a_ref_a_change_of_default_workers_shows_as_replicas_and_nothing_else(tmp_path: Path) -> None:
+    clone = tmp_path / "clone"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
+    dag = clone / "dags" / "nightly_retrain.py"
+    text = dag.read_text()
+    assert '"workers": Param(2,' in text
+    dag.write_text(text.replace('"workers": Param(2,', '"workers": Param(3,'))
+    subprocess.run([*git, "-C", str(clone), "commit", "-qam", "three workers"], check=True)
+    env = {**os.environ, "NIGHTSHIFT_HOME": "/nightshift", "MLFLOW_TRACKING_URI": TRACKING,
+           "PYTHONPATH": str(clone), "NIGHTSHIFT_SCHEMAS": str(REPO.parent / "shared" / "schemas")}
+    done = subprocess.run([sys.executable, "-m", "nightshift.cli", "plan", "--conf", '{"backend": "kubernetes"}',
+                           "--against", "HEAD~1"], cwd=clone, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    changed = [line for line in done.stdout.splitlines()
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    # The worker replicas, and the process count the launcher starts that follows from them: nothing else.
+    assert sorted(changed) == sorted(["-      replicas: 2", "+      replicas: 3", "-            - '2'",
+                                      "+            - '3'"]), done.stdout
+    assert "-np" in done.stdout  # the '2' -> '3' is horovodrun's -np
