@@ -192,3 +192,16 @@ def test_kind_workflow_builds_cpu_image_installs_operator_and_runs_cluster_tests
         assert f"deploy/{manifest.name}" in runs, f"kind-e2e does not apply {manifest.name}"
     assert ".venv/bin/pytest -m kubernetes tests/integration" in runs
     assert "KUBECONFIG" in runs
+
+
+def test_pull_requests_get_the_plan_diff_against_their_base_in_the_job_summary() -> None:
+    workflow = yaml.safe_load((WORKFLOWS / "ci.yml").read_text())
+    job = workflow["jobs"]["plan-diff"]
+    assert job["if"] == "github.event_name == 'pull_request'"
+    checkout = job["steps"][0]
+    assert checkout["uses"].startswith("actions/checkout@") and checkout["with"]["fetch-depth"] == 0
+    (step,) = [s for s in job["steps"] if "nightshift plan" in s.get("run", "")]
+    assert step["env"]["BASE"] == "origin/${{ github.base_ref }}"
+    assert '--against "$BASE"' in step["run"] and "$GITHUB_STEP_SUMMARY" in step["run"]
+    for gate in ("lint", "dag-integrity"):
+        assert gate in workflow["jobs"] and "pull_request" in workflow[True]  # YAML 1.1 reads `on:` as True
