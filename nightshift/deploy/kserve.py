@@ -6,6 +6,17 @@ for Ready, optionally smoke-tests it, then promotes it (the canary field removed
 revision) and moves `@champion`. On failure the previous predictor spec is restored (KServe keeps the
 previously rolled-out revision serving meanwhile) or a service this call created is deleted.
 
+The predictor names the ServingRuntime `nightshift-mlserver-torch` (`deploy/kserve/servingruntime.yaml`:
+MLServer with its MLflow runtime and torch, built from `images/serving/Dockerfile`); KServe's stock
+`kserve-mlserver` has no torch. `NIGHTSHIFT_KSERVE_RUNTIME` names another, or `""` lets KServe pick.
+
+The storage URI is the registered version's artifact location, which KServe's storage initializer must
+be able to fetch *as a directory*: `s3://`, `gs://`, `hdfs://`, `webhdfs://`, Azure Blob/File `https://`
+URLs, or `pvc://<claim>/<path>`. A local store (`file://`, the embedded default), MLflow's proxied
+`mlflow-artifacts:` or a plain `http(s)://` URL (the initializer downloads one file from those) is
+refused before anything is created, unless `NIGHTSHIFT_KSERVE_STORAGE_MAP` rewrites its prefix (e.g.
+`file:///nightshift/=pvc://nightshift-workspace/`, `mlflow-artifacts:/=s3://bucket/mlartifacts/`).
+
 `api` is anything with the four methods of kubernetes' `CustomObjectsApi` used here (the cncf
 provider's `KubernetesHook().custom_object_client` in Airflow); errors carry an HTTP `status`.
 Patches are JSON merge patches, as the real client sends for dict bodies: `None` removes a field.
@@ -14,6 +25,7 @@ Patches are JSON merge patches, as the real client sends for dict bodies: `None`
 from __future__ import annotations
 
 import copy
+import os
 import re
 import time
 from collections.abc import Callable
@@ -28,6 +40,15 @@ VERSION = "v1beta1"
 PLURAL = "inferenceservices"
 VERSION_ANNOTATION = "nightshift.io/model-version"
 TERMINAL_REASONS = frozenset({"RevisionFailed", "ContainerCreationFailed", "RevisionMissing"})
+RUNTIME_ENV = "NIGHTSHIFT_KSERVE_RUNTIME"
+DEFAULT_RUNTIME = "nightshift-mlserver-torch"
+STORAGE_MAP_ENV = "NIGHTSHIFT_KSERVE_STORAGE_MAP"
+# What KServe's default storage initializer fetches as a directory (its ClusterStorageContainer's URI
+# formats), and pvc://, which the controller mounts instead. A generic http(s) URL is downloaded as one
+# file or archive, which an MLflow model directory is not.
+FETCHABLE_PREFIXES = ("s3://", "gs://", "hdfs://", "webhdfs://", "pvc://")
+FETCHABLE_PATTERNS = (re.compile(r"^https://[^/]+\.blob\.core\.windows\.net/.+"),
+                      re.compile(r"^https://[^/]+\.file\.core\.windows\.net/.+"))
 
 
 def _status(err: Exception) -> int | None:
@@ -45,13 +66,15 @@ def service_name(model_name: str) -> str:
 
 def inference_service(name: str, namespace: str, storage_uri: str, *, model_version: str,
                       canary_traffic_percent: int | None = None, service_account: str | None = None,
-                      labels: dict[str, str] | None = None,
-                      resources: dict[str, Any] | None = None) -> dict[str, Any]:
+                      labels: dict[str, str] | None = None, resources: dict[str, Any] | None = None,
+                      runtime: str | None = None) -> dict[str, Any]:
     """The InferenceService manifest: an MLflow-format predictor (Open Inference Protocol v2)."""
     if canary_traffic_percent is not None and not 0 <= canary_traffic_percent <= 100:
         raise UsageError(f"canary_traffic_percent must be within 0..100, got {canary_traffic_percent}")
     model: dict[str, Any] = {"modelFormat": {"name": "mlflow"}, "protocolVersion": "v2",
                              "storageUri": storage_uri}
+    if runtime:
+        model["runtime"] = runtime
     if resources:
         model["resources"] = resources
     predictor: dict[str, Any] = {"model": model}
@@ -75,6 +98,59 @@ def storage_uri(model_name: str, version: str) -> str:
         return str(tracking.client().get_model_version_download_uri(model_name, str(version)))
     except Exception as err:
         raise DeploymentFailed(f"no artifact location for {model_name} v{version} ({err})") from err
+
+
+def storage_map(value: str | None = None) -> list[tuple[str, str]]:
+    """`NIGHTSHIFT_KSERVE_STORAGE_MAP`: `FROM=TO` prefix rewrites, separated by whitespace or `;`."""
+    value = os.environ.get(STORAGE_MAP_ENV, "") if value is None else value
+    pairs = []
+    for entry in re.split(r"[;\s]+", value.strip()):
+        if not entry:
+            continue
+        source, sep, target = entry.partition("=")
+        if not sep or not source or not target:
+            raise UsageError(f"{STORAGE_MAP_ENV} entry {entry!r} is not FROM=TO (e.g. "
+                             f"file:///nightshift/=pvc://nightshift-workspace/)")
+        pairs.append((source, target))
+    return pairs
+
+
+def is_fetchable(uri: str) -> bool:
+    """Whether KServe's storage initializer (or the PVC mount) can bring `uri` to the predictor as a folder."""
+    return uri.startswith(FETCHABLE_PREFIXES) or any(p.match(uri) for p in FETCHABLE_PATTERNS)
+
+
+def kserve_storage_uri(location: str, *, what: str = "the model") -> str:
+    """The URI the InferenceService gets for artifact `location`: mapped by NIGHTSHIFT_KSERVE_STORAGE_MAP,
+    then checked; a location the cluster cannot fetch is refused with what to configure."""
+    uri = location
+    for source, target in storage_map():
+        if location.startswith(source):
+            uri = target + location[len(source):]
+            break
+    if is_fetchable(uri):
+        return uri
+    mapped = f" (mapped from {location})" if uri != location else ""
+    if uri.startswith("mlflow-artifacts:"):
+        why = ("the tracking server proxies its artifacts; map the prefix to the server's "
+               f"--artifacts-destination, e.g. {STORAGE_MAP_ENV}='mlflow-artifacts:/=s3://<bucket>/<path>/'")
+    elif uri.startswith(("http://", "https://")):
+        why = "KServe downloads a plain http(s) URL as one file or archive, and an MLflow model is a folder"
+    else:
+        why = ("it is on a disk the predictor pod does not have; put the MLflow artifact store on object "
+               "storage (`mlflow server --default-artifact-root s3://<bucket>/<path> --no-serve-artifacts`, "
+               "or gs://), or, when it lies on a volume the cluster can mount, map it with "
+               f"{STORAGE_MAP_ENV}='<local prefix>=pvc://<claim>/<path>'")
+    raise DeploymentFailed(
+        f"deploy_target=kserve refused: the artifact location of {what} is {uri}{mapped}, which KServe's "
+        f"storage initializer cannot fetch ({why}). It fetches {', '.join(FETCHABLE_PREFIXES)} and Azure "
+        f"Blob/File https URLs; or use deploy_target=local")
+
+
+def default_runtime() -> str | None:
+    """The ServingRuntime the predictor names: NIGHTSHIFT_KSERVE_RUNTIME, `""` for KServe's own choice."""
+    value = os.environ.get(RUNTIME_ENV, DEFAULT_RUNTIME).strip()
+    return value or None
 
 
 @dataclass
@@ -168,11 +244,13 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
                   alias: str = registry.CHALLENGER, name: str | None = None, storage: str | None = None,
                   canary_traffic_percent: int = 10, timeout: float = 600.0, poll_interval: float = 5.0,
                   smoke: Callable[[dict[str, Any]], None] | None = None, service_account: str | None = None,
-                  sleep: Callable[[float], None] = time.sleep,
+                  runtime: str | None = None, sleep: Callable[[float], None] = time.sleep,
                   clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
     """Roll `model_name` `version` (default `@alias`) out to KServe with a canary, then promote or roll back.
 
-    `storage` overrides the storage URI read from the registry (e.g. an s3:// mirror of the artifacts).
+    `storage` overrides the storage URI read from the registry (e.g. an s3:// mirror of the artifacts);
+    either must be one KServe can fetch (see `kserve_storage_uri`), else DeploymentFailed before any API
+    call. `runtime` names the ServingRuntime (default: `default_runtime()`).
     `smoke(isvc)` may check the canary (it gets the Ready object; raise to reject).
     Returns {"target": "kserve", "status": "created" | "promoted" | "already_serving", "model_name",
     "version", "name", "namespace", "storage_uri", "url", "previous_version"}.
@@ -183,7 +261,7 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
             raise DeploymentFailed(f"{model_name}@{alias} does not exist; run `nightshift register` first")
         version = str(selected.version)
     version = str(version)
-    uri = storage or storage_uri(model_name, version)
+    uri = kserve_storage_uri(storage or storage_uri(model_name, version), what=f"{model_name} v{version}")
     isvc = InferenceServiceClient(api, namespace, name or service_name(model_name), poll_interval,
                                   sleep, clock)
     result = {"target": "kserve", "model_name": model_name, "version": version, "name": isvc.name,
@@ -192,7 +270,8 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
     existing = isvc.get()
     if existing is None:
         body = inference_service(isvc.name, namespace, uri, model_version=version,
-                                 service_account=service_account)
+                                 service_account=service_account,
+                                 runtime=default_runtime() if runtime is None else runtime)
         obj, created = isvc.create(body)
         if created:
             try:

@@ -1,29 +1,62 @@
 """The KServe target against a fake CustomObjectsApi that behaves like the API server + KServe controller.
 
 The fake keeps objects, bumps `metadata.generation` on spec changes, applies JSON merge patches (what
-the real client sends for dict bodies), raises kubernetes' ApiException with 404/409, and moves a new
-revision's status through Unknown → True (or → RevisionFailed for a broken storage URI) over successive
-reads. The registry is a real MLflow store.
+the real client sends for dict bodies), raises kubernetes' ApiException with 404/409, answers 422 to an
+object KServe's published InferenceService CRD (v1beta1, made strict: no unknown fields) does not accept,
+and moves a new revision's status through Unknown → True (or → RevisionFailed for a broken storage URI)
+over successive reads. The registry is a real MLflow store.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes.client.exceptions import ApiException
 
 from nightshift import registry
-from nightshift.deploy import kserve
+from nightshift.deploy import deploy, kserve
 from nightshift.deploy.kserve import GROUP, PLURAL, VERSION, VERSION_ANNOTATION, deploy_kserve
 from nightshift.errors import DeploymentFailed, UsageError
 from nightshift.tracking import log_training_run
+from tests.conftest import REPO, SHARED
 from tests.trained_model import write_trained_output
+from tests.unit.operators.conftest import strict
 
 MODEL = "digits-ks"
 NS = "models"
+ISVC_CRD = SHARED / "schemas" / "serving.kserve.io_inferenceservices.yaml"
+KSERVE_DIR = REPO / "deploy" / "kserve"
+
+
+@functools.cache
+def _isvc_validator() -> Callable[[dict[str, Any]], None] | None:
+    """Validate against the CRD's v1beta1 schema (picked by name), strict; None without ../shared."""
+    if not ISVC_CRD.exists():
+        return None
+    import jsonschema
+
+    crd = yaml.safe_load(ISVC_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == VERSION]
+    validator = jsonschema.Draft7Validator(strict(version["schema"]["openAPIV3Schema"]))
+
+    def check(obj: dict[str, Any]) -> None:
+        validator.validate({k: v for k, v in obj.items() if k != "status"})
+
+    return check
+
+
+@pytest.fixture
+def validate_isvc() -> Callable[[dict[str, Any]], None]:
+    check = _isvc_validator()
+    if check is None:
+        pytest.skip(f"InferenceService CRD not found at {ISVC_CRD} (needs ../shared/schemas beside the repo)")
+    return check
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -97,10 +130,23 @@ class FakeCustomObjectsApi:
         self._advance(key)
         return copy.deepcopy(self.objects[key])
 
+    def _admit(self, obj: dict[str, Any]) -> None:
+        """What the API server does with the CRD's schema: 422 for an object it does not accept."""
+        check = _isvc_validator()
+        if check is None:
+            return
+        import jsonschema
+
+        try:
+            check(obj)
+        except jsonschema.ValidationError as err:
+            raise ApiException(status=422, reason=f"Unprocessable Entity: {err.message}") from err
+
     def create_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str,
                                         body: dict[str, Any]) -> dict[str, Any]:
         self._check(group, version, plural)
         self.calls.append(("create", copy.deepcopy(body)))
+        self._admit(body)
         key = (namespace, body["metadata"]["name"])
         if self.race_on_create and key not in self.objects:
             self.race_on_create = False
@@ -127,6 +173,7 @@ class FakeCustomObjectsApi:
             raise ApiException(status=404, reason="Not Found")
         old = self.objects[key]
         new = merge_patch(old, body)
+        self._admit(new)
         if new["spec"] != old["spec"]:
             new["metadata"]["generation"] = old["metadata"]["generation"] + 1
             self.objects[key] = new
@@ -306,3 +353,126 @@ def test_delete_ignores_404_and_other_errors_name_the_object(env: FakeClock) -> 
 
     with pytest.raises(DeploymentFailed, match=r"reading InferenceService models/gone failed \(HTTP 403\)"):
         kserve.InferenceServiceClient(Forbidden(), NS, "gone").get()
+
+
+# --- the manifests against KServe's CRD -------------------------------------------------------------
+
+
+def test_every_manifest_the_target_builds_validates_strictly_against_the_crd(
+        validate_isvc: Callable[[dict[str, Any]], None]) -> None:
+    full = kserve.inference_service(
+        "digits", "ns", "s3://b/m", model_version="3", canary_traffic_percent=20, service_account="sa",
+        labels={"team": "ml"}, runtime=kserve.DEFAULT_RUNTIME,
+        resources={"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}})
+    validate_isvc(full)
+    validate_isvc(kserve.inference_service("digits", "ns", "pvc://claim/m", model_version="1"))
+    import jsonschema
+
+    misspelt = copy.deepcopy(full)
+    misspelt["spec"]["predictor"]["model"]["storageURI"] = misspelt["spec"]["predictor"]["model"].pop("storageUri")
+    with pytest.raises(jsonschema.ValidationError, match="storageURI"):
+        validate_isvc(misspelt)
+
+
+def test_the_example_in_deploy_kserve_validates_and_names_the_nightshift_runtime(
+        validate_isvc: Callable[[dict[str, Any]], None]) -> None:
+    example = yaml.safe_load((KSERVE_DIR / "inferenceservice-example.yaml").read_text())
+    validate_isvc(example)
+    assert example["spec"]["predictor"]["model"]["runtime"] == kserve.DEFAULT_RUNTIME
+    assert kserve.is_fetchable(example["spec"]["predictor"]["model"]["storageUri"])
+
+
+def test_the_serving_runtime_runs_the_serving_image_with_mlservers_mlflow_runtime() -> None:
+    runtime = yaml.safe_load((KSERVE_DIR / "servingruntime.yaml").read_text())
+    assert (runtime["apiVersion"], runtime["kind"]) == ("serving.kserve.io/v1alpha1", "ServingRuntime")
+    assert runtime["metadata"]["name"] == kserve.DEFAULT_RUNTIME
+    assert runtime["metadata"]["namespace"] == "nightshift"
+    assert [f["name"] for f in runtime["spec"]["supportedModelFormats"]] == ["mlflow"]
+    assert "v2" in runtime["spec"]["protocolVersions"]
+    (container,) = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container"
+    assert container["image"].rsplit("/", 1)[-1].startswith("nightshift-serving:")
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["MLSERVER_MODEL_IMPLEMENTATION"] == "mlserver_mlflow.MLflowRuntime"
+    assert env["MLSERVER_MODEL_URI"] == "/mnt/models" and env["MLSERVER_MODEL_NAME"] == "{{.Name}}"
+    assert "docker build -f images/serving/Dockerfile" in (KSERVE_DIR / "servingruntime.yaml").read_text()
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": {"containers": [container]}}
+    kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_predictor_names_the_runtime_unless_told_otherwise(env: FakeClock,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    api = FakeCustomObjectsApi()
+    _deploy(api, env, "1")
+    assert api.spec()["model"]["runtime"] == "nightshift-mlserver-torch"
+    monkeypatch.setenv("NIGHTSHIFT_KSERVE_RUNTIME", "")
+    api = FakeCustomObjectsApi()
+    _deploy(api, env, "1")
+    assert "runtime" not in api.spec()["model"]
+    monkeypatch.setenv("NIGHTSHIFT_KSERVE_RUNTIME", "my-runtime")
+    api = FakeCustomObjectsApi()
+    _deploy(api, env, "1")
+    assert api.spec()["model"]["runtime"] == "my-runtime"
+
+
+# --- the storage URI must be one KServe can fetch ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("uri", "fetchable"), [
+    ("s3://mlflow/1/models/m-1/artifacts", True),
+    ("gs://bucket/models/m-1/artifacts", True),
+    ("pvc://nightshift-workspace/mlartifacts/1/models/m-1/artifacts", True),
+    ("hdfs://nn/models/m", True),
+    ("webhdfs://nn/models/m", True),
+    ("https://acct.blob.core.windows.net/container/models/m", True),
+    ("file:///home/me/.nightshift/mlartifacts/1/models/m-1/artifacts", False),
+    ("/home/me/.nightshift/mlartifacts/1", False),
+    ("mlflow-artifacts:/1/models/m-1/artifacts", False),
+    ("https://mlflow.example.com/artifacts/1", False),  # downloaded as one file, not a folder
+    ("models:/digits/1", False),
+])
+def test_which_locations_the_storage_initializer_can_fetch(uri: str, fetchable: bool) -> None:
+    assert kserve.is_fetchable(uri) is fetchable
+
+
+def test_a_local_artifact_store_is_refused_before_anything_is_created(env: FakeClock) -> None:
+    api = FakeCustomObjectsApi()
+    location = kserve.storage_uri(MODEL, "1")
+    assert location.startswith("file://")  # the embedded default store
+    with pytest.raises(DeploymentFailed) as info:
+        deploy("kserve", MODEL, version="1", kserve_api=api, namespace=NS, name=MODEL)
+    message = str(info.value)
+    assert message.startswith("deploy_target=kserve refused: the artifact location of digits-ks v1 is "
+                              f"{location}")
+    assert "--default-artifact-root s3://" in message and "NIGHTSHIFT_KSERVE_STORAGE_MAP" in message
+    assert api.calls == [] and _champion() is None
+
+
+def test_a_proxied_mlflow_artifact_store_is_refused_with_how_to_map_it() -> None:
+    with pytest.raises(DeploymentFailed, match=r"mlflow-artifacts:/1/m.*--artifacts-destination.*"
+                                               r"NIGHTSHIFT_KSERVE_STORAGE_MAP='mlflow-artifacts:/=s3://"):
+        kserve.kserve_storage_uri("mlflow-artifacts:/1/m", what="m v1")
+
+
+def test_the_storage_map_turns_the_shared_workspace_into_a_pvc_uri(env: FakeClock, store: dict[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    location = kserve.storage_uri(MODEL, "1")
+    home = Path(store["home"]).as_uri() + "/"
+    assert location.startswith(home)
+    monkeypatch.setenv("NIGHTSHIFT_KSERVE_STORAGE_MAP", f"s3://unused/=gs://x/ ; {home}=pvc://nightshift-workspace/")
+    api = FakeCustomObjectsApi()
+    result = deploy_kserve(MODEL, api=api, namespace=NS, version="1", name=MODEL, poll_interval=1.0,
+                           timeout=30.0, sleep=env.sleep, clock=env)
+    expected = "pvc://nightshift-workspace/" + location[len(home):]
+    assert result["storage_uri"] == expected and api.spec()["model"]["storageUri"] == expected
+    assert _champion() == "1"
+    monkeypatch.setenv("NIGHTSHIFT_KSERVE_STORAGE_MAP", f"{home}=https://files.example.com/")
+    with pytest.raises(DeploymentFailed, match=r"https://files\.example\.com/\S+ \(mapped from file://"):
+        deploy_kserve(MODEL, api=FakeCustomObjectsApi(), namespace=NS, version="1", name=MODEL)
+
+
+def test_a_malformed_storage_map_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="'file:///nightshift/' is not FROM=TO"):
+        kserve.storage_map("file:///nightshift/")
+    assert kserve.storage_map(" a=b;c=d=e ") == [("a", "b"), ("c", "d=e")]
