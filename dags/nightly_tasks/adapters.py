@@ -65,6 +65,7 @@ class GXDataGateOperator(GXValidateBatchOperator):
         from nightshift.data.validate import (
             check_data,
             describe_failures,
+            fingerprint,
             parquet_files,
             quiet_gx_logging,
             read_table,
@@ -78,6 +79,8 @@ class GXDataGateOperator(GXValidateBatchOperator):
             raise AirflowFailException(f"validate_data: {err}") from err
         try:
             files = parquet_files(path)
+            # Taken before reading: were a file changed after, staging would see another fingerprint.
+            validated = fingerprint(path)
             frames = [(file, read_table(file)) for file in files]
         except DataError as err:
             raise AirflowFailException(f"validate_data: {err}") from err
@@ -90,6 +93,8 @@ class GXDataGateOperator(GXValidateBatchOperator):
             except GXValidationFailed as err:
                 failed.append(f"{file.name}: {', '.join(err.failed_expectation_types)}")
         result = {"path": str(path), "files": {f.stem: len(frame) for f, frame in frames}}
+        if not failed:
+            result["fingerprint"] = validated
         if failed:
             # The provider says which expectation types failed; nightshift's report adds the columns,
             # sample bad values and a Data Docs page a person can open.

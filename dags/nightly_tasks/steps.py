@@ -51,7 +51,7 @@ def stage(validated: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]
     from nightshift.data.stage import stage_dataset
 
     workspace = workspace_for(dag_id, run_id)
-    version = dict(stage_dataset(validated["path"], workspace))
+    version = dict(stage_dataset(validated["path"], workspace, validated=validated.get("fingerprint")))
     log.info("Dataset version %s (%d rows) staged in %s", version["hash"], version["rows"], version["path"])
     return {**version, "workspace": str(workspace)}
 

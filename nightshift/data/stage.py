@@ -18,6 +18,7 @@ stagings cannot interleave their cache, remote or workspace writes. Invalid data
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import subprocess
 import sys
@@ -29,12 +30,14 @@ from typing import Any, TypedDict
 import yaml
 
 from nightshift import settings
-from nightshift.data.validate import ValidationReport, validate_data
+from nightshift.data.validate import ValidationReport, fingerprint, parquet_files, validate_data
 from nightshift.datasets import SPLITS, split_path
 from nightshift.errors import DataError, UsageError
 from nightshift.fsutil import atomic_write_json
 
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")  # DVC must not phone home
+
+log = logging.getLogger(__name__)
 
 REMOTE_NAME = "nightshift"
 CACHE_TYPES = "reflink,hardlink,symlink"
@@ -134,17 +137,33 @@ def _materialise(repo: Any, tree: Any, cache: Any, target: Path) -> None:
     checkout(str(target), LocalFileSystem(), tree, cache, force=True, relink=False, state=repo.state)
 
 
-def stage_dataset(path: str | Path, workspace: str | Path) -> DatasetVersion:
+def stage_dataset(path: str | Path, workspace: str | Path, *, validated: str | None = None) -> DatasetVersion:
     """Validate `path`, version it with DVC, push it and materialise it in `workspace/data`.
+
+    `validated`: the fingerprint (`validate.fingerprint`) of a gate that passed on this data. When the
+    files and the suite still have that fingerprint the suite is not run again; when anything changed
+    since, the data is validated as if no gate had run.
 
     Returns the dataset version (hash, rows, path, git rev...). Raises DataValidationFailed or
     DataError before anything is versioned when the data is invalid or unreadable.
     """
     data = Path(path).resolve()
     _check_layout(data)
-    report: ValidationReport = validate_data(data)
-    splits = {Path(f["path"]).stem: f["rows"] for f in report["files"]}
+    if validated is not None and validated == fingerprint(data):
+        log.info("%s passed the gate with fingerprint %s: not validated again", data, validated)
+        splits = {file.stem: _parquet_rows(file) for file in parquet_files(data)}
+    else:
+        if validated is not None:
+            log.warning("%s changed since it passed the gate (fingerprint differs): validating again", data)
+        report: ValidationReport = validate_data(data)
+        splits = {Path(f["path"]).stem: f["rows"] for f in report["files"]}
     return version_validated(data, workspace, splits)
+
+
+def _parquet_rows(file: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return int(pq.ParquetFile(file).metadata.num_rows)
 
 
 def version_validated(data: Path, workspace: str | Path, splits: dict[str, int]) -> DatasetVersion:

@@ -11,6 +11,7 @@ for the report and the Data Docs page.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -105,6 +106,19 @@ def load_suite(name: str = SUITE) -> gx.ExpectationSuite:
     for expectation in data["expectations"]:
         expectation.pop("id", None)
     return gx.ExpectationSuite(**data)
+
+
+def fingerprint(path: str | Path, suite: str = SUITE) -> str:
+    """What a validation result is about: the suite (its JSON and the custom expectations' code) and every
+    data file's name and bytes. Staging trusts a passed gate only for the same fingerprint."""
+    digest = hashlib.sha256()
+    suite_file = gx_dir() / "expectations" / f"{suite}.json"
+    for part in (suite_file, Path(__file__).with_name("expectations.py")):
+        digest.update(part.name.encode() + b"\0" + (part.read_bytes() if part.is_file() else b"") + b"\0")
+    for file in parquet_files(path):
+        with file.open("rb") as handle:
+            digest.update(file.name.encode() + b"\0" + hashlib.file_digest(handle, "sha256").digest())
+    return f"sha256:{digest.hexdigest()}"
 
 
 def parquet_files(path: str | Path) -> list[Path]:

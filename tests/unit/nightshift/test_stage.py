@@ -206,3 +206,25 @@ def test_concurrent_stagings_do_not_corrupt_each_other(tmp_path: Path, nightshif
             assert _md5(staged) == _md5(sources[seed] / f"{split}.parquet")
     records = sorted(p.stem for p in (nightshift_home / "dvc" / "versions").glob("*.json"))
     assert records == sorted(v["hash"] for v in versions.values())
+
+
+def test_a_passed_gate_is_trusted_only_for_the_same_bytes(demo_data: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightshift.data import stage, validate
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    passed = validate.fingerprint(data)
+    calls: list[Path] = []
+    real = stage.validate_data
+    monkeypatch.setattr(stage, "validate_data", lambda path: calls.append(Path(path)) or real(path))
+    version = stage_dataset(data, tmp_path / "ws1", validated=passed)
+    assert calls == [] and version["splits"] == {"train": 1257, "validation": 270, "test": 270}
+    # One value changed after the gate passed: another fingerprint, so the suite runs again and refuses it.
+    frame = pd.read_parquet(data / "train.parquet")
+    frame.loc[0, "pixel_0"] = np.float32(99.0)
+    frame.to_parquet(data / "train.parquet")
+    assert validate.fingerprint(data) != passed
+    with pytest.raises(DataValidationFailed):
+        stage_dataset(data, tmp_path / "ws2", validated=passed)
+    assert calls == [data.resolve()]
