@@ -1,7 +1,8 @@
 """Nightshift's Airflow plugin: extra links on task pages, and a lineage page.
 
 - Extra links (every task; a link is disabled when its task has nothing to point to): "MLflow run" (the
-  training run, from the `mlflow_run_id` XCom of `train`), "Model version" (the registered version, from
+  training run, from the `mlflow_run_id` XCom of `train` and `report`; its experiment from the
+  `mlflow_experiment_id` XCom, else MLflow's own run page finds it), "Model version" (the registered version, from
   the `model_version` XCom of `register`) and "GX Data Docs" (the page of a failed validation, from the
   `data_docs` XCom of `validate_data`, served by this plugin).
 - A FastAPI app under `/nightshift`: `/nightshift/lineage` lists recent `nightly_retrain` runs as dataset
@@ -11,13 +12,16 @@
 Every endpoint is behind Airflow's auth manager, as the REST API is: a request without a valid token
 (the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read
 `nightly_retrain`'s runs gets 403 (run parameters, failure reasons and sample data values are the DAG's).
-Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.0.0.1:5000).
+Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.0.0.1:5000; `make airflow`
+starts one there and sets it).
 """
 
 from __future__ import annotations
 
 import html
 import os
+import re
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -49,6 +53,13 @@ def _xcom(ti_key: Any, key: str) -> Any:
         return XComModel.deserialize_value(row) if row is not None else None
 
 
+def mlflow_run_url(run_id: str, experiment_id: str | None = None) -> str:
+    """The MLflow UI's page of a run; without the experiment, MLflow's `#/runs/<id>` page looks it up."""
+    if experiment_id:
+        return f"{_mlflow_ui()}/#/experiments/{quote(str(experiment_id))}/runs/{quote(str(run_id))}"
+    return f"{_mlflow_ui()}/#/runs/{quote(str(run_id))}"
+
+
 class MlflowRunLink(BaseOperatorLink):
     name = "MLflow run"
 
@@ -56,8 +67,8 @@ class MlflowRunLink(BaseOperatorLink):
         run_id = _xcom(ti_key, "mlflow_run_id")
         if not run_id:
             return ""
-        experiment = _xcom(ti_key, "mlflow_experiment_id") or "0"
-        return f"{_mlflow_ui()}/#/experiments/{quote(str(experiment))}/runs/{quote(str(run_id))}"
+        # `train` pushes its experiment; `report` (a dict returned as several XComs) only the run id.
+        return mlflow_run_url(str(run_id), _xcom(ti_key, "mlflow_experiment_id"))
 
 
 class ModelVersionLink(BaseOperatorLink):
@@ -70,54 +81,125 @@ class ModelVersionLink(BaseOperatorLink):
         return f"{_mlflow_ui()}/#/models/{quote(str(version['name']))}/versions/{quote(str(version['version']))}"
 
 
+def data_docs_url(page: Any, prefix: str = PREFIX) -> str:
+    """This plugin's URL of a Data Docs page (a file under the Data Docs root), or "" for any other path."""
+    if not page:
+        return ""
+    try:
+        relative = Path(str(page)).resolve().relative_to(data_docs_dir().resolve())
+    except ValueError:
+        return ""
+    return f"{prefix}/data-docs/{quote(relative.as_posix())}"
+
+
 class DataDocsLink(BaseOperatorLink):
     name = "GX Data Docs"
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
-        page = _xcom(ti_key, "data_docs")
-        if not page:
-            return ""
-        try:
-            relative = Path(str(page)).resolve().relative_to(data_docs_dir().resolve())
-        except ValueError:
-            return ""
-        return f"{PREFIX}/data-docs/{quote(relative.as_posix())}"
+        return data_docs_url(_xcom(ti_key, "data_docs"))
 
 
 def lineage_records(limit: int = RECENT) -> list[dict[str, Any]]:
-    """The newest `limit` records of the run ledger, newest first."""
-    return list(reversed(read_records(DAG_ID, newest=limit)))
+    """The newest `limit` records of the run ledger, newest first; a run refused by the data gate gets the
+    Data Docs page of its failing split (the `data_docs` XCom of `validate_data`) as `data_docs`."""
+    records = list(reversed(read_records(DAG_ID, newest=limit)))
+    for record in records:
+        if record.get("failed_task") == "validate_data" and not record.get("data_docs") and record.get("run_id"):
+            try:
+                record["data_docs"] = _run_xcom(str(record["run_id"]), "validate_data", "data_docs")
+            except Exception:  # the page must show even when the metadata DB does not answer
+                record["data_docs"] = None
+    return records
+
+
+def _run_xcom(run_id: str, task_id: str, key: str) -> Any:
+    from types import SimpleNamespace
+
+    return _xcom(SimpleNamespace(dag_id=DAG_ID, run_id=run_id, task_id=task_id, map_index=-1), key)
 
 
 def _cell(value: Any) -> str:
     return html.escape("" if value is None else str(value))
 
 
-def lineage_html(records: list[dict[str, Any]]) -> str:
-    rows = []
-    for r in records:
-        gate = r.get("gate") or {}
-        challenger = gate.get("challenger") or {}
-        accuracy = f"{challenger['accuracy']:.4f}" if "accuracy" in challenger else ""
-        dataset = (r.get("dataset_version") or "")[:12]
-        model = f"v{r['model_version']}" if r.get("model_version") else "—"
-        serving = r.get("serving_url") or "—"
-        rows.append(
-            f"<tr class='{_cell(r.get('status'))}'><td>{_cell(r.get('recorded_at'))}</td>"
-            f"<td>{_cell(r.get('run_id'))}</td><td>{_cell(r.get('status'))}</td>"
+def _link(href: str, text: Any, title: Any = None) -> str:
+    tip = f" title='{_cell(title)}'" if title else ""
+    return f"<a href='{html.escape(href, quote=True)}'{tip}>{_cell(text)}</a>"
+
+
+def readable_time(value: Any) -> str:
+    """An ISO timestamp as "2026-11-22 02:03 UTC"; anything else unchanged."""
+    if not value:
+        return ""
+    try:
+        moment = datetime.fromisoformat(str(value))
+    except ValueError:
+        return str(value)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def plain_outcome(outcome: Any) -> str:
+    """The outcome without a status that repeats its first word: "promoted v1 (promoted)" -> "promoted v1"."""
+    text = "" if outcome is None else str(outcome)
+    repeated = re.fullmatch(r"(\w+)(.*?)\s*\((\w+)\)", text)
+    if repeated and repeated.group(1) == repeated.group(3):
+        return repeated.group(1) + repeated.group(2)
+    return text.replace("(already_serving)", "(already serving)")
+
+
+def _http_url(value: Any) -> str:
+    url = "" if value is None else str(value)
+    return url if url.startswith(("http://", "https://")) else ""
+
+
+def _row(r: dict[str, Any]) -> str:
+    gate = r.get("gate") or {}
+    challenger = gate.get("challenger") or {}
+    accuracy = f"{challenger['accuracy']:.4f}" if isinstance(challenger.get("accuracy"), (int, float)) else ""
+    dataset = (r.get("dataset_version") or "")[:12]
+    run_id = str(r.get("run_id") or "")
+    # Relative links: this page is PREFIX/lineage, whatever base path the API server is under.
+    run = _link(f"../dags/{DAG_ID}/runs/{quote(run_id, safe='')}", run_id) if run_id else ""
+    model = f"v{r['model_version']}" if r.get("model_version") else "—"
+    serving_url = _http_url(r.get("serving_url"))
+    serving = _link(serving_url, serving_url) if serving_url else "—"
+    links = []
+    if r.get("mlflow_run_id"):
+        experiment = r.get("mlflow_experiment_id") or r.get("experiment_id")
+        links.append(_link(mlflow_run_url(str(r["mlflow_run_id"]), experiment), "MLflow run",
+                           title=r["mlflow_run_id"]))
+    docs = data_docs_url(r.get("data_docs"), prefix=".")
+    if docs:
+        links.append(_link(docs, "GX Data Docs"))
+    outcome = _cell(plain_outcome(r.get("outcome")))
+    if r.get("reason"):
+        outcome += f"<div class='reason'>{_cell(r.get('reason'))}</div>"
+    return (f"<tr class='{_cell(r.get('status'))}'>"
+            f"<td class='time' title='{_cell(r.get('recorded_at'))}'>{_cell(readable_time(r.get('recorded_at')))}</td>"
+            f"<td class='run'>{run}</td><td>{_cell(r.get('status'))}</td>"
             f"<td title='{_cell(r.get('dataset_version'))}'>{_cell(dataset)}</td><td>→</td>"
-            f"<td>{_cell(model)}</td><td>{_cell(accuracy)}</td><td>→</td><td>{_cell(serving)}</td>"
-            f"<td>{_cell(r.get('outcome'))}{': ' + _cell(r.get('reason')) if r.get('reason') else ''}</td></tr>")
-    body = "\n".join(rows) or "<tr><td colspan='10'>No runs recorded yet.</td></tr>"
+            f"<td>{_cell(model)}</td><td>{_cell(accuracy)}</td><td>→</td><td class='url'>{serving}</td>"
+            f"<td class='outcome'>{outcome}</td><td class='links'>{' '.join(links)}</td></tr>")
+
+
+def lineage_html(records: list[dict[str, Any]]) -> str:
+    body = "\n".join(_row(r) for r in records) or "<tr><td colspan='11'>No runs recorded yet.</td></tr>"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Nightshift lineage</title>
-<style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse}}
-td,th{{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;font-size:14px}}
+<style>body{{font-family:sans-serif;margin:1.5em}}
+table{{border-collapse:collapse;width:100%;max-width:100%}}
+td,th{{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;font-size:14px;vertical-align:top}}
+td{{overflow-wrap:anywhere;word-break:break-word}}
+td.time{{white-space:nowrap}} td.run{{max-width:16em}} td.url{{max-width:14em}}
+td.outcome{{max-width:40em;white-space:normal}} td.links{{white-space:nowrap}}
+div.reason{{color:#555;font-size:13px;margin-top:2px;white-space:pre-wrap}}
 tr.failed td{{color:#a00}}</style></head>
 <body><h2>nightly_retrain lineage</h2>
-<p>Recent runs, newest first: dataset version → model version → deployment.</p>
+<p>Recent runs, newest first: dataset version → model version → deployment. Times in UTC.</p>
 <table><tr><th>recorded</th><th>run</th><th>status</th><th>dataset</th><th></th><th>model</th>
-<th>test accuracy</th><th></th><th>serving</th><th>outcome</th></tr>
+<th>test accuracy</th><th></th><th>serving</th><th>outcome</th><th>links</th></tr>
 {body}</table></body></html>"""
 
 

@@ -35,6 +35,8 @@ def execution_api(request):
             "dag_id": "nightly_retrain", "run_id": "manual__log_test", "run_type": "manual",
             "state": "running", "run_after": "2026-01-01T00:00:00Z", "logical_date": "2026-01-01T00:00:00Z",
             "start_date": "2026-01-01T00:00:00Z", "consumed_asset_events": [],
+            # required from Airflow 3.3.1 on, optional before
+            "data_interval_start": None, "data_interval_end": None, "end_date": None, "partition_key": None,
             "conf": {"data_source": data_source}}})
     return httpx.Response(200, json={})
 
