@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # `make airflow`: Airflow with this repository's DAGs and plugins, bound to 127.0.0.1.
-#   scripts/airflow.sh standalone        # scheduler, dag-processor, triggerer, API server + UI
+#   scripts/airflow.sh standalone        # scheduler, dag-processor, triggerer, API server + UI, and the MLflow UI
 #   scripts/airflow.sh dags list         # any other airflow command, in the same environment
 # State: NIGHTSHIFT_HOME (default ~/.nightshift); Airflow's home (SQLite DB, logs, generated admin
-# password) in $NIGHTSHIFT_HOME/airflow-home unless AIRFLOW_HOME is set. AIRFLOW_PORT (default 8080).
+# password) in $NIGHTSHIFT_HOME/airflow-home unless AIRFLOW_HOME is set. AIRFLOW_PORT (default 8080): not
+# one of Airflow's own log-server ports ([logging] worker_log_server_port, trigger_log_server_port).
 # DAGs from $REPO/dags unless AIRFLOW__CORE__DAGS_FOLDER is set. Every component imports the cluster
 # policy in $REPO/config/airflow_local_settings.py (gpu pool slots from the run's params).
+# `standalone` also serves the MLflow UI of the project's tracking store on 127.0.0.1:NIGHTSHIFT_MLFLOW_UI_PORT
+# (default 5000; `none`: do not start it) for the plugin's "MLflow run" and "Model version" links, and
+# stops it when Airflow exits. With NIGHTSHIFT_MLFLOW_UI_URL set, or an http(s) MLFLOW_TRACKING_URI, the
+# links go there and no UI is started.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,6 +18,7 @@ BIN="${NIGHTSHIFT_VENV_BIN:-$REPO/.venv/bin}"
 export NIGHTSHIFT_HOME="${NIGHTSHIFT_HOME:-$HOME/.nightshift}"
 export AIRFLOW_HOME="${AIRFLOW_HOME:-$NIGHTSHIFT_HOME/airflow-home}"
 PORT="${AIRFLOW_PORT:-8080}"
+MLFLOW_UI_PORT="${NIGHTSHIFT_MLFLOW_UI_PORT:-5000}"
 
 export PATH="$BIN:$PATH"
 export PYTHONPATH="$REPO/config${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,12 +32,116 @@ export AIRFLOW__API__BASE_URL="http://127.0.0.1:$PORT"
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="http://127.0.0.1:$PORT/execution/"
 export GX_ANALYTICS_ENABLED=false DVC_NO_ANALYTICS=1 MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=true
 
+refuse() {  # one line a person can act on, exit 2 (a usage error)
+    echo "scripts/airflow.sh: $*" >&2
+    exit 2
+}
+
+is_port() {
+    [[ "$1" =~ ^[0-9]+$ ]] && (( 10#$1 >= 1 && 10#$1 <= 65535 ))
+}
+
+# The API server would start on a port Airflow's own log servers also bind: standalone then says it is
+# ready while the UI answers with the log server (or not at all). Ports are read from Airflow's config
+# (environment, airflow.cfg, defaults 8793 and 8794), before anything starts.
+check_ports() {
+    is_port "$PORT" || refuse "AIRFLOW_PORT=$PORT is not a TCP port (1-65535)"
+    local worker trigger
+    read -r worker trigger < <(python -c 'from airflow.configuration import conf
+print(conf.get("logging", "worker_log_server_port"), conf.get("logging", "trigger_log_server_port"))') || true
+    is_port "${worker:-}" && is_port "${trigger:-}" \
+        || refuse "cannot read Airflow's [logging] worker_log_server_port and trigger_log_server_port (see above)"
+    [[ "$((10#$PORT))" == "$worker" ]] && refuse "AIRFLOW_PORT=$PORT is the port of Airflow's worker log" \
+        "server ([logging] worker_log_server_port); choose another AIRFLOW_PORT, e.g. 8080"
+    [[ "$((10#$PORT))" == "$trigger" ]] && refuse "AIRFLOW_PORT=$PORT is the port of Airflow's triggerer log" \
+        "server ([logging] trigger_log_server_port); choose another AIRFLOW_PORT, e.g. 8080"
+    if [[ "$MLFLOW_UI_PORT" != "none" ]]; then
+        is_port "$MLFLOW_UI_PORT" || refuse "NIGHTSHIFT_MLFLOW_UI_PORT=$MLFLOW_UI_PORT is not a TCP port" \
+            "(1-65535, or none)"
+        case "$((10#$MLFLOW_UI_PORT))" in
+            "$((10#$PORT))" | "$worker" | "$trigger")
+                refuse "NIGHTSHIFT_MLFLOW_UI_PORT=$MLFLOW_UI_PORT is taken by Airflow (API server $PORT, log servers" \
+                    "$worker and $trigger); choose another, e.g. 5000" ;;
+        esac
+    fi
+    return 0
+}
+
+listening() {  # something accepts connections on 127.0.0.1:$1
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+MLFLOW_UI_PID=""
+
+# The MLflow UI over the project's tracking store (nightshift.settings), in a session of its own so that
+# stopping it by its PID stops its server processes too.
+start_mlflow_ui() {
+    local uri artifacts
+    { read -r uri; read -r artifacts; } < <(python -c 'from nightshift import settings
+print(settings.mlflow_tracking_uri()); print(settings.mlflow_artifact_root())')
+    if [[ -n "${NIGHTSHIFT_MLFLOW_UI_URL:-}" ]]; then
+        echo "MLflow links: $NIGHTSHIFT_MLFLOW_UI_URL (NIGHTSHIFT_MLFLOW_UI_URL; no MLflow UI started)" >&2
+        return 0
+    fi
+    if [[ "$uri" == http://* || "$uri" == https://* ]]; then
+        export NIGHTSHIFT_MLFLOW_UI_URL="${uri%/}"
+        echo "MLflow links: $NIGHTSHIFT_MLFLOW_UI_URL (the tracking server; no MLflow UI started)" >&2
+        return 0
+    fi
+    export NIGHTSHIFT_MLFLOW_UI_URL="http://127.0.0.1:$MLFLOW_UI_PORT"
+    if [[ "$MLFLOW_UI_PORT" == "none" ]]; then
+        unset NIGHTSHIFT_MLFLOW_UI_URL
+        echo "MLflow UI: not started (NIGHTSHIFT_MLFLOW_UI_PORT=none); MLflow links expect" \
+             "http://127.0.0.1:5000 (run: mlflow ui --backend-store-uri $uri)" >&2
+        return 0
+    fi
+    if listening "$MLFLOW_UI_PORT"; then
+        echo "MLflow UI: port $MLFLOW_UI_PORT is in use, not starting one; MLflow links go to" \
+             "$NIGHTSHIFT_MLFLOW_UI_URL (set NIGHTSHIFT_MLFLOW_UI_PORT to another port to get this project's)" >&2
+        return 0
+    fi
+    mkdir -p "$NIGHTSHIFT_HOME" "$artifacts"
+    local log="$NIGHTSHIFT_HOME/mlflow-ui.log"
+    # Job execution (GenAI jobs, ~8 huey worker processes) is not needed to browse runs and models.
+    MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false setsid mlflow ui --host 127.0.0.1 --port "$MLFLOW_UI_PORT" --workers 1 --backend-store-uri "$uri" \
+        --default-artifact-root "$artifacts" --no-serve-artifacts >"$log" 2>&1 </dev/null &
+    MLFLOW_UI_PID=$!
+    echo "MLflow UI: $NIGHTSHIFT_MLFLOW_UI_URL  (store $uri; log $log; pid $MLFLOW_UI_PID)" >&2
+}
+
+stop_mlflow_ui() {
+    [[ -n "$MLFLOW_UI_PID" ]] || return 0
+    local pid="$MLFLOW_UI_PID"
+    MLFLOW_UI_PID=""
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || return 0
+    for _ in $(seq 50); do
+        kill -0 "$pid" 2>/dev/null || return 0
+        sleep 0.2
+    done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+}
+
 mkdir -p "$AIRFLOW_HOME"
-if [[ "${1:-}" == "standalone" ]]; then
-    airflow db migrate >/dev/null
-    airflow pools set gpu "${NIGHTSHIFT_GPU_SLOTS:-16}" "Horovod training slots (GPUs, or CPU jobs)" >/dev/null
-    echo "Airflow UI: http://127.0.0.1:$PORT  (AIRFLOW_HOME=$AIRFLOW_HOME; the admin password is printed below" \
-         "and kept in \$AIRFLOW_HOME)" >&2
-    echo "Lineage page: http://127.0.0.1:$PORT/nightshift/lineage" >&2
-fi
+case "${1:-}" in
+    standalone)
+        check_ports
+        airflow db migrate >/dev/null
+        airflow pools set gpu "${NIGHTSHIFT_GPU_SLOTS:-16}" "Horovod training slots (GPUs, or CPU jobs)" >/dev/null
+        trap stop_mlflow_ui EXIT
+        trap 'exit 130' INT
+        trap 'exit 143' TERM
+        start_mlflow_ui
+        echo "Airflow UI: http://127.0.0.1:$PORT  (AIRFLOW_HOME=$AIRFLOW_HOME; the admin password is printed" \
+             "below and kept in \$AIRFLOW_HOME)" >&2
+        echo "Lineage page: http://127.0.0.1:$PORT/nightshift/lineage" >&2
+        # Not exec: the MLflow UI is stopped when Airflow exits. Airflow runs in the foreground, so Ctrl-C
+        # reaches it (it stops its components), then the EXIT trap stops the MLflow UI.
+        status=0
+        airflow "$@" || status=$?
+        exit "$status"
+        ;;
+    api-server)
+        check_ports
+        ;;
+esac
 exec airflow "$@"
