@@ -25,7 +25,10 @@ def _service(text: str) -> Any:
     host, colon, port = target.rpartition(":")
     if not sep or not colon or not port.isdigit() or not command.strip():
         raise argparse.ArgumentTypeError(f"--service {text!r} must look like HOST:PORT=COMMAND")
-    return Service(host=host, port=int(port), argv=tuple(shlex.split(command)))
+    try:
+        return Service(host=host, port=int(port), argv=tuple(shlex.split(command)))
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def add_parser(subparsers: Any) -> None:
