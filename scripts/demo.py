@@ -4,6 +4,8 @@ State goes to NIGHTSHIFT_HOME (default ~/.nightshift); Airflow's own home (SQLit
 NIGHTSHIFT_HOME/airflow-home unless AIRFLOW_HOME is set. The DAGs and plugins come from this repository.
 Run 1 trains with the local backend (2 Horovod workers) and deploys; run 2 forces a retrain on the same
 data and shows the gate refusing to promote a model that is not better. The model server keeps running.
+Each run prints one line per task as it ends (state, seconds); Airflow's full output goes to a log file
+under AIRFLOW_HOME/demo-logs/, whose path is printed (`--verbose` also shows it on the terminal).
 """
 
 from __future__ import annotations
@@ -11,16 +13,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DAG_ID = "nightly_retrain"
 GPU_POOL_SLOTS = 16
+# Task states worth a progress line: where a task ends, or a try that failed and will be retried.
+SHOWN_STATES = ("success", "failed", "skipped", "upstream_failed", "removed", "up_for_retry")
+POLL_SECONDS = 0.5
 
 
 def nightshift_home() -> Path:
@@ -73,17 +82,128 @@ def ledger(nightshift: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_dag(env: dict[str, str], conf: dict[str, Any], *, stream: bool = True,
-            timeout: float | None = 3600) -> tuple[int, dict[str, Any] | None, float]:
-    """`airflow dags test nightly_retrain -c CONF`: (exit code, the run's ledger record, seconds)."""
+class DagTestRun(NamedTuple):
+    """What one `airflow dags test` gave: exit code, ledger record, seconds, progress lines, full log."""
+
+    code: int
+    record: dict[str, Any] | None
+    seconds: float
+    progress: list[str]
+    log: Path
+
+
+def _metadata_db(env: dict[str, str]) -> Path | None:
+    conn = env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "")
+    return Path(conn.removeprefix("sqlite:///")) if conn.startswith("sqlite:///") else None
+
+
+def _query(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """A read-only query of Airflow's SQLite DB; [] while it is locked or not there yet."""
+    try:
+        with sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True, timeout=2) as conn:
+            return conn.execute(sql, args).fetchall()
+    except sqlite3.Error:
+        return []
+
+
+def _seconds(start: str | None, end: str | None) -> float | None:
+    # From the start and end dates: Airflow 3.3.0 computes `duration` wrongly on SQLite (fixed in 3.3.1).
+    if not start or not end:
+        return None
+    try:
+        return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+    except ValueError:
+        return None
+
+
+def progress_line(task_id: str, state: str, seconds: float | None, try_number: int | None = None) -> str:
+    took = f"{seconds:7.1f}s" if seconds is not None else "       -"
+    retry = f" (try {try_number}, will retry)" if state == "up_for_retry" else ""
+    return f"  {task_id:<16} {state:<15} {took}{retry}"
+
+
+class TaskProgress(threading.Thread):
+    """Prints a line as each task instance of the new DAG run reaches a state in SHOWN_STATES.
+
+    Reads Airflow's own metadata DB (read-only) rather than its log, whose format changes between versions.
+    """
+
+    def __init__(self, db: Path, after_run_row: int, emit: Callable[[str], None]) -> None:
+        super().__init__(daemon=True)
+        self.db, self.after_run_row, self.emit = db, after_run_row, emit
+        self.lines: list[str] = []
+        self.seen: dict[tuple[str, int], tuple[str, int]] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(POLL_SECONDS):
+            self.poll()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=10)
+        self.poll()  # what ended since the last poll
+
+    def poll(self) -> None:
+        runs = _query(self.db, "SELECT run_id FROM dag_run WHERE dag_id = ? AND id > ? ORDER BY id LIMIT 1",
+                      DAG_ID, self.after_run_row)
+        if not runs:
+            return
+        rows = _query(self.db, "SELECT task_id, map_index, state, try_number, start_date, end_date "
+                               "FROM task_instance WHERE dag_id = ? AND run_id = ? AND state IN "
+                               f"({','.join('?' * len(SHOWN_STATES))}) ORDER BY end_date, task_id",
+                      DAG_ID, runs[0][0], *SHOWN_STATES)
+        for task_id, map_index, state, try_number, start, end in rows:
+            key = (task_id, map_index)
+            if self.seen.get(key) == (state, try_number):
+                continue
+            self.seen[key] = (state, try_number)
+            line = progress_line(task_id, state, _seconds(start, end), try_number)
+            self.lines.append(line)
+            self.emit(line)
+
+
+def new_log_path(env: dict[str, str]) -> Path:
+    """Where the full log of the next `airflow dags test` goes: AIRFLOW_HOME/demo-logs/, one file per run."""
+    log_dir = Path(env["AIRFLOW_HOME"]) / "demo-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir / f"{DAG_ID}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}.log"
+
+
+def run_dag(env: dict[str, str], conf: dict[str, Any], *, log_path: Path | None = None,
+            progress: Callable[[str], None] | None = print, verbose: bool = False,
+            timeout: float | None = 3600) -> DagTestRun:
+    """`airflow dags test nightly_retrain -c CONF`: its full output goes to `log_path` (default: new_log_path),
+    and to the terminal with `verbose`; one line per task goes to `progress` as the task ends."""
     nightshift = Path(env["NIGHTSHIFT_HOME"])
+    log_path = log_path or new_log_path(env)
     before = len(ledger(nightshift))
+    db = _metadata_db(env)
+    watcher = None
+    if db is not None:
+        last = _query(db, "SELECT COALESCE(MAX(id), 0) FROM dag_run")
+        watcher = TaskProgress(db, int(last[0][0]) if last else 0, progress or (lambda _line: None))
+        watcher.start()
     start = time.monotonic()
-    proc = airflow(env, "dags", "test", DAG_ID, "-c", json.dumps(conf), check=False, capture=not stream,
-                   timeout=timeout)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([str(BIN / "airflow"), "dags", "test", DAG_ID, "-c", json.dumps(conf)], env=env,
+                                text=True, stdout=subprocess.PIPE if verbose else log, stderr=subprocess.STDOUT)
+        try:
+            if verbose and proc.stdout is not None:
+                for line in proc.stdout:
+                    log.write(line)
+                    sys.stdout.write(line)
+            code = proc.wait(timeout=timeout)
+        except BaseException:  # a timeout or Ctrl-C: no `airflow dags test` left behind
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            if watcher is not None:
+                watcher.stop()
     seconds = time.monotonic() - start
     records = ledger(nightshift)[before:]
-    return proc.returncode, (records[-1] if records else None), seconds
+    return DagTestRun(code, records[-1] if records else None, seconds, watcher.lines if watcher else [], log_path)
 
 
 def predict(url: str, data_dir: Path, rows: int = 5) -> tuple[list[int], list[int]]:
@@ -100,10 +220,10 @@ def predict(url: str, data_dir: Path, rows: int = 5) -> tuple[list[int], list[in
     return [int(p["predicted_label"]) for p in predictions], labels
 
 
-def print_summary(title: str, record: dict[str, Any] | None, seconds: float) -> None:
-    print(f"\n=== {title} ({seconds:.0f}s)")
+def print_summary(title: str, record: dict[str, Any] | None, seconds: float, log: Path | None = None) -> None:
+    print(f"=== {title}: done in {seconds:.0f}s")
     if record is None:
-        print("  no run record: the run did not reach its report (see the log above)")
+        print(f"  no run record: the run did not reach its report (see {log or 'the log above'})")
         return
     print(f"  status          : {record.get('status')} - {record.get('outcome')}")
     if record.get("status") != "success":
@@ -123,11 +243,18 @@ def print_summary(title: str, record: dict[str, Any] | None, seconds: float) -> 
     print(f"  serving URL     : {record.get('serving_url') or '(unchanged)'}")
 
 
+def start_run(env: dict[str, str], title: str, conf: dict[str, Any], verbose: bool) -> DagTestRun:
+    log_path = new_log_path(env)
+    print(f"\n=== {title}\n  airflow dags test {DAG_ID}; Airflow's full log: {log_path}", flush=True)
+    return run_dag(env, conf, log_path=log_path, progress=lambda line: print(line, flush=True), verbose=verbose)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--quiet", action="store_true", help="do not stream the Airflow logs")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also stream Airflow's full log to the terminal (it always goes to a file)")
     args = parser.parse_args(argv)
 
     nightshift = nightshift_home()
@@ -141,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     prepare_airflow(env)
 
     base = {"data_source": str(data), "epochs": args.epochs, "workers": args.workers, "backend": "local"}
-    code, first, seconds = run_dag(env, base, stream=not args.quiet)
-    print_summary("run 1: nightly_retrain on the demo data", first, seconds)
-    if code != 0 or not first or first.get("status") != "success":
-        print(f"run 1 failed (airflow dags test exited {code})", file=sys.stderr)
+    title = "run 1: nightly_retrain on the demo data"
+    first = start_run(env, title, base, args.verbose)
+    print_summary(title, first.record, first.seconds, first.log)
+    if first.code != 0 or not first.record or first.record.get("status") != "success":
+        print(f"run 1 failed (airflow dags test exited {first.code}; log: {first.log})", file=sys.stderr)
         return 1
 
     from nightshift.deploy.local import read_record
@@ -160,10 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("  prediction      : nothing is serving (no model passed the gate yet)")
 
-    code, second, seconds = run_dag(env, {**base, "force": True}, stream=not args.quiet)
-    print_summary("run 2: same data, force=true (retrain; the gate decides)", second, seconds)
-    if code != 0 or not second or second.get("status") != "success":
-        print(f"run 2 failed (airflow dags test exited {code})", file=sys.stderr)
+    title = "run 2: same data, force=true (retrain; the gate decides)"
+    run = start_run(env, title, {**base, "force": True}, args.verbose)
+    second = run.record
+    print_summary(title, second, run.seconds, run.log)
+    if run.code != 0 or not second or second.get("status") != "success":
+        print(f"run 2 failed (airflow dags test exited {run.code}; log: {run.log})", file=sys.stderr)
         return 1
     if second.get("serving_url"):
         print("  !! run 2 promoted a new model", file=sys.stderr)

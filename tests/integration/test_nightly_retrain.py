@@ -1,7 +1,12 @@
-"""`airflow dags test nightly_retrain` on the demo data, twice: real Airflow, Horovod, MLflow, model server."""
+"""`airflow dags test nightly_retrain` on the demo data, twice: real Airflow, Horovod, MLflow, model server.
+
+Also what `make demo` shows of a run: one progress line per task as it ends, the full log in a file.
+"""
 
 from __future__ import annotations
 
+import re
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +30,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     module.prepare_airflow(env)
     state: dict[str, Any] = {"module": module, "env": env, "home": home}
     try:
-        code, record, seconds = module.run_dag(env, CONF, stream=False, timeout=900)
-        state.update(first=(code, record, seconds))
+        run = module.run_dag(env, CONF, progress=None, timeout=900)
+        state.update(first=(run.code, run.record, run.seconds), first_run=run)
         yield state
     finally:
         stop_model_server(env)
@@ -45,14 +50,71 @@ def test_first_run_registers_deploys_and_serves(demo: dict[str, Any]) -> None:
     assert len(predicted) == 20 and sum(p == t for p, t in zip(predicted, labels, strict=True)) >= 16
 
 
+def progress(lines: list[str]) -> dict[str, tuple[str, float | None]]:
+    """{task: (state, seconds)} from the progress lines, checking their shape."""
+    out = {}
+    for line in lines:
+        match = re.fullmatch(r"  (\w+)\s+(\w+)\s+(?:(\d+\.\d)s|-)(?: \(try \d+, will retry\))?", line)
+        assert match, f"not a progress line: {line!r}"
+        out[match.group(1)] = (match.group(2), float(match.group(3)) if match.group(3) else None)
+    return out
+
+
+def test_first_run_shows_one_line_per_task_and_keeps_the_full_log(demo: dict[str, Any]) -> None:
+    run = demo["first_run"]
+    tasks = progress(run.progress)
+    assert set(tasks) == {"validate_data", "stage_dataset", "check_changes", "skip_training", "train", "evaluate",
+                          "register", "approve", "deploy", "report"}, run.progress
+    for name in ("validate_data", "stage_dataset", "train", "evaluate", "register", "deploy", "report"):
+        state, seconds = tasks[name]
+        assert state == "success" and seconds is not None and 0 <= seconds < 900, (name, tasks[name])
+    assert tasks["skip_training"][0] == "skipped" and tasks["approve"][0] == "skipped"
+    assert run.progress[-1].split()[0] == "report"  # in the order the tasks ended
+    assert tasks["train"][1] > tasks["check_changes"][1]  # seconds are each task's own
+    log = run.log.read_text()
+    assert "[DAG TEST] end task task_id=report" in log and len(log.splitlines()) > 100
+
+
+def test_progress_lines_come_from_airflows_task_states(tmp_path: Path) -> None:
+    module = demo_module()
+    db = tmp_path / "airflow.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE dag_run (id INTEGER PRIMARY KEY, dag_id TEXT, run_id TEXT)")
+        conn.execute("CREATE TABLE task_instance (dag_id TEXT, run_id TEXT, task_id TEXT, map_index INT, "
+                     "state TEXT, try_number INT, start_date TEXT, end_date TEXT)")
+        conn.executemany("INSERT INTO dag_run VALUES (?, ?, ?)", [(1, "nightly_retrain", "old"),
+                                                                   (2, "nightly_retrain", "new")])
+        conn.executemany("INSERT INTO task_instance VALUES (?, ?, ?, -1, ?, ?, ?, ?)", [
+            ("nightly_retrain", "old", "train", "success", 1, "2026-01-01 00:00:00", "2026-01-01 00:01:00"),
+            ("nightly_retrain", "new", "validate_data", "success", 1, "2026-11-22 02:00:59.500000",
+             "2026-11-22 02:01:14.250000"),
+            ("nightly_retrain", "new", "skip_training", "skipped", 0, None, "2026-11-22 02:01:20"),
+            ("nightly_retrain", "new", "train", "running", 1, "2026-11-22 02:01:20", None),
+        ])
+    lines: list[str] = []
+    watcher = module.TaskProgress(db, 1, lines.append)
+    watcher.poll()
+    watcher.poll()  # nothing new: nothing printed twice
+    assert progress(lines) == {"validate_data": ("success", 14.8), "skip_training": ("skipped", None)}
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE task_instance SET state = 'up_for_retry', end_date = '2026-11-22 02:02:00' "
+                     "WHERE run_id = 'new' AND task_id = 'train'")
+    watcher.poll()
+    assert lines[-1].startswith("  train") and "up_for_retry" in lines[-1] and "(try 1, will retry)" in lines[-1]
+
+
 def test_second_run_on_unchanged_data_skips_training(demo: dict[str, Any]) -> None:
     first = demo["first"][1]
-    code, record, _ = demo["module"].run_dag(demo["env"], CONF, stream=False, timeout=900)
+    run = demo["module"].run_dag(demo["env"], CONF, progress=None, timeout=900)
+    code, record = run.code, run.record
     assert code == 0
     assert record and record["status"] == "success"
+    tasks = progress(run.progress)
+    assert tasks["report"][0] == "success"
     if record["code_version"] == first["code_version"]:
         assert record["outcome"].startswith("training skipped"), record
         assert record["mlflow_run_id"] is None
+        assert tasks["skip_training"][0] == "success" and tasks["train"][0] == "skipped", run.progress
     else:  # someone committed in between: it retrains, and the same data must not promote a copy
         assert record["serving_url"] is None, record
     assert record["model_version"] is None
