@@ -74,7 +74,8 @@ def client() -> MlflowClient:
 
 
 def ensure_experiment(name: str) -> str:
-    """The experiment's id, creating it (with artifacts under NIGHTSHIFT_HOME for local stores)."""
+    """The experiment's id, creating it; with a local tracking store its artifacts go under
+    NIGHTSHIFT_MLFLOW_ARTIFACTS (default NIGHTSHIFT_HOME/mlartifacts; an `s3://`/`gs://` URI is used as is)."""
     mlflow_client = client()
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is not None:
@@ -84,9 +85,13 @@ def ensure_experiment(name: str) -> str:
     uri = settings.mlflow_tracking_uri()
     location = None
     if not uri.startswith(("http://", "https://", "databricks")):
-        root = Path(settings.mlflow_artifact_root())
-        root.mkdir(parents=True, exist_ok=True)
-        location = (root / name).as_uri()
+        root_setting = settings.mlflow_artifact_root()
+        if "://" in root_setting:  # an object store (s3://, gs://...): what KServe can fetch from
+            location = f"{root_setting.rstrip('/')}/{name}"
+        else:
+            root = Path(root_setting)
+            root.mkdir(parents=True, exist_ok=True)
+            location = (root / name).as_uri()
     try:
         return str(mlflow_client.create_experiment(name, artifact_location=location))
     except Exception:  # created concurrently by another task

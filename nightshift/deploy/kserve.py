@@ -137,10 +137,11 @@ def kserve_storage_uri(location: str, *, what: str = "the model") -> str:
     elif uri.startswith(("http://", "https://")):
         why = "KServe downloads a plain http(s) URL as one file or archive, and an MLflow model is a folder"
     else:
-        why = ("it is on a disk the predictor pod does not have; put the MLflow artifact store on object "
-               "storage (`mlflow server --default-artifact-root s3://<bucket>/<path> --no-serve-artifacts`, "
-               "or gs://), or, when it lies on a volume the cluster can mount, map it with "
-               f"{STORAGE_MAP_ENV}='<local prefix>=pvc://<claim>/<path>'")
+        why = ("it is on a disk the predictor pod does not have; put the MLflow artifacts on object storage "
+               "(a tracking server with `--default-artifact-root s3://<bucket>/<path> --no-serve-artifacts`, "
+               "or NIGHTSHIFT_MLFLOW_ARTIFACTS=s3://<bucket>/<path> for a local tracking store; either applies "
+               "to experiments created afterwards), or, when it lies on a volume the cluster can mount, map it "
+               f"with {STORAGE_MAP_ENV}='<local prefix>=pvc://<claim>/<path>'")
     raise DeploymentFailed(
         f"deploy_target=kserve refused: the artifact location of {what} is {uri}{mapped}, which KServe's "
         f"storage initializer cannot fetch ({why}). It fetches {', '.join(FETCHABLE_PREFIXES)} and Azure "

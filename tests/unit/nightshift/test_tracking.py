@@ -261,3 +261,10 @@ def test_a_model_logged_before_the_split_still_loads(trained: Path, tmp_path: Pa
     frame = pd.read_parquet(demo_data / "test.parquet")
     out = model.predict(frame.drop(columns=["label"]).head(50))
     assert (out["predicted_label"].to_numpy() == frame["label"].head(50).to_numpy()).mean() > 0.7
+
+
+def test_a_local_tracking_store_can_keep_its_artifacts_on_an_object_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What makes a version's artifact location one KServe can fetch, without a tracking server."""
+    monkeypatch.setenv("NIGHTSHIFT_MLFLOW_ARTIFACTS", "s3://models-bucket/mlartifacts/")
+    experiment_id = tracking.ensure_experiment("to-s3")
+    assert tracking.client().get_experiment(experiment_id).artifact_location == "s3://models-bucket/mlartifacts/to-s3"
