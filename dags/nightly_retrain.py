@@ -205,8 +205,11 @@ with DAG(
     )
 
     @task(trigger_rule="none_failed_min_one_success", outlets=[CHAMPION_ASSET], retries=1)
-    def deploy(registered: dict, staged: dict) -> dict:
+    def deploy(staged: dict) -> dict:
         context = get_current_context()
+        # Pulled, not passed: when the gate rejected the model, `register` is skipped and has no XCom, and
+        # an XComArg argument would log an "XCom not found" error for a run that went as designed.
+        registered = context["ti"].xcom_pull(task_ids="register") or None
         if not registered:
             raise AirflowSkipException("nothing registered to deploy")
         result = steps.deploy(registered, staged, context["params"])
@@ -214,7 +217,7 @@ with DAG(
             "model_version": result.get("version"), "url": result.get("url"), "status": result.get("status")}
         return result
 
-    deployed = deploy(registered, staged)
+    deployed = deploy(staged)
 
     @task(trigger_rule="none_failed", retries=0)
     def report() -> dict:
