@@ -151,8 +151,12 @@ def test_a_run_asking_for_more_than_the_pool_fails_and_says_why(standalone: dict
     note = api.call("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["note"] or ""
     assert f"asks for 16 slots of pool 'gpu' (4 workers x 4 GPUs per worker) but the pool has {POOL_SLOTS}" in note
     assert "airflow pools set gpu 16" in note
-    log = standalone["log"].read_text(errors="replace")
-    assert f"{DAG_ID}.train run {run_id}: train asks for 16 slots" in log
+    # The API server's log reaches standalone's output through a pipe: give it time to arrive.
+    expected = f"{DAG_ID}.train run {run_id}: train asks for 16 slots"
+    deadline = time.monotonic() + 60
+    while expected not in (log := standalone["log"].read_text(errors="replace")) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert expected in log
 
 
 def test_the_scheduler_sizes_a_scheduled_run_from_the_param_defaults(standalone: dict[str, Any]) -> None:
