@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.serving_cli",
     "nightshift.plan_cli",
     "nightshift.mpijob_local.cli",
+    "nightshift.search.cli",
 )
 
 

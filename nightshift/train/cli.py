@@ -7,10 +7,13 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nightshift.errors import NightshiftError, UsageError
 from nightshift.train.config import COMPRESSIONS, DEVICES, PRECISIONS, TrainConfig
+
+if TYPE_CHECKING:
+    from nightshift.train.trainer import EpochHook
 
 DEFAULTS = TrainConfig(data=".", out=".", checkpoint_dir=".")  # type: ignore[arg-type]
 
@@ -62,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlflow-experiment", default=None, help="log the run to this MLflow experiment")
     parser.add_argument("--mlflow-run-name", default=None)
     parser.add_argument("--tag", dest="tags", type=_tag, action="append", default=[], help="KEY=VALUE MLflow tag")
+    parser.add_argument("--search-storage", default=None,
+                        help="model search: the Optuna storage URL of the trial to report to (no password in it)")
+    parser.add_argument("--search-study", default=None, help="model search: the study's name")
+    parser.add_argument("--search-trial", type=int, default=None,
+                        help="model search: the trial's number; rank 0 reports val_accuracy after every epoch "
+                             "and the run stops, after a checkpoint, when the study prunes the trial")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -72,11 +81,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints, log_every=args.log_every, threads=args.threads,
         device=args.device, precision=args.precision, compression=args.compression,
         mlflow_experiment=args.mlflow_experiment, mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
+        search_storage=args.search_storage, search_study=args.search_study, search_trial=args.search_trial,
     )
 
 
-def run(config: TrainConfig) -> dict[str, Any]:
-    """Load data, join the Horovod job, train; rank 0 returns the summary, others `{}`."""
+def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any]:
+    """Load data, join the Horovod job, train; rank 0 returns the summary, others `{}`.
+
+    `on_epoch` (see `Trainer`) is asked after every epoch; with the `search_*` fields and no `on_epoch`,
+    the hook reports to that search trial (`nightshift.search.reporter`).
+    """
     from nightshift.datasets import load_split
     from nightshift.models import MODELS
 
@@ -89,7 +103,11 @@ def run(config: TrainConfig) -> dict[str, Any]:
     from nightshift.train.trainer import Trainer
 
     hvd.init()
-    summary = Trainer(config, train, validation, hvd).fit()
+    if on_epoch is None and config.search_trial is not None:
+        from nightshift.search.reporter import TrialReporter
+
+        on_epoch = TrialReporter.for_config(config)
+    summary = Trainer(config, train, validation, hvd, on_epoch=on_epoch).fit()
     if summary and config.mlflow_experiment:
         from nightshift.tracking import log_training_run
 

@@ -45,6 +45,12 @@ class TrainConfig:
     mlflow_experiment: str | None = None
     mlflow_run_name: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
+    # The per-epoch hook of a model search (nightshift.search.reporter): rank 0 reports val_accuracy to
+    # trial `search_trial` of Optuna study `search_study` in `search_storage` after every epoch, and the
+    # trainer stops (after a checkpoint) when the study prunes the trial. All three, or none.
+    search_storage: str | None = None
+    search_study: str | None = None
+    search_trial: int | None = None
 
     def __post_init__(self) -> None:
         self.data, self.out, self.checkpoint_dir = Path(self.data), Path(self.out), Path(self.checkpoint_dir)
@@ -64,6 +70,14 @@ class TrainConfig:
                 raise UsageError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not isinstance(self.model_kwargs, dict):
             raise UsageError(f"--model-kwargs must be a JSON object, got {self.model_kwargs!r}")
+        search = {"--search-storage": self.search_storage, "--search-study": self.search_study,
+                  "--search-trial": self.search_trial}
+        if any(v is not None for v in search.values()) and any(v is None for v in search.values()):
+            missing = ", ".join(flag for flag, v in search.items() if v is None)
+            raise UsageError(f"reporting to a search trial needs --search-storage, --search-study and "
+                             f"--search-trial together; missing {missing}")
+        if self.search_trial is not None and (not isinstance(self.search_trial, int) or self.search_trial < 0):
+            raise UsageError(f"--search-trial must be a trial number >= 0, got {self.search_trial!r}")
 
     def resume_key(self, world_size: int, device: str) -> dict[str, Any]:
         """What a checkpoint must agree with for a resume to be exact, on `device` ("cpu" or "cuda")."""
@@ -96,4 +110,6 @@ class TrainConfig:
         out = asdict(self)
         for key in ("data", "out", "checkpoint_dir"):
             out[key] = str(out[key])
+        for key in ("search_storage", "search_study", "search_trial"):  # where to report, not how to train
+            del out[key]
         return out

@@ -13,6 +13,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,7 @@ from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
 from nightshift.datasets import Split
-from nightshift.errors import CheckpointMismatch, UsageError
+from nightshift.errors import CheckpointMismatch, NightshiftError, UsageError
 from nightshift.fsutil import atomic_write_json
 from nightshift.models import MODELS
 from nightshift.train.artifacts import save_trained_model
@@ -35,6 +36,14 @@ from nightshift.train.device import autocast, compression, configure_determinism
 log = logging.getLogger("nightshift.train")
 
 EVAL_BATCH = 1024
+
+# Called on rank 0 after each epoch's validation with (epoch, 1-based; that epoch's metrics); True asks
+# the trainer to stop there (e.g. a search pruning the trial). Its answer reaches every rank.
+EpochHook = Callable[[int, dict[str, float]], bool]
+
+
+class EpochHookFailed(NightshiftError):
+    """The per-epoch hook raised on rank 0; every rank stops with its message."""
 
 
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
@@ -75,8 +84,12 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """Trains `config.model` on `config.dataset` with Horovod, resuming from checkpoints."""
 
-    def __init__(self, config: TrainConfig, train: Split, validation: Split, hvd: Any) -> None:
+    def __init__(self, config: TrainConfig, train: Split, validation: Split, hvd: Any,
+                 on_epoch: EpochHook | None = None) -> None:
         self.config = config
+        # Given on every rank or on none: asking it is a collective (rank 0 answers, all ranks hear).
+        self.on_epoch = on_epoch
+        self.stopped_at_epoch: int | None = None
         self.hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
@@ -298,10 +311,16 @@ class Trainer:
                     self._record({"event": "step", "step": self.step, "epoch": epoch + 1,
                                   "loss": window_loss / window_steps, "lr": lr, "samples_per_sec": rate})
                     window_start, window_steps, window_loss = now, 0, 0.0
+                stop = False
                 if self.step % self.steps_per_epoch == 0:
                     epoch_metrics = self._end_epoch(epoch)
-                if self.step % config.checkpoint_every == 0 or self.step == self.total_steps:
+                    stop = self._hook_says_stop(epoch + 1, epoch_metrics)
+                if self.step % config.checkpoint_every == 0 or self.step == self.total_steps or stop:
                     self.save_checkpoint()
+                if stop:
+                    break
+            if self.stopped_at_epoch is not None:
+                break
         waited = time.perf_counter()
         self.writer.wait()
         self.checkpoint_seconds += time.perf_counter() - waited
@@ -323,6 +342,29 @@ class Trainer:
         with self.optimizer.skip_synchronize():
             self.scaler.step(self.optimizer)
         self.scaler.update()
+
+    def _hook_says_stop(self, epoch: int, metrics: dict[str, float]) -> bool:
+        """Ask `on_epoch` (rank 0) whether to stop after `epoch`; every rank gets the same answer."""
+        if self.on_epoch is None:
+            return False
+        answer: dict[str, Any] | None = None
+        if self.is_chief:
+            try:
+                answer = {"stop": bool(self.on_epoch(epoch, metrics))}
+            except Exception as err:  # the other ranks must hear of it, not wait forever
+                answer = {"error": f"the per-epoch hook failed after epoch {epoch}: {type(err).__name__}: {err}"}
+        if self.size > 1:
+            answer = self.hvd.broadcast_object(answer, root_rank=0, name="nightshift.epoch_hook")
+        assert answer is not None
+        if "error" in answer:
+            raise EpochHookFailed(answer["error"])
+        if not answer["stop"] or self.step >= self.total_steps:
+            return False
+        self.stopped_at_epoch = epoch
+        if self.is_chief:
+            log.info("stopping after epoch %d/%d (step %d): the per-epoch hook asked to; checkpointing first",
+                     epoch, self.config.epochs, self.step)
+        return True
 
     def _end_epoch(self, epoch: int) -> dict[str, float]:
         if not self.is_chief:
@@ -352,6 +394,8 @@ class Trainer:
             "seconds": seconds,
             "checkpoint_seconds": self.checkpoint_seconds,
         }
+        if self.stopped_at_epoch is not None:  # stopped early by the per-epoch hook
+            summary["stopped_at_epoch"] = self.stopped_at_epoch
         save_trained_model(self.config.out, self.model, model_name=self.config.model,
                            model_kwargs=self.model_kwargs, dataset=self.config.dataset,
                            params=self.config.params())

@@ -1,0 +1,317 @@
+"""Model search pieces: the space and its errors, settings, storage URLs, seeded sampling, stale trials,
+the per-epoch reporter with a real ASHA pruner, best.json versions, and the trainer's per-epoch hook."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+from nightshift.errors import UsageError
+from nightshift.search.best import read_best, write_best
+from nightshift.search.errors import SearchSpaceInvalid, StudyMismatch, TrialNotRunning
+from nightshift.search.reporter import TrialReporter
+from nightshift.search.space import parse_space
+from nightshift.search.study import (
+    OWNER_ATTR,
+    PRUNED_ATTR,
+    RANKS_ATTR,
+    SearchSettings,
+    ask_trial,
+    check_storage,
+    compute_hours,
+    epoch_metrics,
+    fail_stale,
+    open_study,
+    process_owner,
+    study_report,
+)
+from nightshift.train.config import TrainConfig
+
+ISSUE_SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 0.5, "log": True},
+               "batch_size": {"type": "categorical", "choices": [16, 64]},
+               "momentum": {"type": "float", "low": 0.5, "high": 0.99},
+               "model_kwargs.channels": {"type": "int", "low": 16, "high": 64}}
+
+
+def settings(**overrides: Any) -> SearchSettings:
+    values: dict[str, Any] = {"space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}}, "data": "/data",
+                              "max_epochs": 4, "reduction_factor": 2, "sampler": "random"}
+    return SearchSettings(**{**values, **overrides})
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'optuna.db'}"
+
+
+# --- the space -----------------------------------------------------------------------------------
+
+
+def test_the_issue_example_parses_into_trainer_options() -> None:
+    space = parse_space(json.dumps(ISSUE_SPACE), {"model_kwargs.hidden": 32, "threads": 1})
+    assert space.keys == ["lr", "batch_size", "momentum", "model_kwargs.channels"]
+    options = space.train_options({"lr": 0.1, "batch_size": 16, "momentum": 0.9, "model_kwargs.channels": 20})
+    assert options == {"lr": 0.1, "batch_size": 16, "momentum": 0.9, "threads": 1,
+                       "model_kwargs": {"hidden": 32, "channels": 20}}
+    TrainConfig(data=Path("d"), out=Path("o"), checkpoint_dir=Path("c"), **options)
+
+
+def test_fixed_model_kwargs_may_be_nested_and_the_space_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "space.json"
+    path.write_text(json.dumps({"model_kwargs.channels": {"type": "categorical", "choices": [4, 8]}}))
+    space = parse_space(f"@{path}", {"model_kwargs": {"hidden": 8}})
+    assert space.fixed == {"model_kwargs.hidden": 8}
+
+
+@pytest.mark.parametrize(("space", "fixed", "fragments"), [
+    ("not json", None, ["search space is not JSON"]),
+    ("[1, 2]", None, ["must be a JSON object"]),
+    ({}, None, ["search space is empty"]),
+    ({"lrate": {"type": "float", "low": 0.1, "high": 1}}, None, ["'lrate'", "not a trainer option", "lr,"]),
+    ({"epochs": {"type": "int", "low": 1, "high": 3}}, None, ["'epochs'", "not a trainer option"]),
+    ({"lr": {"type": "normal", "low": 0.1, "high": 1}}, None, ["'lr'", "'type' must be one of"]),
+    ({"lr": 0.1}, None, ["'lr'", "expected an object"]),
+    ({"lr": {"type": "float", "low": 0.1, "high": 1, "scale": 2}}, None, ["'lr'", "unknown field(s) scale"]),
+    ({"lr": {"type": "float", "high": 1}}, None, ["'lr'", "'low' is missing"]),
+    ({"lr": {"type": "float", "low": 1, "high": 0.1}}, None, ["'lr'", "above high"]),
+    ({"lr": {"type": "float", "low": 0, "high": 1, "log": True}}, None, ["'lr'", "log scale needs low > 0"]),
+    ({"lr": {"type": "float", "low": 0.1, "high": 1, "log": True, "step": 0.1}}, None, ["'lr'", "together"]),
+    ({"lr": {"type": "float", "low": "a", "high": 1}}, None, ["'lr'", "'low' must be a finite number"]),
+    ({"batch_size": {"type": "float", "low": 8, "high": 64}}, None, ["'batch_size'", "takes an integer"]),
+    ({"batch_size": {"type": "int", "low": 8.5, "high": 64}}, None, ["'batch_size'", "must be an integer"]),
+    ({"batch_size": {"type": "categorical", "choices": []}}, None, ["'batch_size'", "non-empty list"]),
+    ({"batch_size": {"type": "categorical", "choices": [16, 16]}}, None, ["'batch_size'", "repeats"]),
+    ({"batch_size": {"type": "categorical", "choices": [[16]]}}, None, ["'batch_size'", "is not null"]),
+    ({"precision": {"type": "int", "low": 1, "high": 2}}, None, ["'precision'", "categorical"]),
+    ({"precision": {"type": "categorical", "choices": ["fp32", "fp8"]}}, None, ["'precision'", "fp8"]),
+    ({"momentum": {"type": "float", "low": 0.5, "high": 1.5}}, None, ["'momentum'", "--momentum must be in [0, 1)"]),
+    ({"batch_size": {"type": "int", "low": 0, "high": 8}}, None, ["'batch_size'", "positive integer"]),
+    ({"model_kwargs.chanels": {"type": "int", "low": 4, "high": 8}}, None,
+     ["'model_kwargs.chanels'", "no argument 'chanels'", "channels, hidden"]),
+    ({"model_kwargs.num_classes": {"type": "int", "low": 4, "high": 8}}, None, ["'model_kwargs.num_classes'"]),
+    ({"model": {"type": "categorical", "choices": ["digits_cnn", "mlp"]},
+      "model_kwargs.channels": {"type": "int", "low": 4, "high": 8}}, None, ["model 'mlp' takes no argument"]),
+    ({"model": {"type": "categorical", "choices": ["nope"]}}, None, ["'model'", "unknown model 'nope'"]),
+    ({"lr": {"type": "float", "low": 0.01, "high": 0.1}}, {"lr": 0.1}, ["'lr' is both searched and fixed"]),
+    ({"lr": {"type": "float", "low": 0.01, "high": 0.1}}, {"epochs": 3}, ["fixed option 'epochs'"]),
+    ({"lr": {"type": "float", "low": 0.01, "high": 0.1}}, {"threads": -1}, ["fixed option 'threads'", "--threads"]),
+    ({"lr": {"type": "float", "low": 0.01, "high": 0.1}}, {"momentum": "x"}, ["fixed option 'momentum'"]),
+])
+def test_a_bad_space_is_refused_naming_the_key(space: Any, fixed: Any, fragments: list[str]) -> None:
+    with pytest.raises(SearchSpaceInvalid) as caught:
+        parse_space(space, fixed)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+
+
+# --- settings, storage, studies ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    ({"max_epochs": 0}, "--max-epochs"), ({"min_epochs": 5}, "must not exceed --max-epochs"),
+    ({"reduction_factor": 1}, "--reduction-factor"), ({"pruner": "median"}, "--pruner"),
+    ({"sampler": "grid"}, "--sampler"),
+])
+def test_settings_are_checked(overrides: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(UsageError, match=fragment):
+        settings(**overrides)
+
+
+def test_the_default_study_name_follows_the_settings() -> None:
+    assert settings().default_study_name() == settings().default_study_name()
+    assert settings().default_study_name() != settings(seed=1).default_study_name()
+
+
+@pytest.mark.parametrize(("url", "fragment"), [("postgresql://me:secret@db/optuna", "password"),
+                                               ("redis://localhost", "not a database URL")])
+def test_storage_urls_with_a_password_or_not_a_database_are_refused(url: str, fragment: str) -> None:
+    with pytest.raises(UsageError, match=fragment):
+        check_storage(url)
+    assert check_storage("postgresql+psycopg2://me@db:5432/optuna")
+
+
+def test_a_study_is_not_continued_with_other_settings(storage: str) -> None:
+    open_study(storage, "s", settings())
+    open_study(storage, "s", settings())  # the same settings continue it
+    with pytest.raises(StudyMismatch, match=r"max_epochs, seed"):
+        open_study(storage, "s", settings(max_epochs=5, seed=3))
+
+
+def test_sampling_depends_on_seed_and_trial_number_not_on_the_process(storage: str, tmp_path: Path) -> None:
+    config = settings(space=ISSUE_SPACE)
+    space = parse_space(config.space)
+    first = open_study(storage, "a", config)
+    drawn = [ask_trial(first, space, config, owner={})[1] for _ in range(3)]
+    # Another process opening another study with the same settings asks trial 1 first: it gets trial 1's values.
+    other = open_study(f"sqlite:///{tmp_path / 'other.db'}", "b", config)
+    ask_trial(other, space, config, owner={})
+    assert ask_trial(other, space, config, owner={})[1] == drawn[1]
+    assert drawn[0] != drawn[1]
+
+
+def test_a_trial_whose_process_is_gone_is_marked_fail(storage: str) -> None:
+    config = settings()
+    space = parse_space(config.space)
+    study = open_study(storage, "s", config)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    gone = {**process_owner(), "pid": int(dead.stdout), "start": 1}
+    ask_trial(study, space, config, owner=gone)
+    ask_trial(study, space, config, owner=process_owner())  # ours, alive: left alone
+    ask_trial(study, space, config, owner={"kind": "airflow", "run_id": "r"})  # its DAG run finalises it
+    assert fail_stale(study) == [0]
+    states = [t["state"] for t in study_report(study, config)["trials"]]
+    assert states == ["FAIL", "RUNNING", "RUNNING"]
+    assert "ended without telling the study" in study_report(study, config)["trials"][0]["error"]
+
+
+# --- the reporter with a real pruner ------------------------------------------------------------
+
+
+def test_the_reporter_records_epochs_and_asha_prunes_a_worse_trial_at_its_rung(storage: str) -> None:
+    config = settings(max_epochs=4, min_epochs=1, reduction_factor=2)
+    space = parse_space(config.space)
+    study = open_study(storage, "s", config)
+    good, _ = ask_trial(study, space, config, owner={})
+    report_good = TrialReporter(good, config.max_epochs)
+    assert [report_good(e, {"val_accuracy": 0.5 + e / 10, "val_loss": 1.0}) for e in (1, 2, 3, 4)] == [False] * 4
+    study.tell(good, 0.9)
+    bad, _ = ask_trial(study, space, config, owner={})
+    assert TrialReporter(bad, config.max_epochs)(1, {"val_accuracy": 0.1}) is True  # below the rung-0 cut
+    frozen = study.get_trials()[1]
+    assert frozen.state.name == "RUNNING", "the reporter never tells: whoever runs the trial does"
+    assert frozen.user_attrs[PRUNED_ATTR] == 1 and frozen.intermediate_values == {1: 0.1}
+    assert epoch_metrics(study.get_trials()[0])[4] == {"val_accuracy": 0.9, "val_loss": 1.0}
+
+
+def test_the_reporter_never_prunes_at_the_last_epoch(storage: str) -> None:
+    config = settings(max_epochs=1, min_epochs=1, reduction_factor=2)
+    space = parse_space(config.space)
+    study = open_study(storage, "s", config)
+    first, _ = ask_trial(study, space, config, owner={})
+    TrialReporter(first, 1)(1, {"val_accuracy": 0.9})
+    study.tell(first, 0.9)
+    second, _ = ask_trial(study, space, config, owner={})
+    assert TrialReporter(second, 1)(1, {"val_accuracy": 0.1}) is False
+
+
+def test_a_trainer_reporting_by_storage_must_match_the_search(storage: str, tmp_path: Path) -> None:
+    config = settings(max_epochs=3)
+    study = open_study(storage, "s", config)
+    trial, _ = ask_trial(study, parse_space(config.space), config, owner={})
+
+    def hook(epochs: int, number: int) -> Any:
+        train = TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, epochs=epochs,
+                            search_storage=storage, search_study="s", search_trial=number)
+        return TrialReporter.for_config(train)
+
+    with pytest.raises(TrialNotRunning, match="trains for 3 epochs"):
+        hook(5, 0)(1, {"val_accuracy": 0.5})
+    with pytest.raises(TrialNotRunning, match="does not exist"):
+        hook(3, 7)(1, {"val_accuracy": 0.5})
+    assert hook(3, 0)(1, {"val_accuracy": 0.5}) is False
+    study.tell(trial, 0.5)
+    with pytest.raises(TrialNotRunning, match="is COMPLETE, not RUNNING"):
+        hook(3, 0)(2, {"val_accuracy": 0.5})
+
+
+def test_the_search_flags_of_the_trainer_go_together() -> None:
+    with pytest.raises(UsageError, match="missing --search-study, --search-trial"):
+        TrainConfig(data=Path("d"), out=Path("o"), checkpoint_dir=Path("c"), search_storage="sqlite:///x.db")
+    plain = TrainConfig(data=Path("d"), out=Path("o"), checkpoint_dir=Path("c"), search_storage="sqlite:///x.db",
+                        search_study="s", search_trial=0)
+    assert "search_storage" not in plain.params(), "where to report is no hyperparameter"
+
+
+# --- budget and best.json ------------------------------------------------------------------------------
+
+
+def test_compute_hours_count_each_trial_times_its_ranks(storage: str) -> None:
+    from datetime import timedelta
+
+    config = settings()
+    study = open_study(storage, "s", config)
+    ask_trial(study, parse_space(config.space), config, owner={}, ranks=4)
+    frozen = study.get_trials()[0]
+    assert frozen.user_attrs[RANKS_ATTR] == 4 and OWNER_ATTR in frozen.user_attrs
+    assert frozen.datetime_start is not None
+    hours = compute_hours([frozen], now=frozen.datetime_start + timedelta(minutes=30))
+    assert hours == pytest.approx(2.0)
+
+
+def test_best_json_is_versioned_and_unchanged_by_a_rewrite(tmp_path: Path) -> None:
+    path = tmp_path / "search" / "best.json"
+    first = write_best({"study": "s", "trial": 1, "value": 0.9}, path)
+    assert first["version"] == 1 and read_best(path) == first
+    assert write_best({"study": "s", "trial": 1, "value": 0.9}, path)["version"] == 1
+    second = write_best({"study": "t", "trial": 4, "value": 0.8}, path)
+    assert second["version"] == 2 and read_best(path)["study"] == "t"  # type: ignore[index]
+    assert json.loads((path.parent / "best-v1.json").read_text())["study"] == "s"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["best-v1.json", "best-v2.json", "best.json"]
+
+
+# --- the trainer's per-epoch hook ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hvd() -> Any:
+    import horovod.torch as hvd
+
+    hvd.init()
+    return hvd
+
+
+def fit(demo_data: Path, tmp_path: Path, hvd: Any, on_epoch: Any, epochs: int = 3) -> dict[str, Any]:
+    from nightshift.datasets import load_split
+    from nightshift.train.trainer import Trainer
+
+    config = TrainConfig(data=demo_data, out=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", model="mlp",
+                         model_kwargs={"hidden": 8}, epochs=epochs, threads=1, checkpoint_every=1000)
+    train, validation = load_split("digits", demo_data, "train"), load_split("digits", demo_data, "validation")
+    return Trainer(config, train, validation, hvd, on_epoch=on_epoch).fit()
+
+
+def test_the_trainer_stops_after_the_epoch_its_hook_asks_checkpointed(demo_data: Path, tmp_path: Path,
+                                                                      hvd: Any) -> None:
+    from nightshift.train.checkpoint import CheckpointStore
+
+    seen: list[tuple[int, float]] = []
+
+    def hook(epoch: int, metrics: dict[str, float]) -> bool:
+        seen.append((epoch, metrics["val_accuracy"]))
+        return epoch == 2
+
+    summary = fit(demo_data, tmp_path, hvd, hook, epochs=3)
+    assert [e for e, _ in seen] == [1, 2]
+    assert summary["stopped_at_epoch"] == 2 and summary["steps_run"] == 2 * summary["steps"] // 3
+    assert summary["val_accuracy"] == seen[-1][1]
+    assert [c.step for c in CheckpointStore(tmp_path / "ckpt").files()] == [summary["steps_run"]]
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["stopped_at_epoch"] == 2
+    assert (tmp_path / "out" / "model.pt").is_file()
+
+
+def test_a_hook_that_is_never_stopping_changes_nothing_and_a_failing_one_stops_the_run(
+        demo_data: Path, tmp_path: Path, hvd: Any) -> None:
+    from nightshift.train.trainer import EpochHookFailed
+
+    summary = fit(demo_data, tmp_path / "a", hvd, lambda epoch, metrics: True, epochs=1)
+    assert "stopped_at_epoch" not in summary, "asking to stop after the last epoch is no early stop"
+
+    def broken(epoch: int, metrics: dict[str, float]) -> bool:
+        raise ConnectionError("database went away")
+
+    with pytest.raises(EpochHookFailed, match="after epoch 1: ConnectionError: database went away"):
+        fit(demo_data, tmp_path / "b", hvd, broken, epochs=2)
+
+
+def test_optuna_is_pinned_in_the_project() -> None:
+    pyproject = (Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
+    assert f'"optuna=={optuna.__version__}"' in pyproject
+    assert os.environ.get("NIGHTSHIFT_HOME"), "the autouse fixture isolates NIGHTSHIFT_HOME"
