@@ -134,7 +134,7 @@ def test_the_default_study_name_follows_the_settings() -> None:
 def test_storage_urls_with_a_password_or_not_a_database_are_refused(url: str, fragment: str) -> None:
     with pytest.raises(UsageError, match=fragment):
         check_storage(url)
-    assert check_storage("postgresql+psycopg2://me@db:5432/optuna")
+    assert check_storage("postgresql+psycopg://me@db:5432/optuna")
 
 
 def test_a_study_is_not_continued_with_other_settings(storage: str) -> None:
