@@ -26,7 +26,9 @@ def _run_id(args: argparse.Namespace) -> str:
     if args.run_id:
         return str(args.run_id)
     if args.out:
-        record = Path(args.out) / "mlflow_run.json"
+        from nightshift.train.artifacts import RUN_RECORD
+
+        record = Path(args.out) / RUN_RECORD
         try:
             return str(json.loads(record.read_text())["run_id"])
         except (OSError, ValueError, KeyError) as err:

@@ -47,7 +47,6 @@ RUN_KEY_TAG = "nightshift.run_key"
 MODEL_URI_TAG = "nightshift.model_uri"
 COMPLETE_TAG = "nightshift.complete"
 MODEL_ARTIFACT = "model"
-RUN_RECORD = "mlflow_run.json"
 # What the logged model's requirements.txt pins, at the versions installed where it was logged.
 # mlflow-skinny is what pyfunc loading and `mlflow models serve` need; a full `mlflow` install satisfies it.
 SERVED_REQUIREMENTS = ("mlflow-skinny", "torch", "numpy", "pandas", "cloudpickle")
@@ -250,10 +249,10 @@ def _find_run(mlflow_client: MlflowClient, experiment_id: str, run_key: str) -> 
 
 
 def _write_record(out_dir: Path, record: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".mlflow_run.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(record, handle, indent=2, sort_keys=True)
-    os.replace(tmp, out_dir / RUN_RECORD)
+    from nightshift.fsutil import atomic_write_json
+    from nightshift.train.artifacts import RUN_RECORD
+
+    atomic_write_json(out_dir / RUN_RECORD, record)
 
 
 def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | None = None,
@@ -267,13 +266,14 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
     from mlflow.models import infer_signature
 
     from nightshift.models import MODELS
+    from nightshift.train.artifacts import METRICS_LOG, METRICS_SUMMARY, MODEL_FILE, MODEL_INFO
 
     out = Path(out_dir)
-    spec = _read_json(out / "model.json")
-    final = _read_json(out / "metrics.json")
-    epochs = _epoch_metrics(out / "metrics.jsonl")
-    if not (out / "model.pt").is_file():
-        raise TrackingError(f"{out / 'model.pt'} is missing: is {out} a finished training output?")
+    spec = _read_json(out / MODEL_INFO)
+    final = _read_json(out / METRICS_SUMMARY)
+    epochs = _epoch_metrics(out / METRICS_LOG)
+    if not (out / MODEL_FILE).is_file():
+        raise TrackingError(f"{out / MODEL_FILE} is missing: is {out} a finished training output?")
     tags = dict(tags or {})
     mlflow_client = client()
     experiment_id = ensure_experiment(experiment)
@@ -303,14 +303,14 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
                 mlflow.log_metrics(_numeric({k: v for k, v in record.items()
                                              if k not in {"event", "epoch", "step"}}), step=step)
             mlflow.log_metrics(_final_metrics(final, epochs))
-            for name in ("model.json", "metrics.json", "metrics.jsonl"):
+            for name in (MODEL_INFO, METRICS_SUMMARY, METRICS_LOG):
                 if (out / name).is_file():
                     mlflow.log_artifact(str(out / name), artifact_path="training")
             with tempfile.TemporaryDirectory() as staging:
                 model_dir, code_dir = Path(staging) / "model_dir", Path(staging) / "code"
                 model_dir.mkdir()
                 # Only the weights and their description go into the model: not checkpoints, not logs.
-                for name in ("model.pt", "model.json"):
+                for name in (MODEL_FILE, MODEL_INFO):
                     (model_dir / name).write_bytes((out / name).read_bytes())
                 (model_dir / SERVING_INFO).write_text(json.dumps(
                     {"features": features.to_json(), "plugins": plugins}, indent=2, sort_keys=True))

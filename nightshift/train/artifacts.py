@@ -1,4 +1,9 @@
-"""The trained model as the trainer leaves it in `--out`: `model.pt` (state dict) + `model.json`."""
+"""The trainer's output directory (`--out`): its file names, and the trained model in it.
+
+Every module that reads or writes a training output names its files from here: `model.pt` (state dict),
+`model.json` (how to rebuild the network), `metrics.jsonl` (progress and per-epoch lines), `metrics.json`
+(the final summary) and `mlflow_run.json` (the MLflow run that logged it).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ from nightshift.fsutil import atomic_write_bytes, atomic_write_json
 
 MODEL_FILE = "model.pt"
 MODEL_INFO = "model.json"
+METRICS_LOG = "metrics.jsonl"
+METRICS_SUMMARY = "metrics.json"
+RUN_RECORD = "mlflow_run.json"
 
 
 def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kwargs: dict[str, Any],

@@ -28,7 +28,7 @@ from nightshift.datasets import Split
 from nightshift.errors import CheckpointMismatch, NightshiftError, UsageError
 from nightshift.fsutil import atomic_write_json
 from nightshift.models import MODELS
-from nightshift.train.artifacts import save_trained_model
+from nightshift.train.artifacts import METRICS_LOG, METRICS_SUMMARY, save_trained_model
 from nightshift.train.checkpoint import FORMAT, AsyncCheckpointWriter, CheckpointStore
 from nightshift.train.config import TrainConfig
 from nightshift.train.device import autocast, compression, configure_determinism, grad_scaler, select_device
@@ -125,7 +125,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.total_steps)
         self.store = CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints)
         self.writer = AsyncCheckpointWriter(self.store)
-        self.metrics_path = config.out / "metrics.jsonl"
+        self.metrics_path = config.out / METRICS_LOG
         self.step = 0
         self.epoch_loss = [0.0, 0]  # sum and count of rank 0's batch losses in the current epoch
         self.resumed_from: int | None = None
@@ -399,7 +399,7 @@ class Trainer:
         save_trained_model(self.config.out, self.model, model_name=self.config.model,
                            model_kwargs=self.model_kwargs, dataset=self.config.dataset,
                            params=self.config.params())
-        atomic_write_json(self.config.out / "metrics.json", summary)
+        atomic_write_json(self.config.out / METRICS_SUMMARY, summary)
         outcome = {k: v for k, v in summary.items() if k not in ("seconds", "checkpoint_seconds")}
         log.info("training done: %s", json.dumps(outcome, sort_keys=True))
         return summary
