@@ -49,6 +49,9 @@ def emit(result: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from nightshift.settings import no_telemetry
+
+    no_telemetry()
     args = build_parser().parse_args(argv)
     try:
         result = args.func(args)

@@ -87,3 +87,14 @@ def cluster_mlflow_tracking_uri() -> str:
     """The tracking URI trainer pods log to: NIGHTSHIFT_CLUSTER_MLFLOW_URI (an in-cluster address of the
     same server), else the one this process uses."""
     return os.environ.get("NIGHTSHIFT_CLUSTER_MLFLOW_URI") or mlflow_tracking_uri()
+
+
+# What the libraries Nightshift drives would otherwise send home. Set (unless the user set them) by the
+# entry points and right before GX or DVC is first used, never as a side effect of an import.
+NO_TELEMETRY = {"GX_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
+                "DO_NOT_TRACK": "true"}
+
+
+def no_telemetry() -> None:
+    for name, value in NO_TELEMETRY.items():
+        os.environ.setdefault(name, value)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,8 +33,6 @@ from nightshift.data.validate import ValidationReport, fingerprint, parquet_file
 from nightshift.datasets import SPLITS, split_path
 from nightshift.errors import DataError, UsageError
 from nightshift.fsutil import atomic_write_json
-
-os.environ.setdefault("DVC_NO_ANALYTICS", "1")  # DVC must not phone home
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +73,7 @@ def project_lock() -> Iterator[None]:
 
 def _open_project() -> Any:
     """The staging DVC project (created on first use), with the remote from settings. Call under the lock."""
+    settings.no_telemetry()  # DVC must not phone home
     from dvc.repo import Repo
 
     project = project_dir()

@@ -36,7 +36,6 @@ SAMPLE_SIZE = 5
 # Failures named in the one-line error; the JSON report lists all of them.
 SUMMARY_FAILURES = 8
 
-os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")  # never phone home, even by accident
 # GX logs its internals at INFO: on import ~200 "Skipping registering function ..." lines (its public-API
 # docs registry), then "Multiple declarations of metric ...", "Created temporary directory ..." per context.
 QUIET_GX_LOGGERS = ("great_expectations",)
@@ -150,7 +149,11 @@ def read_table(path: str | Path) -> pd.DataFrame:
 
 
 def quiet_gx_logging() -> None:
-    """Keep GX's warnings and errors, not its INFO chatter; imports GX (its import is what logs first)."""
+    """Keep GX's warnings and errors, not its INFO chatter; imports GX (its import is what logs first).
+
+    Also the place GX is first imported from here: its analytics are turned off before that.
+    """
+    settings.no_telemetry()
     for name in QUIET_GX_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     import great_expectations.data_context.types.base  # noqa: F401

@@ -31,3 +31,27 @@ def test_the_roots_are_configurable(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert settings.confined_data_source(tmp_path / "b" / "x") == (tmp_path / "b" / "x").resolve()
     with pytest.raises(UsageError, match="NIGHTSHIFT_DATA_ROOTS"):
         settings.confined_data_source(tmp_path / "c")
+
+
+def test_importing_the_library_changes_no_environment_variable() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, json; before = dict(os.environ)\n"
+            "import nightshift.data.validate, nightshift.data.stage, nightshift.tracking\n"
+            "print(json.dumps(sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))))")
+    env = {k: v for k, v in os.environ.items() if k not in settings.NO_TELEMETRY}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_telemetry_opt_outs_respect_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in settings.NO_TELEMETRY:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DO_NOT_TRACK", "0")
+    settings.no_telemetry()
+    import os
+
+    assert os.environ["GX_ANALYTICS_ENABLED"] == "false" and os.environ["DVC_NO_ANALYTICS"] == "1"
+    assert os.environ["DO_NOT_TRACK"] == "0"
