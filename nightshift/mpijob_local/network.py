@@ -80,6 +80,14 @@ class LinkShape:
         return bool(self.rate or self.delay_ms or self.loss_pct)
 
 
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc (CONFIG_NET_SCH_NETEM): tried on the loopback of a throwaway
+    network namespace, so nothing of this machine's own network is touched."""
+    done = subprocess.run(["unshare", "--net", "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                          capture_output=True, text=True, check=False, timeout=30)
+    return done.returncode == 0
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False, timeout=30)
     if check and done.returncode != 0:

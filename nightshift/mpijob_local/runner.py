@@ -152,6 +152,9 @@ def preflight(job: LocalJob, options: RunOptions, pod_path: str) -> None:
     for tool, package in needed.items():
         if shutil.which(tool) is None:
             raise HostNotSuitable(f"`{tool}` not found: install {package} (apt-get install -y {package})")
+    if (options.link.delay_ms or options.link.loss_pct) and not network.netem_available():
+        raise HostNotSuitable("--link-delay and --link-loss need the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), "
+                              "which this kernel lacks; --link-rate (tbf) works without it")
     for pod in job.pods:
         program = pod.argv[0]
         found = program if "/" in program else shutil.which(program, path=pod_path)
@@ -294,12 +297,18 @@ class LocalRun:
 
     def _pump(self, running: RunningPod) -> None:
         assert running.proc is not None and running.proc.stdout is not None
+        writable = True
         for raw in iter(running.proc.stdout.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             running.tail.append(line)
+            if not writable:
+                continue  # keep draining: a pod must never block on a full pipe
             with self._write_lock:
-                self.out.write(f"[{running.name}] {line}\n")
-                self.out.flush()
+                try:
+                    self.out.write(f"[{running.name}] {line}\n")
+                    self.out.flush()
+                except (OSError, ValueError):  # our stdout went away (a closed pipe)
+                    writable = False
 
     def probe(self, targets: Sequence[tuple[str, int]], wait_s: float) -> subprocess.Popen[str]:
         """TCP connects from inside the launcher's namespace (the view the launcher will have)."""

@@ -377,3 +377,63 @@ def test_a_signal_mid_job_stops_it_and_leaves_nothing(site: Site, links_before: 
     assert time.monotonic() - sent < 30
     assert_nothing_left(proc.pid, links_before, f"sleep {marker}")
 
+
+
+def test_a_job_past_its_timeout_is_stopped_and_leaves_nothing(site: Site, links_before: set[str]) -> None:
+    job = _job("slow", ["horovodrun", "--gloo", "-np", "2", "--hostfile", "/etc/mpi/hostfile", "sleep", "600.31"])
+    proc = site.run_mpijob(site.write(job, "slow"), "--timeout", "8")  # the last --timeout wins
+    code, _, err = finish(proc, timeout=120)
+    assert code == 124
+    assert "MPIJob slow did not finish within 8s" in err.strip().splitlines()[-1]
+    assert_nothing_left(proc.pid, links_before, "sleep 600.31")
+
+
+
+def _netem() -> bool:
+    if MISSING:
+        return False
+    from nightshift.mpijob_local.network import netem_available
+
+    return netem_available()
+
+
+NETEM = _netem()
+
+
+def test_link_rate_limits_every_hosts_link(site: Site, links_before: set[str]) -> None:
+    """--link-rate 100mbit: 8 MB from the launcher to a worker over ssh take at least 0.64 s."""
+    send = ("import subprocess, time; t = time.perf_counter(); "
+            "subprocess.run(['ssh', 'shaped-worker-0', 'cat > /dev/null'], input=bytes(8_000_000), check=True); "
+            "print('MB/s', round(8 / (time.perf_counter() - t), 1))")
+    job = _job("shaped", ["python", "-c", send], workers=1)
+    proc = site.run_mpijob(site.write(job, "shaped"), "--link-rate", "100mbit")
+    code, out, err = finish(proc, timeout=120)
+    assert code == 0, err
+    rate = float(out.split("MB/s ")[1].split()[0])
+    assert 2 < rate <= 12.5, out  # 100 Mbit/s is 12.5 MB/s of frames; ssh's own overhead comes on top
+    assert_nothing_left(proc.pid, links_before)
+
+
+@pytest.mark.skipif(not NETEM, reason="this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM)")
+def test_link_delay_applies_on_the_way_into_every_host(site: Site, links_before: set[str]) -> None:
+    """--link-delay 40: 40 ms into the worker, 40 ms back into the launcher; a TCP connect takes one RTT."""
+    probe = ("import socket, time; t = time.perf_counter(); "
+             "socket.create_connection(('delayed-worker-0', 22)).close(); "
+             "print('connect ms', round((time.perf_counter() - t) * 1000))")
+    job = _job("delayed", ["python", "-c", probe], workers=1)
+    proc = site.run_mpijob(site.write(job, "delayed"), "--link-delay", "40")
+    code, out, err = finish(proc, timeout=120)
+    assert code == 0, err
+    connect_ms = int(out.split("connect ms ")[1].split()[0])
+    assert 80 <= connect_ms < 400, out
+    assert_nothing_left(proc.pid, links_before)
+
+
+@pytest.mark.skipif(NETEM, reason="this kernel has netem: --link-delay is tested for real")
+def test_link_delay_is_refused_on_a_kernel_without_netem(site: Site, links_before: set[str]) -> None:
+    proc = site.run_mpijob(site.write(_job("delayed", ["true"], workers=1), "delayed"), "--link-delay", "40")
+    code, out, err = finish(proc, timeout=60)
+    assert code == 2 and out == ""
+    assert err.strip() == ("nightshift run-mpijob: --link-delay and --link-loss need the kernel's netem qdisc "
+                           "(CONFIG_NET_SCH_NETEM), which this kernel lacks; --link-rate (tbf) works without it")
+    assert_nothing_left(proc.pid, links_before)
