@@ -316,11 +316,11 @@ class LocalRun:
                 *(f"{ip}:{port}" for ip, port in targets)]
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
-    def wait_ready(self, pods: Sequence[RunningPod]) -> None:
+    def wait_ready(self, pods: Sequence[RunningPod], limit_s: float) -> None:
         waiting = [p for p in pods if p.ready_port]
         if not waiting:
             return
-        probe = self.probe([(p.ip, p.ready_port or 0) for p in waiting], self.options.ready_timeout_s)
+        probe = self.probe([(p.ip, p.ready_port or 0) for p in waiting], limit_s)
         try:
             while probe.poll() is None:
                 self.check_stop()
@@ -337,7 +337,7 @@ class LocalRun:
         if probe.returncode != 0:
             late = set(stdout.split())
             names = [f"{p.name} (port {p.ready_port})" for p in waiting if f"{p.ip}:{p.ready_port}" in late]
-            raise PodStartFailed(f"not ready after {self.options.ready_timeout_s:.0f}s: {', '.join(names)}")
+            raise PodStartFailed(f"not ready after {limit_s:.0f}s: {', '.join(names)}")
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
@@ -354,7 +354,10 @@ class LocalRun:
             running.ready_port = service.port
         for spec in self.job.workers:
             self.start_pod(by_name[spec.name], spec=spec)
-        self.wait_ready([p for p in self.pods if p.role != "launcher"])
+        ready_s = self.options.ready_timeout_s
+        if deadline is not None:
+            ready_s = min(ready_s, max(deadline - time.monotonic(), 1.0))
+        self.wait_ready([p for p in self.pods if p.role != "launcher"], ready_s)
         self.say(f"{len(self.job.workers)} worker(s) ready in {time.monotonic() - started:.1f}s; "
                  f"starting the launcher")
         launcher = by_name[self.job.launcher.name]
