@@ -235,3 +235,101 @@ def test_a_study_in_postgresql(postgres_db: str, demo_data: Path) -> None:
     stored = optuna.load_study(study_name=report["study"], storage=postgres_db)
     assert [t.state.name for t in stored.trials] == ["COMPLETE", "COMPLETE"]
     assert stored.best_trial.number == report["best"]["trial"]
+
+
+# --- the model_search DAG ------------------------------------------------------------------------------
+
+# Seed 4 of the random sampler draws (lr, explode) = (0.2, no), (0.002, no), (0.002, yes): one trial
+# completes, one is pruned after its first epoch, one crashes (twice: the task is retried once). One
+# trial at a time, so the order in which `dags test` runs the slots cannot change what ASHA sees.
+DAG_CONF = {
+    "space": {"lr": {"type": "categorical", "choices": [0.2, 0.002]},
+              "model_kwargs.explode": {"type": "categorical", "choices": [False, True]}},
+    "fixed": {"model": f"{__name__}:ExplodingMLP", "model_kwargs.hidden": 16, "threads": 1, "log_every": 1000},
+    "n_trials": 3, "max_concurrent_trials": 1, "max_epochs": 2, "min_epochs": 1, "reduction_factor": 2,
+    "sampler": "random", "seed": 4, "workers": 1, "backend": "local",
+}
+
+
+def _airflow_rows(airflow_home: Path, query: str) -> list[tuple[Any, ...]]:
+    import sqlite3
+
+    with sqlite3.connect(airflow_home / "airflow.db") as db:
+        return list(db.execute(query))
+
+
+@pytest.fixture(scope="module")
+def dag_search(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import optuna
+
+    from tests.integration.airflow_helpers import demo_module
+
+    module = demo_module()
+    home = tmp_path_factory.mktemp("model-search-dag")
+    env = module.airflow_env(home, home / "airflow-home")
+    env.update({"NIGHTSHIFT_SEARCH_POKE_SECONDS": "1", "NIGHTSHIFT_SEARCH_RETRY_SECONDS": "1",
+                "NIGHTSHIFT_RETRAIN_CRON": "none",
+                # The trainer ranks import ExplodingMLP from this module (PYTHONPATH reaches them).
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    module.prepare_airflow(env)
+    proc = module.airflow(env, "dags", "test", "model_search", "-c", json.dumps(DAG_CONF), check=False, timeout=900)
+    storage = f"sqlite:///{home / 'search' / 'optuna.db'}"
+    (name,) = optuna.get_all_study_names(storage)
+    tis = _airflow_rows(home / "airflow-home", "SELECT task_id, map_index, state, try_number FROM task_instance "
+                                               "WHERE dag_id = 'model_search'")
+    return {"home": home, "env": env, "module": module, "proc": proc, "storage": storage,
+            "study": optuna.load_study(study_name=name, storage=storage), "tis": tis,
+            "runs": _airflow_rows(home / "airflow-home", "SELECT state FROM dag_run WHERE dag_id = 'model_search'")}
+
+
+def test_the_dag_runs_a_search_with_pruned_and_crashed_trials(dag_search: dict[str, Any]) -> None:
+    proc = dag_search["proc"]
+    assert proc.returncode == 0 and dag_search["runs"] == [("success",)], (proc.stdout + proc.stderr)[-4000:]
+    trials = dag_search["study"].get_trials()
+    assert [(t.state.name, t.params["lr"], t.params["model_kwargs.explode"]) for t in trials] == [
+        ("COMPLETE", 0.2, False), ("PRUNED", 0.002, False), ("FAIL", 0.002, True)]
+    assert [len(t.intermediate_values) for t in trials] == [2, 1, 0]
+    assert trials[2].user_attrs["nightshift.error"] == "its training task failed (see the task's log)"
+
+
+def test_each_trial_is_a_mapped_horovod_task_pruned_ones_skipped(dag_search: dict[str, Any]) -> None:
+    by_slot = {t.user_attrs["nightshift.owner"]["map_index"]: t for t in dag_search["study"].get_trials()}
+    states = {(task, index): (state, tries) for task, index, state, tries in dag_search["tis"]}
+    expected = {"COMPLETE": ("success", 1), "PRUNED": ("skipped", 1), "FAIL": ("failed", 2)}
+    for slot, trial in by_slot.items():
+        assert states[("trial.train", slot)] == expected[trial.state.name], (slot, trial.state.name)
+        assert states[("trial.ask", slot)][0] == "success" and states[("trial.tell", slot)][0] == "success"
+    assert states[("prepare", -1)][0] == "success" and states[("finish", -1)][0] == "success"
+
+
+def test_the_dag_writes_best_json_emits_the_asset_and_logs_child_runs(dag_search: dict[str, Any]) -> None:
+    home, study = dag_search["home"], dag_search["study"]
+    best = json.loads((home / "search" / "best.json").read_text())
+    assert (best["study"], best["trial"], best["value"]) == (study.study_name, 0, study.best_value)
+    assert best["train_options"]["lr"] == 0.2 and best["train_options"]["epochs"] == 2
+    events = _airflow_rows(home / "airflow-home", "SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+                                                  "WHERE a.uri = 'nightshift://search/best'")
+    assert len(events) == 1 and json.loads(events[0][0])["version"] == best["version"]
+    client = mlflow_client(home)
+    parent_id = best["mlflow"]["parent_run_id"]
+    children = client.search_runs([client.get_run(parent_id).info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    states = sorted((r.data.tags["nightshift.search.trial"], r.data.tags["nightshift.search.state"], r.info.status)
+                    for r in children)
+    assert states == [("0", "COMPLETE", "FINISHED"), ("1", "PRUNED", "KILLED"), ("2", "FAIL", "FAILED")]
+    assert client.get_run(parent_id).info.status == "FINISHED"
+
+
+def test_a_malformed_space_fails_the_first_task_naming_the_key(dag_search: dict[str, Any]) -> None:
+    conf = {**DAG_CONF, "space": {"lr": {"type": "float", "low": 0.1, "high": 1}, "momentun": {"type": "float"}}}
+    proc = dag_search["module"].airflow(dag_search["env"], "dags", "test", "model_search", "-c", json.dumps(conf),
+                                        check=False, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "search space key 'momentun' is not a trainer option" in out, out[-3000:]
+    runs = _airflow_rows(dag_search["home"] / "airflow-home",
+                         "SELECT state FROM dag_run WHERE dag_id = 'model_search' ORDER BY id")
+    assert runs[-1] == ("failed",)
+    import optuna
+
+    assert optuna.get_all_study_names(dag_search["storage"]) == [dag_search["study"].study_name], (
+        "the refused search opened no study")
