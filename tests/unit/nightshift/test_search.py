@@ -315,3 +315,45 @@ def test_optuna_is_pinned_in_the_project() -> None:
     pyproject = (Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
     assert f'"optuna=={optuna.__version__}"' in pyproject
     assert os.environ.get("NIGHTSHIFT_HOME"), "the autouse fixture isolates NIGHTSHIFT_HOME"
+
+
+# --- the DAG's ask step (no Airflow needed) --------------------------------------------------------
+
+
+def dag_search(storage: str, config: SearchSettings, **overrides: Any) -> dict[str, Any]:
+    open_study(storage, "dag", config)
+    return {"storage": storage, "study": "dag", "run_id": "manual__1", "max_concurrent_trials": 2, "ranks": 1,
+            "budget_hours": None, "data": "/data", "device": "cpu", "experiment": "model_search",
+            "parent_run_id": "p", **overrides}
+
+
+def test_a_slot_asks_once_waits_for_room_and_builds_the_trainer_command(storage: str) -> None:
+    import shlex
+
+    from nightshift.search import steps
+
+    config = settings(space={"lr": {"type": "float", "low": 0.01, "high": 0.1},
+                             "model_kwargs.channels": {"type": "int", "low": 2, "high": 4}},
+                      fixed={"model_kwargs.hidden": 8, "threads": 1})
+    search = dag_search(storage, config)
+    first = steps.ask(search, map_index=0)
+    assert first is not None and steps.ask(search, map_index=0) == first, "a retried slot gets its trial back"
+    assert steps.ask(search, map_index=1) is not None
+    assert steps.ask(search, map_index=2) is None, "two trials run: the third slot waits"
+    command = shlex.split(first["command"])
+    assert command[:3] == ["python", "-m", "nightshift.train"]
+    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    assert flags["--search-study"] == "dag" and flags["--search-trial"] == "0" and flags["--epochs"] == "4"
+    assert json.loads(flags["--model-kwargs"]) == {"channels": first["params"]["model_kwargs.channels"], "hidden": 8}
+    assert float(flags["--lr"]) == first["params"]["lr"] and flags["--threads"] == "1"
+    assert f"nightshift.run_key={first['run_key']}" in command and "mlflow.parentRunId=p" in command
+
+
+def test_no_slot_starts_a_trial_once_the_budget_is_spent(storage: str) -> None:
+    from nightshift.search import steps
+
+    config = settings()
+    search = dag_search(storage, config, budget_hours=1e-9)
+    assert steps.ask(search, map_index=0) is not None  # nothing spent yet
+    with pytest.raises(steps.BudgetSpent, match="budget of 1e-09 hours is spent"):
+        steps.ask(search, map_index=1)
