@@ -175,6 +175,9 @@ with DAG(
             "--tag", "nightshift.run_key={{ dag.dag_id }}/{{ run_id }}",
             "--tag", "nightshift.dag_run_id={{ run_id }}",
             "--tag", "nightshift.dataset_version={{ ti.xcom_pull(task_ids='stage_dataset')['hash'] }}",
+            # The code this run is pinned to (the git DAG bundle's commit, see nightshift.ledger.code_version).
+            "--tag", "nightshift.code_version={{ (ti.xcom_pull(task_ids='check_changes', key='fingerprint')"
+                     " or {}).get('code_version', 'unknown') }}",
         ],
         mlflow_experiment=steps.EXPERIMENT,
         mlflow_run_key="{{ dag.dag_id }}/{{ run_id }}",

@@ -76,11 +76,17 @@ def _repo_root() -> Path | None:
     return Path(spec.origin).resolve().parents[1]
 
 
-def code_version() -> str:
-    """The code that trains: `NIGHTSHIFT_GIT_COMMIT`, else git HEAD plus a hash of uncommitted changes.
+def code_version(bundle_version: str | None = None) -> str:
+    """The code that trains, in this order of preference:
 
-    Uncommitted edits of tracked files under CODE_PATHS count as a different code version.
+    - `bundle_version`: the commit of the git DAG bundle a task runs from (Airflow's `bundle_version` of
+      the DAG run, which pins every task of the run to that commit); the task passes it in;
+    - `NIGHTSHIFT_GIT_COMMIT`: the commit an image was built from;
+    - git HEAD of the checkout `nightshift` is imported from, plus a hash of uncommitted changes
+      (uncommitted edits of tracked files under CODE_PATHS count as a different code version).
     """
+    if bundle_version and bundle_version.strip():
+        return bundle_version.strip()
     if os.environ.get("NIGHTSHIFT_GIT_COMMIT"):
         return os.environ["NIGHTSHIFT_GIT_COMMIT"]
     root = _repo_root()

@@ -121,6 +121,39 @@ stop_mlflow_ui() {
     kill -KILL -- "-$pid" 2>/dev/null || true
 }
 
+# --- DAG bundle: runs pinned to a commit ---------------------------------------------------------------
+# NIGHTSHIFT_DAG_BUNDLE=git: the DAGs come from a git repository through the git provider's GitDagBundle
+# instead of $REPO/dags. The dag-processor fetches the branch every NIGHTSHIFT_DAG_BUNDLE_REFRESH seconds
+# (default 60); each DAG run records the commit it was created at (its bundle_version) and every task of
+# the run executes that commit's files. NIGHTSHIFT_DAG_BUNDLE_REPO: the repository's URL or path (default:
+# this checkout); NIGHTSHIFT_DAG_BUNDLE_BRANCH (default: main); NIGHTSHIFT_DAG_BUNDLE_SUBDIR: the DAG
+# folder in it (default: dags). The repository is Airflow's git connection nightshift_git: set
+# AIRFLOW_CONN_NIGHTSHIFT_GIT yourself (or use a secrets backend) for one that needs credentials; a URL
+# with a password in it is refused here. Clones live in $AIRFLOW_HOME/dag-bundles.
+case "${NIGHTSHIFT_DAG_BUNDLE:-folder}" in
+    folder) ;;
+    git)
+        bundle_repo="${NIGHTSHIFT_DAG_BUNDLE_REPO:-$REPO}"
+        [[ "$bundle_repo" =~ ^https?://[^/]*@ ]] && refuse "NIGHTSHIFT_DAG_BUNDLE_REPO has credentials in it;" \
+            "put them in the nightshift_git connection (AIRFLOW_CONN_NIGHTSHIFT_GIT) instead"
+        [[ -d "$bundle_repo" ]] && bundle_repo="$(cd "$bundle_repo" && pwd)"  # a path: absolute
+        [[ "${NIGHTSHIFT_DAG_BUNDLE_REFRESH:-60}" =~ ^[0-9]+$ ]] \
+            || refuse "NIGHTSHIFT_DAG_BUNDLE_REFRESH=$NIGHTSHIFT_DAG_BUNDLE_REFRESH is not a number of seconds"
+        export AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_STORAGE_PATH="${AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_STORAGE_PATH:-$AIRFLOW_HOME/dag-bundles}"
+        { read -r bundle_conn; read -r bundle_list; } < <(BUNDLE_REPO="$bundle_repo" python -c 'import json, os
+print(json.dumps({"conn_type": "git", "host": os.environ["BUNDLE_REPO"]}))
+print(json.dumps([{"name": "nightshift", "classpath": "airflow.providers.git.bundles.git.GitDagBundle",
+                   "kwargs": {"git_conn_id": "nightshift_git",
+                              "tracking_ref": os.environ.get("NIGHTSHIFT_DAG_BUNDLE_BRANCH") or "main",
+                              "subdir": os.environ.get("NIGHTSHIFT_DAG_BUNDLE_SUBDIR", "dags") or None,
+                              "refresh_interval": int(os.environ.get("NIGHTSHIFT_DAG_BUNDLE_REFRESH") or 60)}}]))')
+        export AIRFLOW_CONN_NIGHTSHIFT_GIT="${AIRFLOW_CONN_NIGHTSHIFT_GIT:-$bundle_conn}"
+        export AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST="$bundle_list"
+        ;;
+    *) refuse "NIGHTSHIFT_DAG_BUNDLE=$NIGHTSHIFT_DAG_BUNDLE: expected git, or folder (the default: $REPO/dags)" ;;
+esac
+# --- end of the DAG bundle block ------------------------------------------------------------------------
+
 mkdir -p "$AIRFLOW_HOME"
 case "${1:-}" in
     standalone)

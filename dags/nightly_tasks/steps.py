@@ -56,12 +56,24 @@ def stage(validated: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]
     return {**version, "workspace": str(workspace)}
 
 
+def bundle_version(ti: Any) -> str | None:
+    """The commit of the git DAG bundle this task runs from (its DAG run's `bundle_version`), else None.
+
+    Airflow pins every task of a run to the bundle version the run was created with; a DAG-folder bundle,
+    or a run with bundle versioning disabled, has none.
+    """
+    version = getattr(getattr(ti, "bundle_instance", None), "version", None)
+    return version if isinstance(version, str) and version else None
+
+
 def check_changes(staged: dict[str, Any], params: dict[str, Any], dag_id: str, run_id: str,
                   ti: Any) -> str:
     """Branch: "train", or "skip_training" when data, code and training params match the last success."""
     from nightshift import ledger as lineage
 
     current = lineage.fingerprint(staged["hash"], dict(params))
+    if pinned := bundle_version(ti):
+        current["code_version"] = lineage.code_version(pinned)
     previous = lineage.last_successful(dag_id, exclude_run_id=run_id)
     ti.xcom_push(key="fingerprint", value=current)
     ti.xcom_push(key="previous_run", value=previous)
@@ -115,9 +127,10 @@ def register(decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_
     from nightshift.ledger import code_version
     from nightshift.registry import register as register_version
 
+    code = code_version(bundle_version(ti))
     lineage_tags = {"dataset_version": staged["hash"], "dataset_git_rev": staged.get("git_rev"),
                     "dataset_source": staged.get("source"), "dag_id": dag_id, "dag_run_id": run_id,
-                    "code_version": code_version()}
+                    "code_version": code, "code_commit": code}
     version = register_version(decision["run_id"], model_name=MODEL_NAME, lineage=lineage_tags,
                                evaluation=decision)
     ti.xcom_push(key="model_version", value={"name": version["model_name"], "version": version["version"]})

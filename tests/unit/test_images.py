@@ -290,6 +290,28 @@ def test_dockerignore_keeps_everything_the_trainer_copies() -> None:
     _assert_ignore_keeps_copies(TRAINER)
 
 
+# --- the commit an image is built from ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dockerfile", [AIRFLOW / "Dockerfile", TRAINER / "Dockerfile"], ids=lambda p: p.parent.name)
+def test_images_carry_the_commit_they_are_built_from(dockerfile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--build-arg NIGHTSHIFT_GIT_COMMIT=...` becomes the final image's env, which code_version reads."""
+    instructions = _instructions(dockerfile)
+    last_from = max(i for i, (kw, _) in enumerate(instructions) if kw == "FROM")
+    final = instructions[last_from:]
+    assert ("ARG", 'NIGHTSHIFT_GIT_COMMIT=""') in final
+    arg_at = final.index(("ARG", 'NIGHTSHIFT_GIT_COMMIT=""'))
+    env_at = final.index(("ENV", "NIGHTSHIFT_GIT_COMMIT=${NIGHTSHIFT_GIT_COMMIT}"))
+    assert arg_at < env_at
+    # After every install: a new commit must not rebuild the layers that install packages.
+    assert all(kw != "RUN" for kw, _ in final[arg_at:])
+
+    from nightshift.ledger import code_version
+
+    monkeypatch.setenv("NIGHTSHIFT_GIT_COMMIT", "4f2a9c1")
+    assert code_version() == "4f2a9c1"
+
+
 # --- airflow ----------------------------------------------------------------------------------------
 
 
