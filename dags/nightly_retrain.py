@@ -86,7 +86,9 @@ PARAMS = {
                       title="Kueue priority",
                       description="A Kueue WorkloadPriorityClass, e.g. nightly-low or interactive-high "
                                   "(default NIGHTSHIFT_KUEUE_PRIORITY)."),
-    "backend": Param("local", type="string", enum=["local", "kubernetes", "auto"], title="Backend",
+    # Scheduled runs take the default: a cluster deployment sets NIGHTSHIFT_BACKEND=kubernetes.
+    "backend": Param(os.environ.get("NIGHTSHIFT_BACKEND", "local"), type="string",
+                     enum=["local", "kubernetes", "auto"], title="Backend",
                      description="local: horovodrun here; kubernetes: an MPIJob; auto: kubernetes when "
                                  "the kubernetes_default connection exists."),
     "min_improvement": Param(0.001, type="number", minimum=0, maximum=1, title="Minimum improvement",

@@ -179,13 +179,14 @@ def _row(r: dict[str, Any]) -> str:
     return (f"<tr class='{_cell(r.get('status'))}'>"
             f"<td class='time' title='{_cell(r.get('recorded_at'))}'>{_cell(readable_time(r.get('recorded_at')))}</td>"
             f"<td class='run'>{run}</td><td>{_cell(r.get('status'))}</td>"
+            f"<td title='{_cell(r.get('code_version'))}'>{_cell((r.get('code_version') or '')[:10])}</td>"
             f"<td title='{_cell(r.get('dataset_version'))}'>{_cell(dataset)}</td><td>→</td>"
             f"<td>{_cell(model)}</td><td>{_cell(accuracy)}</td><td>→</td><td class='url'>{serving}</td>"
             f"<td class='outcome'>{outcome}</td><td class='links'>{' '.join(links)}</td></tr>")
 
 
 def lineage_html(records: list[dict[str, Any]]) -> str:
-    body = "\n".join(_row(r) for r in records) or "<tr><td colspan='11'>No runs recorded yet.</td></tr>"
+    body = "\n".join(_row(r) for r in records) or "<tr><td colspan='12'>No runs recorded yet.</td></tr>"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Nightshift lineage</title>
 <style>body{{font-family:sans-serif;margin:1.5em}}
@@ -198,7 +199,7 @@ div.reason{{color:#555;font-size:13px;margin-top:2px;white-space:pre-wrap}}
 tr.failed td{{color:#a00}}</style></head>
 <body><h2>nightly_retrain lineage</h2>
 <p>Recent runs, newest first: dataset version → model version → deployment. Times in UTC.</p>
-<table><tr><th>recorded</th><th>run</th><th>status</th><th>dataset</th><th></th><th>model</th>
+<table><tr><th>recorded</th><th>run</th><th>status</th><th>code</th><th>dataset</th><th></th><th>model</th>
 <th>test accuracy</th><th></th><th>serving</th><th>outcome</th><th>links</th></tr>
 {body}</table></body></html>"""
 

@@ -332,6 +332,7 @@ def test_airflow_image_installs_the_airflow_side_pins_without_torch_or_horovod()
     wanted = {
         "apache-airflow-providers-cncf-kubernetes",
         "apache-airflow-providers-standard",
+        "apache-airflow-providers-git",  # GitDagBundle: runs pinned to the commit they ran
         "airflow-provider-great-expectations",
         "great-expectations",
         "dvc",

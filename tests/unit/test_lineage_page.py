@@ -112,3 +112,9 @@ def test_mlflow_run_link_finds_the_experiment_or_lets_mlflow_find_it(plugin: Mod
     assert link.get_link(None, ti_key=key("train")) == f"{MLFLOW_UI}/#/experiments/3/runs/run1"
     assert link.get_link(None, ti_key=key("report")) == f"{MLFLOW_UI}/#/runs/run1"  # never experiment 0
     assert link.get_link(None, ti_key=key("validate_data")) == ""
+
+
+def test_each_run_shows_the_commit_it_ran(plugin: ModuleType) -> None:
+    html = plugin.lineage_html([{"run_id": "r1", "status": "success", "code_version": "0123456789abcdef0123",
+                          "dataset_version": "d" * 32, "outcome": "promoted v1"}])
+    assert "<th>code</th>" in html and "title='0123456789abcdef0123'>0123456789</td>" in html
