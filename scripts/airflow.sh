@@ -11,6 +11,7 @@
 # (default 5000; `none`: do not start it) for the plugin's "MLflow run" and "Model version" links, and
 # stops it when Airflow exits. With NIGHTSHIFT_MLFLOW_UI_URL set, or an http(s) MLFLOW_TRACKING_URI, the
 # links go there and no UI is started.
+# Metadata database (NIGHTSHIFT_AIRFLOW_DB=auto|postgres|sqlite, default auto): see "Metadata database" below.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +26,6 @@ export PYTHONPATH="$REPO/config${PYTHONPATH:+:$PYTHONPATH}"
 export AIRFLOW__CORE__DAGS_FOLDER="${AIRFLOW__CORE__DAGS_FOLDER:-$REPO/dags}"
 export AIRFLOW__CORE__PLUGINS_FOLDER="$REPO/plugins"
 export AIRFLOW__CORE__LOAD_EXAMPLES="False"
-export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$AIRFLOW_HOME/airflow.db}"
 export AIRFLOW__API__HOST="127.0.0.1"
 export AIRFLOW__API__PORT="$PORT"
 export AIRFLOW__API__BASE_URL="http://127.0.0.1:$PORT"
@@ -70,6 +70,122 @@ print(conf.get("logging", "worker_log_server_port"), conf.get("logging", "trigge
 listening() {  # something accepts connections on 127.0.0.1:$1
     (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
+
+# --- Metadata database --------------------------------------------------------------------------------
+# NIGHTSHIFT_AIRFLOW_DB picks Airflow's metadata database:
+#   auto (default)  postgres when the PostgreSQL server at NIGHTSHIFT_POSTGRES_URL answers, else sqlite
+#   postgres        database NIGHTSHIFT_AIRFLOW_PG_DB on NIGHTSHIFT_POSTGRES_URL (default
+#                   postgresql://postgres@127.0.0.1:5432), with the LocalExecutor unless
+#                   AIRFLOW__CORE__EXECUTOR says otherwise; `standalone` creates the database when it is missing
+#                   and then drops it when it stops (NIGHTSHIFT_AIRFLOW_PG_KEEP=1 keeps it for the next start); a
+#                   database that was there before (kept, or another Airflow's) is used and left alone. The
+#                   default name is nightshift_airflow for the default AIRFLOW_HOME and
+#                   nightshift_airflow_<sha1 of AIRFLOW_HOME, 8 hex> for another: a database belongs to one
+#                   AIRFLOW_HOME (its Fernet key, logs, passwords), and two homes never share one by accident
+#   sqlite          $AIRFLOW_HOME/airflow.db (what `make demo` uses, through its own environment)
+# An AIRFLOW__DATABASE__SQL_ALCHEMY_CONN set by the caller wins over all of these; nothing is created or dropped.
+USER_SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-}"
+export NIGHTSHIFT_POSTGRES_URL="${NIGHTSHIFT_POSTGRES_URL:-postgresql://postgres@127.0.0.1:5432}"
+if [[ -n "${NIGHTSHIFT_AIRFLOW_PG_DB:-}" ]]; then
+    AIRFLOW_PG_DB="$NIGHTSHIFT_AIRFLOW_PG_DB"
+elif [[ "$AIRFLOW_HOME" == "$HOME/.nightshift/airflow-home" ]]; then
+    AIRFLOW_PG_DB="nightshift_airflow"
+else
+    AIRFLOW_PG_DB="nightshift_airflow_$(printf '%s' "$AIRFLOW_HOME" | sha1sum | cut -c1-8)"
+fi
+AIRFLOW_DB_KIND=""          # postgres or sqlite, once choose_database has run
+AIRFLOW_PG_DROP=""          # the database this standalone created, dropped when it stops
+
+# pg_admin probe | check | url DB | create DB | drop DB, against the server of NIGHTSHIFT_POSTGRES_URL (a libpq
+# URL, read from the environment so that a password in it never reaches a command line) with psycopg 3, the
+# project's PostgreSQL driver. probe is silent; create prints "created" when it made the database.
+pg_admin() {
+    python - "$@" <<'EOF'
+import os
+import sys
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.engine import make_url
+
+action, name = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
+server = os.environ["NIGHTSHIFT_POSTGRES_URL"]
+if action == "url":  # Airflow's URL names psycopg 3, whatever SQLAlchemy's default driver for postgresql://
+    print(make_url(server).set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False))
+    sys.exit(0)
+try:
+    conn = psycopg.connect(server, dbname="postgres", connect_timeout=3, autocommit=True)
+except psycopg.OperationalError as err:
+    if action != "probe":
+        print(f"scripts/airflow.sh: PostgreSQL at {make_url(server)!r} does not answer: "
+              f"{str(err).strip().splitlines()[0]}", file=sys.stderr)
+    sys.exit(1)
+with conn:
+    if action in ("create", "drop"):
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
+        if action == "create" and not exists:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            print("created")
+        elif action == "drop" and exists:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+EOF
+}
+
+# Sets AIRFLOW__DATABASE__SQL_ALCHEMY_CONN (and the LocalExecutor on PostgreSQL); creates nothing.
+choose_database() {
+    if [[ -n "$USER_SQL_ALCHEMY_CONN" ]]; then
+        export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="$USER_SQL_ALCHEMY_CONN"
+        AIRFLOW_DB_KIND="given"
+        return 0
+    fi
+    local kind="${NIGHTSHIFT_AIRFLOW_DB:-auto}"
+    case "$kind" in
+        auto) if pg_admin probe; then kind=postgres; else kind=sqlite; fi ;;
+        postgres) pg_admin check || refuse "NIGHTSHIFT_AIRFLOW_DB=postgres but PostgreSQL does not answer" \
+            "(NIGHTSHIFT_POSTGRES_URL, see above); start it, or use NIGHTSHIFT_AIRFLOW_DB=sqlite" ;;
+        sqlite) ;;
+        *) refuse "NIGHTSHIFT_AIRFLOW_DB=$kind is not one of auto, postgres, sqlite" ;;
+    esac
+    AIRFLOW_DB_KIND="$kind"
+    if [[ "$kind" == postgres ]]; then
+        [[ "$AIRFLOW_PG_DB" =~ ^[A-Za-z_][A-Za-z0-9_]{0,62}$ ]] \
+            || refuse "NIGHTSHIFT_AIRFLOW_PG_DB=$AIRFLOW_PG_DB is not a plain PostgreSQL database name"
+        AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="$(pg_admin url "$AIRFLOW_PG_DB")"
+        export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN
+        export AIRFLOW__CORE__EXECUTOR="${AIRFLOW__CORE__EXECUTOR:-LocalExecutor}"
+    else
+        export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="sqlite:///$AIRFLOW_HOME/airflow.db"
+    fi
+}
+
+# standalone: the PostgreSQL database exists before Airflow starts; say what Airflow runs on.
+prepare_database() {
+    case "$AIRFLOW_DB_KIND" in
+        postgres)
+            local made fate
+            made="$(pg_admin create "$AIRFLOW_PG_DB")" \
+                || refuse "cannot create PostgreSQL database $AIRFLOW_PG_DB (see above)"
+            if [[ "$made" != created ]]; then
+                fate="existing, left as it is"
+            elif [[ "${NIGHTSHIFT_AIRFLOW_PG_KEEP:-0}" == 1 ]]; then
+                fate="created, kept: NIGHTSHIFT_AIRFLOW_PG_KEEP=1"
+            else
+                fate="created, dropped when Airflow stops"
+                AIRFLOW_PG_DROP="$AIRFLOW_PG_DB"
+            fi
+            echo "Airflow database: PostgreSQL $AIRFLOW_PG_DB ($fate), $AIRFLOW__CORE__EXECUTOR" >&2 ;;
+        sqlite) echo "Airflow database: SQLite $AIRFLOW_HOME/airflow.db" >&2 ;;
+        *) echo "Airflow database: AIRFLOW__DATABASE__SQL_ALCHEMY_CONN as given" >&2 ;;
+    esac
+}
+
+drop_database() {
+    [[ -n "$AIRFLOW_PG_DROP" ]] || return 0
+    local name="$AIRFLOW_PG_DROP"
+    AIRFLOW_PG_DROP=""
+    pg_admin drop "$name" || echo "scripts/airflow.sh: could not drop PostgreSQL database $name" >&2
+}
+# --- end of metadata database ------------------------------------------------------------------------
 
 MLFLOW_UI_PID=""
 
@@ -158,11 +274,13 @@ mkdir -p "$AIRFLOW_HOME"
 case "${1:-}" in
     standalone)
         check_ports
-        airflow db migrate >/dev/null
-        airflow pools set gpu "${NIGHTSHIFT_GPU_SLOTS:-16}" "Horovod training slots (GPUs, or CPU jobs)" >/dev/null
-        trap stop_mlflow_ui EXIT
+        choose_database
+        trap 'stop_mlflow_ui; drop_database' EXIT
         trap 'exit 130' INT
         trap 'exit 143' TERM
+        prepare_database
+        airflow db migrate >/dev/null
+        airflow pools set gpu "${NIGHTSHIFT_GPU_SLOTS:-16}" "Horovod training slots (GPUs, or CPU jobs)" >/dev/null
         start_mlflow_ui
         echo "Airflow UI: http://127.0.0.1:$PORT  (AIRFLOW_HOME=$AIRFLOW_HOME; the admin password is printed" \
              "below and kept in \$AIRFLOW_HOME)" >&2
@@ -177,4 +295,5 @@ case "${1:-}" in
         check_ports
         ;;
 esac
+choose_database
 exec airflow "$@"

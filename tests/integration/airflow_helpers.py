@@ -1,14 +1,28 @@
-"""Shared by the Airflow integration tests: the project's Airflow environment (from scripts/demo.py)."""
+"""Shared by the Airflow integration tests: the project's Airflow environment (from scripts/demo.py), the
+metadata database a test module runs Airflow on, and the services it may need (PostgreSQL, Redis)."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+HOST = "127.0.0.1"
+# The server scripts/airflow.sh uses (NIGHTSHIFT_POSTGRES_URL): trust auth on the project's machines.
+POSTGRES_URL = os.environ.get("NIGHTSHIFT_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432")
+REDIS_URL = os.environ.get("NIGHTSHIFT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def demo_module() -> ModuleType:
@@ -36,3 +50,188 @@ def registered_versions(nightshift_home: Path, model_name: str = "nightshift-dig
     import json
 
     return [str(v) for v in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+# --- processes ------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """TERM the process group we started (its leader is `proc`, started with start_new_session), then KILL
+    what is left of the group."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def stop_groups(procs: Iterable[subprocess.Popen[bytes]], grace: float = 30.0) -> None:
+    """stop_group for several process groups at once: TERM them all, wait for them together, KILL what is left."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for proc in procs:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+# --- services -------------------------------------------------------------------------------------------
+
+
+def postgres_answers(url: str = POSTGRES_URL) -> bool:
+    import psycopg
+
+    try:
+        psycopg.connect(url, dbname="postgres", connect_timeout=3).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+def redis_answers(url: str = REDIS_URL) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=3).ping())
+    except redis.RedisError:
+        return False
+
+
+def _admin(statement: Any, url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, dbname="postgres", connect_timeout=10, autocommit=True) as conn:
+        conn.execute(statement)
+
+
+def database_url(name: str, *, server: str = POSTGRES_URL, driver: str = "postgresql+psycopg") -> str:
+    """A SQLAlchemy URL of database `name` on `server` (psycopg 3: SQLAlchemy's bare postgresql:// is psycopg2)."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(server).set(drivername=driver, database=name).render_as_string(hide_password=False)
+
+
+@contextmanager
+def postgres_database(prefix: str = "nightshift_test", *, server: str = POSTGRES_URL) -> Iterator[str]:
+    """A fresh database `<prefix>_<random>` on the server; yields its name; dropped afterwards, also on failure
+    (WITH (FORCE): connections a killed process left open do not keep it)."""
+    from psycopg import sql
+
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    _admin(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)), server)
+    try:
+        yield name
+    finally:
+        _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)), server)
+
+
+def postgres_database_exists(name: str, *, server: str = POSTGRES_URL) -> bool:
+    import psycopg
+
+    with psycopg.connect(server, dbname="postgres", connect_timeout=10) as conn:
+        return conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
+
+
+@dataclass
+class AirflowDatabase:
+    """The metadata database of one test module's Airflow: what scripts/airflow.sh is told (`env`)."""
+
+    kind: str  # postgres or sqlite
+    env: dict[str, str] = field(default_factory=dict)
+    name: str | None = None  # the PostgreSQL database
+
+    def describe(self) -> str:
+        return f"PostgreSQL database {self.name}" if self.kind == "postgres" else "SQLite"
+
+
+def wanted_airflow_db() -> str:
+    """NIGHTSHIFT_AIRFLOW_DB (auto, postgres, sqlite) resolved for the tests: auto is postgres when it answers."""
+    wanted = os.environ.get("NIGHTSHIFT_AIRFLOW_DB", "auto")
+    if wanted == "auto":
+        return "postgres" if postgres_answers() else "sqlite"
+    return wanted
+
+
+@contextmanager
+def airflow_database(prefix: str = "nightshift_test") -> Iterator[AirflowDatabase]:
+    """PostgreSQL (a database of this caller's own, dropped afterwards) when it answers, else SQLite; as
+    NIGHTSHIFT_AIRFLOW_DB says (auto by default). The database is created here, so that it is dropped here
+    whatever happens to the Airflow that uses it; scripts/airflow.sh standalone drops it too when it stops."""
+    if wanted_airflow_db() != "postgres":
+        yield AirflowDatabase("sqlite", {"NIGHTSHIFT_AIRFLOW_DB": "sqlite"})
+        return
+    with postgres_database(prefix) as name:
+        yield AirflowDatabase("postgres", {
+            "NIGHTSHIFT_AIRFLOW_DB": "postgres",
+            "NIGHTSHIFT_POSTGRES_URL": POSTGRES_URL,
+            "NIGHTSHIFT_AIRFLOW_PG_DB": name,
+        }, name)
+
+
+# --- the REST API ---------------------------------------------------------------------------------------
+
+
+class Api:
+    """Airflow's REST API v2, logged in as SIMPLE_AUTH_MANAGER_ALL_ADMINS allows (GET /auth/token)."""
+
+    def __init__(self, base: str) -> None:
+        import requests
+
+        self.base = base
+        self.session = requests.Session()
+
+    def login(self) -> None:
+        answer = self.session.get(f"{self.base}/auth/token", timeout=30)
+        answer.raise_for_status()
+        self.session.headers["Authorization"] = f"Bearer {answer.json()['access_token']}"
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        return self.session.get(f"{self.base}{path}", timeout=30, **kwargs)
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        answer = self.session.request(method, f"{self.base}/api/v2{path}", json=body, timeout=30)
+        assert answer.status_code < 300, f"{method} {path}: {answer.status_code} {answer.text[:500]}"
+        return dict(answer.json())
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
+        return str(self.call("POST", f"/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf})["dag_run_id"])
+
+    def task_instances(self, dag_id: str, run_id: str) -> dict[str, dict[str, Any]]:
+        out = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")
+        return {ti["task_id"]: ti for ti in out["task_instances"]}
+
+    def wait_ready(self, dag_id: str, alive: Any, timeout: float, describe: Any = lambda: "") -> None:
+        """Until the API answers and knows `dag_id`; `alive()` false (a component died) fails at once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert alive(), f"Airflow exited before it was ready: {describe()}"
+            try:
+                self.login()
+                if self.get(f"/api/v2/dags/{dag_id}").status_code == 200:
+                    return
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, f"Airflow not ready after {timeout:.0f}s: {describe()}"
+            time.sleep(2)

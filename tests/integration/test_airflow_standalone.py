@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.integration.airflow_helpers import REPO, registered_versions, stop_model_server
+from tests.integration.airflow_helpers import REPO, airflow_database, registered_versions, stop_model_server
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -103,33 +103,38 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(_free_port()),
         "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "NIGHTSHIFT_MLFLOW_UI_PORT": str(_free_port()),
         "NIGHTSHIFT_RETRAIN_CRON": "none",
     })
-    env.pop("MLFLOW_TRACKING_URI", None)
+    for name in ("MLFLOW_TRACKING_URI", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "NIGHTSHIFT_MLFLOW_UI_URL"):
+        env.pop(name, None)
     log_path = home / "standalone.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        api = Api(f"http://{HOST}:{port}")
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, f"standalone exited {proc.returncode}: {log_path.read_text()[-3000:]}"
-            try:
-                api.login()
-                if api.get(f"/api/v2/dags/{DAG_ID}").status_code == 200:
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, f"standalone not ready: {log_path.read_text()[-3000:]}"
-            time.sleep(2)
-        api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
-        yield {"api": api, "home": home, "env": env, "log": log_path}
-    finally:
+    # PostgreSQL (a database of this module's own, dropped after) when it answers, else SQLite.
+    with airflow_database() as database:
+        env.update(database.env)
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            stop_model_server(env)
+            api = Api(f"http://{HOST}:{port}")
+            deadline = time.monotonic() + 240
+            while True:
+                assert proc.poll() is None, f"standalone exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+                try:
+                    api.login()
+                    if api.get(f"/api/v2/dags/{DAG_ID}").status_code == 200:
+                        break
+                except Exception:
+                    pass
+                assert time.monotonic() < deadline, f"standalone not ready: {log_path.read_text()[-3000:]}"
+                time.sleep(2)
+            api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
+            yield {"api": api, "home": home, "env": env, "log": log_path, "database": database}
         finally:
-            _stop_group(proc)
+            try:
+                stop_model_server(env)
+            finally:
+                _stop_group(proc)
 
 
 def _trigger(api: Api, conf: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.airflow_helpers import REPO
+from tests.integration.airflow_helpers import REPO, airflow_database
 
 pytestmark = pytest.mark.integration
 
@@ -98,29 +98,34 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "NIGHTSHIFT_GPU_SLOTS": str(POOL_SLOTS),
+        "NIGHTSHIFT_MLFLOW_UI_PORT": str(_free_port()),
     })
-    env.pop("MLFLOW_TRACKING_URI", None)
+    for name in ("MLFLOW_TRACKING_URI", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "NIGHTSHIFT_MLFLOW_UI_URL"):
+        env.pop(name, None)
     log_path = home / "standalone.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        api = Api(f"http://{HOST}:{port}")
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, f"standalone exited {proc.returncode}: {log_path.read_text()[-3000:]}"
-            try:
-                api.login()
-                if all(api.session.get(f"{api.base}/api/v2/dags/{dag}", timeout=30).status_code == 200
-                       for dag in (DAG_ID, SCHEDULED_DAG_ID)):
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, f"standalone not ready: {log_path.read_text()[-3000:]}"
-            time.sleep(2)
-        yield {"api": api, "log": log_path}
-    finally:
-        _stop_group(proc)
+    # PostgreSQL (a database of this module's own, dropped after) when it answers, else SQLite.
+    with airflow_database() as database:
+        env.update(database.env)
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            api = Api(f"http://{HOST}:{port}")
+            deadline = time.monotonic() + 240
+            while True:
+                assert proc.poll() is None, f"standalone exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+                try:
+                    api.login()
+                    if all(api.session.get(f"{api.base}/api/v2/dags/{dag}", timeout=30).status_code == 200
+                           for dag in (DAG_ID, SCHEDULED_DAG_ID)):
+                        break
+                except Exception:
+                    pass
+                assert time.monotonic() < deadline, f"standalone not ready: {log_path.read_text()[-3000:]}"
+                time.sleep(2)
+            yield {"api": api, "log": log_path, "database": database}
+        finally:
+            _stop_group(proc)
 
 
 def test_a_triggered_run_takes_the_slots_its_conf_asks_for(standalone: dict[str, Any]) -> None:
