@@ -77,7 +77,8 @@ listening() {  # something accepts connections on 127.0.0.1:$1
 #   postgres        database NIGHTSHIFT_AIRFLOW_PG_DB on NIGHTSHIFT_POSTGRES_URL (default
 #                   postgresql://postgres@127.0.0.1:5432), with the LocalExecutor unless
 #                   AIRFLOW__CORE__EXECUTOR says otherwise; `standalone` creates the database when it is missing
-#                   and then drops it when it stops (NIGHTSHIFT_AIRFLOW_PG_KEEP=1 keeps it for the next start); a
+#                   and, unless it is make airflow's own nightshift_airflow, drops it when it stops
+#                   (NIGHTSHIFT_AIRFLOW_PG_KEEP=1 keeps it, =0 drops it); a
 #                   database that was there before (kept, or another Airflow's) is used and left alone. The
 #                   default name is nightshift_airflow for the default AIRFLOW_HOME and
 #                   nightshift_airflow_<sha1 of AIRFLOW_HOME, 8 hex> for another: a database belongs to one
@@ -93,6 +94,10 @@ elif [[ "$AIRFLOW_HOME" == "$HOME/.nightshift/airflow-home" ]]; then
 else
     AIRFLOW_PG_DB="nightshift_airflow_$(printf '%s' "$AIRFLOW_HOME" | sha1sum | cut -c1-8)"
 fi
+# `make airflow`'s own database (the default AIRFLOW_HOME) keeps its run history between starts; a database
+# made for another home (tests, throwaway homes) is dropped when its standalone stops.
+AIRFLOW_PG_KEEP_DEFAULT=0
+[[ "$AIRFLOW_PG_DB" == nightshift_airflow ]] && AIRFLOW_PG_KEEP_DEFAULT=1
 AIRFLOW_DB_KIND=""          # postgres or sqlite, once choose_database has run
 AIRFLOW_PG_DROP=""          # the database this standalone created, dropped when it stops
 
@@ -167,8 +172,8 @@ prepare_database() {
                 || refuse "cannot create PostgreSQL database $AIRFLOW_PG_DB (see above)"
             if [[ "$made" != created ]]; then
                 fate="existing, left as it is"
-            elif [[ "${NIGHTSHIFT_AIRFLOW_PG_KEEP:-0}" == 1 ]]; then
-                fate="created, kept: NIGHTSHIFT_AIRFLOW_PG_KEEP=1"
+            elif [[ "${NIGHTSHIFT_AIRFLOW_PG_KEEP:-$AIRFLOW_PG_KEEP_DEFAULT}" == 1 ]]; then
+                fate="created, kept (NIGHTSHIFT_AIRFLOW_PG_KEEP=0 drops it when Airflow stops)"
             else
                 fate="created, dropped when Airflow stops"
                 AIRFLOW_PG_DROP="$AIRFLOW_PG_DB"
