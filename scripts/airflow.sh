@@ -158,6 +158,9 @@ choose_database() {
         AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="$(pg_admin url "$AIRFLOW_PG_DB")"
         export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN
         export AIRFLOW__CORE__EXECUTOR="${AIRFLOW__CORE__EXECUTOR:-LocalExecutor}"
+        # The LocalExecutor keeps one worker process per parallel slot (32 by default, ~150 MB each): size it
+        # to this machine's cores unless told otherwise.
+        export AIRFLOW__CORE__PARALLELISM="${AIRFLOW__CORE__PARALLELISM:-$(( $(nproc) * 2 ))}"
     else
         export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="sqlite:///$AIRFLOW_HOME/airflow.db"
     fi
