@@ -2,6 +2,18 @@
 
 Importing this module registers them with GX (by their snake_case type name), so a suite JSON that
 uses them loads with `ExpectationSuite(**json)`.
+
+Why wide expectations: GX pays a fixed cost per expectation (pydantic configs, a metric graph, a result
+object), so 64 copies of a column rule cost ~64x that overhead before any data is read. The rules that
+apply to many columns are therefore one expectation each over a `column_list`, computed by one table
+metric in vectorised numpy (a min/max reduction per column when the data is clean; the exact row mask
+only for a column that fails). The duplicate-row rule hashes each row once
+(`pandas.util.hash_pandas_object`) and compares values only among rows whose hashes collide.
+
+A failure still names each column: these expectations return `result["details"]["columns"]`, a mapping
+from every failing column to its own `unexpected_count`, `partial_unexpected_list` (sample values),
+`partial_unexpected_index_list` (their rows) or `observed_value`; `nightshift.data.validate` reports one
+failure per column from it.
 """
 
 from __future__ import annotations
@@ -10,9 +22,17 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
+from great_expectations.core.metric_domain_types import MetricDomainTypes
 from great_expectations.execution_engine import PandasExecutionEngine
-from great_expectations.expectations.expectation import ColumnAggregateExpectation, ColumnMapExpectation
-from great_expectations.expectations.metrics import ColumnMapMetricProvider, column_condition_partial
+from great_expectations.expectations.expectation import BatchExpectation, ColumnAggregateExpectation
+from great_expectations.expectations.metrics.metric_provider import metric_value
+from great_expectations.expectations.metrics.table_metric_provider import TableMetricProvider
+
+# Sample values kept per failing column by the metrics; the result format's `partial_unexpected_count`
+# (default 20) trims them further.
+MAX_SAMPLE = 20
+DEFAULT_PARTIAL_COUNT = 20
+LIBRARY_METADATA: dict[str, Any] = {"maturity": "experimental", "tags": ["nightshift"]}
 
 
 class ExpectColumnValueSharesToBeAtLeast(ColumnAggregateExpectation):
@@ -28,7 +48,7 @@ class ExpectColumnValueSharesToBeAtLeast(ColumnAggregateExpectation):
     metric_dependencies = ("column.value_counts",)
     success_keys = ("value_set", "min_share")
     args_keys = ("column", "value_set", "min_share")
-    library_metadata: ClassVar[dict[str, Any]] = {"maturity": "experimental", "tags": ["nightshift"]}
+    library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
 
     def _validate(
         self,
@@ -52,32 +72,265 @@ class ExpectColumnValueSharesToBeAtLeast(ColumnAggregateExpectation):
         }
 
 
-class ColumnValuesFiniteBetween(ColumnMapMetricProvider):
-    """Row condition: the value is a finite number within [min_value, max_value], for any numeric dtype."""
+# ---- metrics: one pass over the listed columns, reporting only the columns that fail ---------------------
 
-    condition_metric_name = "column_values.finite_between"
-    condition_value_keys = ("min_value", "max_value")
-
-    @column_condition_partial(engine=PandasExecutionEngine)
-    def _pandas(cls, column: pd.Series, min_value: float, max_value: float, **kwargs: Any) -> pd.Series:
-        # GX's own `column_values.between` is vectorised only for int64/float64 columns; on float32
-        # it calls a Python function per value (about 10x slower than pandas on the digits table).
-        values = column.to_numpy()
-        inside = np.isfinite(values) & (values >= min_value) & (values <= max_value)
-        return pd.Series(inside, index=column.index)
+def _table(execution_engine: PandasExecutionEngine, domain_kwargs: dict[str, Any]) -> pd.DataFrame:
+    frame, _, _ = execution_engine.get_compute_domain(domain_kwargs, domain_type=MetricDomainTypes.TABLE)
+    return frame
 
 
-class ExpectColumnValuesToBeFiniteBetween(ColumnMapExpectation):
-    """Expect each non-null value to be finite and within [min_value, max_value] (both inclusive).
+def _sample(frame: pd.DataFrame, values: Any, bad: np.ndarray) -> dict[str, Any]:
+    """Count, sample values and their row labels for the rows where `bad` holds."""
+    positions = np.flatnonzero(bad)
+    head = positions[:MAX_SAMPLE]
+    sample = [None if v is pd.NA else v for v in np.asarray(values)[head].tolist()]
+    return {
+        "unexpected_count": int(positions.size),
+        "partial_unexpected_list": sample,
+        "partial_unexpected_index_list": frame.index[head].tolist(),
+    }
 
-    Like `expect_column_values_to_be_between`, but vectorised for every numeric dtype and explicit
-    that infinity is out of range. Nulls (and NaN) are left to `expect_column_values_to_not_be_null`.
+
+def _numeric(series: pd.Series) -> np.ndarray | None:
+    """The column as a numpy array of numbers (nulls as NaN), or None when its dtype is not numeric."""
+    if not pd.api.types.is_numeric_dtype(series.dtype) or pd.api.types.is_bool_dtype(series.dtype):
+        return None
+    if isinstance(series.dtype, np.dtype):
+        return series.to_numpy()
+    return series.to_numpy(dtype="float64", na_value=np.nan)  # nullable extension dtypes (Int64, Float32...)
+
+
+class ColumnListNulls(TableMetricProvider):
+    """For each column of `column_list` with null or NaN values: their count and a sample (rows, values)."""
+
+    metric_name = "column_list.nulls"
+    value_keys = ("column_list",)
+
+    @metric_value(engine=PandasExecutionEngine)
+    def _pandas(cls, execution_engine: PandasExecutionEngine, metric_domain_kwargs: dict[str, Any],
+                metric_value_kwargs: dict[str, Any], metrics: dict[str, Any],
+                runtime_configuration: dict[str, Any]) -> dict[str, Any]:
+        frame = _table(execution_engine, metric_domain_kwargs)
+        columns = metric_value_kwargs["column_list"]
+        failing: dict[str, Any] = {}
+        for column in columns:
+            if column not in frame.columns:
+                failing[column] = {"observed_value": "missing column"}
+                continue
+            series = frame[column]
+            if pd.api.types.is_integer_dtype(series.dtype) and isinstance(series.dtype, np.dtype):
+                continue  # a numpy integer column cannot hold a null
+            nulls = series.isna().to_numpy()
+            if nulls.any():
+                failing[column] = _sample(frame, series.to_numpy(), nulls)
+        return {"element_count": len(frame) * len(columns), "columns": failing}
+
+
+class ColumnListOutsideFiniteBetween(TableMetricProvider):
+    """For each column of `column_list` with non-null values that are infinite or outside
+    [min_value, max_value]: their count and a sample. NaN is left to the null rule."""
+
+    metric_name = "column_list.outside_finite_between"
+    value_keys = ("column_list", "min_value", "max_value")
+
+    @metric_value(engine=PandasExecutionEngine)
+    def _pandas(cls, execution_engine: PandasExecutionEngine, metric_domain_kwargs: dict[str, Any],
+                metric_value_kwargs: dict[str, Any], metrics: dict[str, Any],
+                runtime_configuration: dict[str, Any]) -> dict[str, Any]:
+        frame = _table(execution_engine, metric_domain_kwargs)
+        low, high = metric_value_kwargs["min_value"], metric_value_kwargs["max_value"]
+        columns = metric_value_kwargs["column_list"]
+        failing: dict[str, Any] = {}
+        for column in columns:
+            if column not in frame.columns:
+                failing[column] = {"observed_value": "missing column"}
+                continue
+            values = _numeric(frame[column])
+            if values is None:
+                failing[column] = {"observed_value": f"not numeric: {frame[column].dtype}"}
+                continue
+            if values.size == 0:
+                continue
+            with np.errstate(invalid="ignore"):
+                # Fast path, two reductions: finite extremes inside the bounds mean every value is
+                # finite and inside (a NaN makes min/max NaN, an infinity makes them infinite).
+                smallest, largest = values.min(), values.max()
+                if np.isfinite(smallest) and np.isfinite(largest) and low <= smallest and largest <= high:
+                    continue
+                inside = np.isfinite(values) & (values >= low) & (values <= high)
+                bad = ~inside & ~np.isnan(values)
+            if bad.any():
+                failing[column] = _sample(frame, values, bad)
+        return {"element_count": len(frame) * len(columns), "columns": failing}
+
+
+class CompoundColumnsDuplicatesByHash(TableMetricProvider):
+    """Rows whose values in `column_list` equal another row's: their count and sample (row, first copy).
+
+    One 64-bit hash per row finds the candidates; only rows whose hashes collide are compared value by
+    value, so a hash collision can never count as a duplicate."""
+
+    metric_name = "compound_columns.duplicates_by_hash"
+    value_keys = ("column_list",)
+
+    @metric_value(engine=PandasExecutionEngine)
+    def _pandas(cls, execution_engine: PandasExecutionEngine, metric_domain_kwargs: dict[str, Any],
+                metric_value_kwargs: dict[str, Any], metrics: dict[str, Any],
+                runtime_configuration: dict[str, Any]) -> dict[str, Any]:
+        frame = _table(execution_engine, metric_domain_kwargs)
+        columns = list(metric_value_kwargs["column_list"])
+        missing = [c for c in columns if c not in frame.columns]
+        if missing:
+            return {"rows": len(frame), "missing": missing}
+        table = frame if list(frame.columns) == columns else frame[columns]
+        hashes = pd.util.hash_pandas_object(table, index=False).to_numpy()
+        candidates = pd.Series(hashes).duplicated(keep=False).to_numpy()
+        result: dict[str, Any] = {"rows": len(frame), "unexpected_count": 0, "examples": []}
+        if not candidates.any():
+            return result
+        positions = np.flatnonzero(candidates)
+        exact = table.iloc[positions].duplicated(keep=False).to_numpy()
+        duplicated = positions[exact]
+        result["unexpected_count"] = int(duplicated.size)
+        repeats = positions[table.iloc[positions].duplicated(keep="first").to_numpy()][:MAX_SAMPLE]
+        for position in repeats:
+            same_hash = np.flatnonzero(hashes == hashes[position])
+            first = next(p for p in same_hash if table.iloc[p].equals(table.iloc[position]))
+            result["examples"].append({"row": frame.index[position], "duplicate_of": frame.index[first]})
+        return result
+
+
+# ---- expectations --------------------------------------------------------------------------------------
+
+def _partial_count(runtime_configuration: dict[str, Any] | None) -> int:
+    result_format = (runtime_configuration or {}).get("result_format")
+    if isinstance(result_format, dict):
+        return int(result_format.get("partial_unexpected_count", DEFAULT_PARTIAL_COUNT))
+    return DEFAULT_PARTIAL_COUNT
+
+
+def _per_column_result(found: dict[str, Any], runtime_configuration: dict[str, Any] | None,
+                       describe: str) -> dict[str, Any]:
+    """GX's result for a wide expectation: a summary, plus each failing column in `details.columns`."""
+    keep = _partial_count(runtime_configuration)
+    failing: dict[str, dict[str, Any]] = found["columns"]
+    columns = {
+        column: {key: (value[:keep] if key.startswith("partial_") else value) for key, value in entry.items()}
+        for column, entry in failing.items()
+    }
+    summary = {column: entry.get("unexpected_count", entry.get("observed_value"))
+               for column, entry in failing.items()}
+    result: dict[str, Any] = {
+        "observed_value": f"{describe}: {summary}" if failing else f"no {describe}",
+        "details": {"columns": columns},
+    }
+    unexpected = sum(int(entry.get("unexpected_count", 0)) for entry in failing.values())
+    if found.get("element_count") is not None:
+        elements = int(found["element_count"])
+        result.update(element_count=elements, unexpected_count=unexpected,
+                      unexpected_percent=100.0 * unexpected / elements if elements else 0.0)
+    return {"success": not failing, "result": result}
+
+
+class ExpectColumnsValuesToNotBeNull(BatchExpectation):
+    """Expect no null or NaN value in any column of `column_list` (one pass, one result).
+
+    The wide form of `expect_column_values_to_not_be_null`; each failing column is named in
+    `details.columns` with its null count and sample rows. A listed column that is absent fails.
     """
 
+    column_list: list[str]
+
+    metric_dependencies = ("column_list.nulls",)
+    success_keys = ("column_list",)
+    args_keys = ("column_list",)
+    library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
+
+    def _validate(self, metrics: dict[str, Any], runtime_configuration: dict[str, Any] | None = None,
+                  execution_engine: Any = None) -> dict[str, Any]:
+        return _per_column_result(metrics["column_list.nulls"], runtime_configuration,
+                                  "columns with nulls")
+
+
+class ExpectColumnsValuesToBeFiniteBetween(BatchExpectation):
+    """Expect every non-null value of every column of `column_list` to be finite and within
+    [min_value, max_value] (both inclusive).
+
+    The wide form of `expect_column_values_to_be_between` for numeric columns of any dtype, explicit
+    that infinity is out of range; NaN is left to the null rule. Each failing column is named in
+    `details.columns` with its count and sample values; a non-numeric or absent column fails.
+    """
+
+    column_list: list[str]
     min_value: float
     max_value: float
 
-    map_metric = "column_values.finite_between"
-    success_keys = ("min_value", "max_value", "mostly")
-    args_keys = ("column", "min_value", "max_value")
-    library_metadata: ClassVar[dict[str, Any]] = {"maturity": "experimental", "tags": ["nightshift"]}
+    metric_dependencies = ("column_list.outside_finite_between",)
+    success_keys = ("column_list", "min_value", "max_value")
+    args_keys = ("column_list", "min_value", "max_value")
+    library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
+
+    def _validate(self, metrics: dict[str, Any], runtime_configuration: dict[str, Any] | None = None,
+                  execution_engine: Any = None) -> dict[str, Any]:
+        return _per_column_result(metrics["column_list.outside_finite_between"], runtime_configuration,
+                                  f"columns with values not finite within [{self.min_value}, {self.max_value}]")
+
+
+class ExpectTableColumnTypesToBe(BatchExpectation):
+    """Expect each column of `column_types` ({column: dtype name}) to have exactly that dtype.
+
+    The wide form of `expect_column_type_to_be`: one lookup of the table's dtypes; each mismatched or
+    absent column is named in `details.columns` with the type it has.
+    """
+
+    column_types: dict[str, str]
+
+    metric_dependencies = ("table.column_types",)
+    success_keys = ("column_types",)
+    args_keys = ("column_types",)
+    library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
+
+    def _validate(self, metrics: dict[str, Any], runtime_configuration: dict[str, Any] | None = None,
+                  execution_engine: Any = None) -> dict[str, Any]:
+        actual = {str(entry["name"]): str(entry["type"]) for entry in metrics["table.column_types"]}
+        failing = {
+            column: {"observed_value": actual.get(column, "missing column"), "expected": expected}
+            for column, expected in self.column_types.items()
+            if actual.get(column) != expected
+        }
+        return _per_column_result({"columns": failing}, runtime_configuration, "columns of another type")
+
+
+class ExpectCompoundColumnsToBeUniqueByHash(BatchExpectation):
+    """Expect at least `mostly` of the rows to be unique over `column_list` (a row is unexpected when
+    another row has the same values in those columns, as in `expect_compound_columns_to_be_unique`).
+
+    Hash-based: one 64-bit hash per row, then an exact comparison among rows whose hashes collide.
+    The sample lists duplicated rows with the row they repeat.
+    """
+
+    column_list: list[str]
+    mostly: float = 1.0
+
+    metric_dependencies = ("compound_columns.duplicates_by_hash",)
+    success_keys = ("column_list", "mostly")
+    args_keys = ("column_list", "mostly")
+    library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
+
+    def _validate(self, metrics: dict[str, Any], runtime_configuration: dict[str, Any] | None = None,
+                  execution_engine: Any = None) -> dict[str, Any]:
+        found = metrics["compound_columns.duplicates_by_hash"]
+        if found.get("missing"):
+            return {"success": False, "result": {"observed_value": f"missing columns: {found['missing']}"}}
+        rows, duplicated = int(found["rows"]), int(found["unexpected_count"])
+        share = duplicated / rows if rows else 0.0
+        return {
+            "success": rows == 0 or (rows - duplicated) / rows >= self.mostly,
+            "result": {
+                "observed_value": f"{duplicated} duplicated rows ({share:.2%} of {rows})",
+                "element_count": rows,
+                "unexpected_count": duplicated,
+                "unexpected_percent": 100.0 * share,
+                "partial_unexpected_list": found["examples"][:_partial_count(runtime_configuration)],
+            },
+        }

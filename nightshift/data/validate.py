@@ -6,7 +6,9 @@ state) whose Data Docs site lives under `NIGHTSHIFT_HOME/gx/data_docs/`.
 
 Speed: a passing run costs one pass with result format BOOLEAN_ONLY (no unexpected-value lists are
 collected). Only when it fails is the suite re-run with SUMMARY to collect sample unexpected values
-for the report and the Data Docs page.
+for the report and the Data Docs page. Rules over many columns are one wide expectation each
+(`nightshift.data.expectations`), so GX's fixed cost per expectation does not grow with the column
+count; their results name each failing column, and the report lists one failure per column.
 """
 
 from __future__ import annotations
@@ -235,26 +237,44 @@ def _failures(validation: ExpectationSuiteValidationResult) -> list[ExpectationF
         config = result.expectation_config
         kwargs = dict(config.kwargs) if config else {}
         details = dict(result.result or {})
+        name = config.type if config else "unknown"
+        rule = str((config.meta or {}).get("rule", "")) if config else ""
         observed = details.get("observed_value")
         extra = details.get("details")
         if result.exception_info and result.exception_info.get("raised_exception"):
             message = str(result.exception_info.get("exception_message", "")).splitlines()
             observed = f"error: {message[0] if message else 'expectation raised'}"
+        elif isinstance(extra, dict) and isinstance(extra.get("columns"), dict):
+            # A wide expectation (nightshift/data/expectations.py): one failure per failing column.
+            failures.extend(_column_failure(name, rule, str(column), found)
+                            for column, found in extra["columns"].items())
+            continue
         elif extra:
             # e.g. the column-set check: its `mismatched` details say more than the full column list
             observed = extra
         column = kwargs.get("column")
         failures.append(
             ExpectationFailure(
-                expectation=config.type if config else "unknown",
+                expectation=name,
                 column=str(column) if column is not None else None,
-                rule=str((config.meta or {}).get("rule", "")) if config else "",
+                rule=rule,
                 unexpected_count=details.get("unexpected_count"),
                 sample=_jsonable(list(details.get("partial_unexpected_list") or [])[:SAMPLE_SIZE]),
                 observed=_jsonable(observed),
             )
         )
     return failures
+
+
+def _column_failure(expectation: str, rule: str, column: str, found: dict[str, Any]) -> ExpectationFailure:
+    return ExpectationFailure(
+        expectation=expectation,
+        column=column,
+        rule=rule,
+        unexpected_count=found.get("unexpected_count"),
+        sample=_jsonable(list(found.get("partial_unexpected_list") or [])[:SAMPLE_SIZE]),
+        observed=_jsonable(found.get("observed_value")),
+    )
 
 
 def _docs_page(context: Any, identifier: Any) -> str | None:

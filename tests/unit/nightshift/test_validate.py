@@ -44,8 +44,8 @@ def test_failure_names_each_expectation_with_samples(bad_file: Path) -> None:
         validate_data(bad_file)
     message = str(caught.value)
     assert "\n" not in message
-    assert "expect_column_values_to_not_be_null(pixel_5) [no nulls or NaN] e.g. ['NaN']" in message
-    assert "expect_column_values_to_be_finite_between(pixel_7)" in message and "17.5" in message
+    assert "expect_columns_values_to_not_be_null(pixel_5) [no nulls or NaN] e.g. ['NaN']" in message
+    assert "expect_columns_values_to_be_finite_between(pixel_7)" in message and "17.5" in message
     assert "expect_column_values_to_be_in_set(label) [labels are in 0..9] e.g. [12]" in message
     assert "failed 3 expectation(s)" in message
     docs = message.split("Data Docs: ")[1]
@@ -97,15 +97,78 @@ def test_suite_covers_every_rule_of_the_issue() -> None:
     types = {e.expectation_type for e in suite.expectations}
     assert {
         "expect_table_columns_to_match_set",
-        "expect_column_type_to_be",
-        "expect_column_values_to_not_be_null",
-        "expect_column_values_to_be_finite_between",
+        "expect_table_column_types_to_be",
+        "expect_columns_values_to_not_be_null",
+        "expect_columns_values_to_be_finite_between",
         "expect_column_values_to_be_in_set",
         "expect_table_row_count_to_be_between",
-        "expect_compound_columns_to_be_unique",
+        "expect_compound_columns_to_be_unique_by_hash",
         "expect_column_value_shares_to_be_at_least",
     } <= types
     assert all(e.meta.get("rule") for e in suite.expectations)  # every failure can name its rule
+    # Wide expectations: GX's fixed cost per expectation must not grow with the number of columns.
+    assert len(suite.expectations) == len(types) == 8
+    columns = ["label"] + [f"pixel_{i}" for i in range(64)]
+    wide = {e.expectation_type: e.configuration.kwargs for e in suite.expectations}
+    assert wide["expect_table_column_types_to_be"]["column_types"] == {
+        c: "int64" if c == "label" else "float32" for c in columns}
+    assert wide["expect_columns_values_to_not_be_null"]["column_list"] == columns
+    assert wide["expect_columns_values_to_be_finite_between"]["column_list"] == columns[1:]
+    assert wide["expect_compound_columns_to_be_unique_by_hash"]["column_list"] == columns
+
+
+def _failures_of(frame: pd.DataFrame, tmp_path: Path) -> dict[tuple[str, str | None], dict]:
+    path = tmp_path / "table.parquet"
+    frame.to_parquet(path, index=False)
+    report = check_data(path, data_docs=False)
+    assert report["success"] is False
+    return {(f["expectation"], f["column"]): dict(f) for f in report["files"][0]["failures"]}
+
+
+def test_wide_expectations_name_each_failing_column_with_its_count_and_samples(demo_data: Path,
+                                                                               tmp_path: Path) -> None:
+    frame = pd.read_parquet(demo_data / "train.parquet")
+    frame.loc[[3, 8, 9], "pixel_5"] = np.nan
+    frame.loc[4, "pixel_7"] = -0.5
+    frame.loc[[6, 7], "pixel_63"] = [np.inf, 16.5]
+    frame["label"] = frame["label"].astype("Int64")
+    frame.loc[10, "label"] = pd.NA
+    frame = frame.drop(columns=["pixel_20"]).astype({"pixel_40": "float64"})
+    failures = _failures_of(frame, tmp_path)
+
+    nulls = {c: f for (e, c), f in failures.items() if e == "expect_columns_values_to_not_be_null"}
+    assert set(nulls) == {"pixel_5", "label", "pixel_20"}
+    assert nulls["pixel_5"]["unexpected_count"] == 3 and nulls["pixel_5"]["sample"] == ["NaN"] * 3
+    assert nulls["label"]["unexpected_count"] == 1 and nulls["label"]["sample"] == ["NaN"]  # pd.NA, as JSON
+    assert nulls["pixel_20"]["observed"] == "missing column"
+
+    outside = {c: f for (e, c), f in failures.items() if e == "expect_columns_values_to_be_finite_between"}
+    assert set(outside) == {"pixel_7", "pixel_63", "pixel_20"}  # NaN in pixel_5 is the null rule's
+    assert outside["pixel_7"]["sample"] == [-0.5] and outside["pixel_7"]["unexpected_count"] == 1
+    assert outside["pixel_63"]["sample"] == ["inf", 16.5] and outside["pixel_63"]["rule"]
+
+    types = {c: f["observed"] for (e, c), f in failures.items() if e == "expect_table_column_types_to_be"}
+    assert types == {"label": "Int64", "pixel_20": "missing column", "pixel_40": "float64"}
+    json.dumps(list(failures.values()))  # the CLI prints the report as JSON
+
+
+def test_duplicate_rows_are_found_by_hash_and_confirmed_by_value(demo_data: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    frame = pd.read_parquet(demo_data / "train.parquet")
+    doubled = pd.concat([frame, frame.iloc[:20]], ignore_index=True)  # 40 of 1,277 rows: 3.1% > 1%
+    failures = _failures_of(doubled, tmp_path)
+    found = failures[("expect_compound_columns_to_be_unique_by_hash", None)]
+    assert found["unexpected_count"] == 40
+    assert found["sample"][0] == {"row": 1257, "duplicate_of": 0}
+
+    # Every row hashing alike (the worst collision): candidates are compared by value, so none counts.
+    real = pd.util.hash_pandas_object
+    monkeypatch.setattr(pd.util, "hash_pandas_object",
+                        lambda obj, **kw: pd.Series(np.zeros(len(obj), dtype="uint64")) if kw.get("index") is False
+                        else real(obj, **kw))
+    path = tmp_path / "unique.parquet"
+    frame.to_parquet(path, index=False)
+    assert check_data(path, data_docs=False)["success"] is True
 
 
 def test_gx_file_context_in_git_loads_and_its_checkpoint_runs(demo_data: Path, tmp_path: Path,
