@@ -109,13 +109,24 @@ def load_suite(name: str = SUITE) -> gx.ExpectationSuite:
     return gx.ExpectationSuite(**data)
 
 
+def _add_suite(digest: Any, suite: str) -> None:
+    suite_file = gx_dir() / "expectations" / f"{suite}.json"
+    for part in (suite_file, Path(__file__).with_name("expectations.py")):
+        digest.update(part.name.encode() + b"\0" + (part.read_bytes() if part.is_file() else b"") + b"\0")
+
+
+def suite_fingerprint(suite: str = SUITE) -> str:
+    """The suite's part of `fingerprint` alone (its JSON and the custom expectations' code): a few KB read."""
+    digest = hashlib.sha256()
+    _add_suite(digest, suite)
+    return f"sha256:{digest.hexdigest()}"
+
+
 def fingerprint(path: str | Path, suite: str = SUITE) -> str:
     """What a validation result is about: the suite (its JSON and the custom expectations' code) and every
     data file's name and bytes. Staging trusts a passed gate only for the same fingerprint."""
     digest = hashlib.sha256()
-    suite_file = gx_dir() / "expectations" / f"{suite}.json"
-    for part in (suite_file, Path(__file__).with_name("expectations.py")):
-        digest.update(part.name.encode() + b"\0" + (part.read_bytes() if part.is_file() else b"") + b"\0")
+    _add_suite(digest, suite)
     for file in parquet_files(path):
         with file.open("rb") as handle:
             digest.update(file.name.encode() + b"\0" + hashlib.file_digest(handle, "sha256").digest())

@@ -228,3 +228,121 @@ def test_a_passed_gate_is_trusted_only_for_the_same_bytes(demo_data: Path, tmp_p
     with pytest.raises(DataValidationFailed):
         stage_dataset(data, tmp_path / "ws2", validated=passed)
     assert calls == [data.resolve()]
+
+
+@pytest.fixture
+def staged_once(demo_data: Path, tmp_path: Path) -> tuple[Path, Path, DatasetVersion]:
+    """A private copy of the demo data, staged once into `tmp_path/ws` (so it has a staging record)."""
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    workspace = tmp_path / "ws"
+    return data, workspace, stage_dataset(data, workspace)
+
+
+def _count_full_paths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count DVC project openings: the full staging path opens the project, the fast path never does."""
+    from nightshift.data import stage
+
+    opened: list[int] = []
+    real = stage._open_project
+
+    def counting() -> object:
+        opened.append(1)
+        return real()
+
+    monkeypatch.setattr(stage, "_open_project", counting)
+    return opened
+
+
+def test_restaging_unchanged_data_imports_neither_dvc_nor_gx(staged_once: tuple[Path, Path, DatasetVersion],
+                                                             nightshift_home: Path) -> None:
+    data, workspace, first = staged_once
+    assert (workspace / ".staged.json").is_file()
+    script = ("import json, sys\n"
+              "from nightshift.data.stage import stage_dataset\n"
+              "version = stage_dataset(sys.argv[1], sys.argv[2])\n"
+              "print(json.dumps({'version': version, 'dvc': any(m == 'dvc' or m.startswith(('dvc.', 'dvc_'))\n"
+              "                  for m in sys.modules), 'gx': 'great_expectations' in sys.modules}))\n")
+    out = subprocess.run([sys.executable, "-c", script, str(data), str(workspace)], check=True,
+                         capture_output=True, text=True, env={**os.environ, "NIGHTSHIFT_HOME": str(nightshift_home)})
+    result = json.loads(out.stdout)
+    assert result == {"version": first, "dvc": False, "gx": False}
+
+
+def test_restaging_unchanged_data_neither_validates_nor_opens_dvc(staged_once: tuple[Path, Path, DatasetVersion],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightshift.data import stage
+
+    data, workspace, first = staged_once
+    opened = _count_full_paths(monkeypatch)
+    monkeypatch.setattr(stage, "validate_data", lambda path: pytest.fail("validated unchanged data again"))
+    assert stage_dataset(data, workspace) == first
+    assert stage_dataset(data, workspace, validated="sha256:not-this-data") == first
+    assert stage.version_validated(data.resolve(), workspace, first["splits"]) == first
+    assert opened == []
+
+
+def _rewrite_one_pixel(data: Path, workspace: Path, tmp_path: Path) -> None:
+    frame = pd.read_parquet(data / "train.parquet")
+    frame.loc[0, "pixel_0"] = np.float32(7.0) if frame.loc[0, "pixel_0"] != 7.0 else np.float32(8.0)
+    frame.to_parquet(data / "train.parquet", index=False)
+
+
+def _replace_with_a_copy(data: Path, workspace: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "train.copy"
+    shutil.copy2(data / "train.parquet", copy)  # same bytes, size and mtime; another inode
+    os.replace(copy, data / "train.parquet")
+
+
+def _rewrite_in_place_keeping_mtime(data: Path, workspace: Path, tmp_path: Path) -> None:
+    path = data / "train.parquet"
+    st = path.stat()
+    path.write_bytes(path.read_bytes())  # same inode and size; only the ctime tells
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_ino == st.st_ino
+
+
+def _delete_workspace_link(data: Path, workspace: Path, tmp_path: Path) -> None:
+    (workspace / "data" / "train.parquet").unlink()
+
+
+def _delete_cache_object(data: Path, workspace: Path, tmp_path: Path) -> None:
+    record = json.loads((workspace / ".staged.json").read_text())
+    Path(record["objects"]["train.parquet"]["path"]).unlink()
+
+
+RESTAGE_CHANGES: dict[str, tuple[Callable[[Path, Path, Path], None], bool]] = {
+    # name: (change, whether the dataset version changes)
+    "content touched": (_rewrite_one_pixel, True),
+    "file replaced by a same-size copy": (_replace_with_a_copy, False),
+    "file rewritten in place, mtime restored": (_rewrite_in_place_keeping_mtime, False),
+    "workspace link deleted": (_delete_workspace_link, False),
+    "cache object deleted": (_delete_cache_object, False),
+}
+
+
+@pytest.mark.parametrize("change", list(RESTAGE_CHANGES))
+def test_restaging_takes_the_full_dvc_path_after(change: str, staged_once: tuple[Path, Path, DatasetVersion],
+                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, workspace, first = staged_once
+    modify, new_version = RESTAGE_CHANGES[change]
+    modify(data, workspace, tmp_path)
+    opened = _count_full_paths(monkeypatch)
+    again = stage_dataset(data, workspace)
+    assert opened == [1]
+    assert (again["hash"] != first["hash"]) is new_version
+    for split in ("train", "validation", "test"):  # the workspace holds the new version, links restored
+        assert _md5(workspace / "data" / f"{split}.parquet") == _md5(data / f"{split}.parquet")
+    assert stage_dataset(data, workspace) == again and opened == [1]  # recorded anew: fast again
+
+
+def test_restaging_takes_the_full_dvc_path_for_another_remote(staged_once: tuple[Path, Path, DatasetVersion],
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, workspace, first = staged_once
+    other = tmp_path / "other-remote"
+    monkeypatch.setenv("NIGHTSHIFT_DVC_REMOTE", str(other))
+    opened = _count_full_paths(monkeypatch)
+    again = stage_dataset(data, workspace)
+    assert opened == [1] and again["remote"] == str(other) and again["hash"] == first["hash"]
+    assert (other / "files" / "md5" / first["hash"][:2] / f"{first['hash'][2:]}.dir").is_file()  # pushed there
+    assert stage_dataset(data, workspace) == again and opened == [1]
