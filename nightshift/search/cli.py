@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> None:
     search.add_argument("--min-epochs", type=int, default=1, help="epochs before the first rung (1)")
     search.add_argument("--reduction-factor", type=int, default=3, help="1/F of the trials go on at each rung (3)")
     search.add_argument("--pruner", choices=PRUNERS, default="asha",
-                        help="asha: asynchronous successive halving; hyperband (asha)")
+                        help="asha: asynchronous successive halving; hyperband; none: no early stopping (asha)")
     search.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="(tpe)")
     search.add_argument("--startup-trials", type=int, default=10, help="TPE: random trials before modelling (10)")
     search.add_argument("--seed", type=int, default=0, help="sampler seed (0)")

@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 OBJECTIVE = "val_accuracy"
 DIRECTION: Literal["maximize"] = "maximize"
-PRUNERS = ("asha", "hyperband")
+PRUNERS = ("asha", "hyperband", "none")  # none: every trial runs to max_epochs (a baseline)
 SAMPLERS = ("tpe", "random")
 # Trial and study user attributes.
 SETTINGS_ATTR = "nightshift.search"
@@ -114,9 +116,38 @@ def check_storage(url: str) -> str:
     return url
 
 
+def _sqlite_folder(url: str) -> str:
+    """`url`, with the folder of a SQLite file created (SQLite creates the file, not its folder)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        folder = Path(str(parsed.database)).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot use the study storage {url}: cannot create {folder} "
+                             f"({err.strerror})") from err
+    return url
+
+
+@contextmanager
+def _storage_errors(url: str) -> Iterator[None]:
+    """A database that cannot be reached or opened, as one line naming the URL."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as err:
+        reason = str(getattr(err, "orig", None) or err).strip().splitlines()[0]
+        raise UsageError(f"cannot use the study storage {url}: {reason}") from err
+
+
 def build_pruner(settings: SearchSettings) -> optuna.pruners.BasePruner:
     import optuna
 
+    if settings.pruner == "none":
+        return optuna.pruners.NopPruner()
     if settings.pruner == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=settings.min_epochs, max_resource=settings.max_epochs,
                                               reduction_factor=settings.reduction_factor)
@@ -148,9 +179,10 @@ def open_study(storage: str, name: str, settings: SearchSettings) -> optuna.Stud
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(storage=check_storage(storage), study_name=name, direction=DIRECTION,
-                                load_if_exists=True, pruner=build_pruner(settings),
-                                sampler=build_sampler(settings))
+    with _storage_errors(storage):
+        study = optuna.create_study(storage=_sqlite_folder(check_storage(storage)), study_name=name,
+                                    direction=DIRECTION, load_if_exists=True, pruner=build_pruner(settings),
+                                    sampler=build_sampler(settings))
     stored = study.user_attrs.get(SETTINGS_ATTR)
     wanted = settings.to_json()
     if stored is None:
@@ -170,7 +202,8 @@ def load_study(storage: str, name: str) -> tuple[optuna.Study, SearchSettings]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        probe = optuna.load_study(study_name=name, storage=check_storage(storage))
+        with _storage_errors(storage):
+            probe = optuna.load_study(study_name=name, storage=check_storage(storage))
     except KeyError as err:
         raise UsageError(f"no study {name!r} in {storage}") from err
     stored = probe.user_attrs.get(SETTINGS_ATTR)

@@ -357,3 +357,35 @@ def test_no_slot_starts_a_trial_once_the_budget_is_spent(storage: str) -> None:
     assert steps.ask(search, map_index=0) is not None  # nothing spent yet
     with pytest.raises(steps.BudgetSpent, match="budget of 1e-09 hours is spent"):
         steps.ask(search, map_index=1)
+
+
+def test_hyperband_opened_by_name_prunes_like_the_process_that_created_it(storage: str) -> None:
+    """A trainer process opens the study by name: the pruner it builds from the stored settings must
+    decide as the creating process's would (Hyperband assigns brackets by study name and trial number)."""
+    from nightshift.search.study import load_study
+
+    config = settings(pruner="hyperband", max_epochs=8, min_epochs=1, reduction_factor=2)
+    space = parse_space(config.space)
+    study = open_study(storage, "hb", config)
+    answers = []
+    for number in range(8):
+        trial, _ = ask_trial(study, space, config, owner={})
+        opened, _ = load_study(storage, "hb")
+        by_name = TrialReporter(optuna.trial.Trial(opened, trial._trial_id), config.max_epochs)
+        value = 0.9 if number == 0 else 0.1 + number / 100
+        pruned = next((e for e in range(1, 9) if by_name(e, {"val_accuracy": value})), None)
+        answers.append(pruned)
+        if pruned:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        else:
+            study.tell(trial, value)
+    assert answers[0] is None and any(answers[1:]), answers
+    assert [t.state.name for t in study.get_trials()].count("PRUNED") == sum(a is not None for a in answers)
+
+
+def test_a_sqlite_folder_is_created_and_an_unusable_storage_is_one_line(tmp_path: Path) -> None:
+    study = open_study(f"sqlite:///{tmp_path / 'new' / 'folder' / 'optuna.db'}", "s", settings())
+    assert study.study_name == "s" and (tmp_path / "new" / "folder" / "optuna.db").is_file()
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(UsageError, match=r"cannot use the study storage sqlite:///.*: cannot create"):
+        open_study(f"sqlite:///{tmp_path / 'file' / 'optuna.db'}", "s", settings())
