@@ -213,12 +213,19 @@ def bench_restage(target_bytes: int = 1 << 30) -> None:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory(prefix="bench-data-home-") as home:
-        os.environ["NIGHTSHIFT_HOME"] = home  # Data Docs sites and DVC state of the benchmark go here
-        for rows, repeat in VALIDATION_SIZES.items():
-            bench_validation(rows, repeat)
-        bench_data_docs()
-        bench_restage()
+    saved = os.environ.get("NIGHTSHIFT_HOME")
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-data-home-") as home:
+            os.environ["NIGHTSHIFT_HOME"] = home  # Data Docs sites and DVC state of the benchmark go here
+            for rows, repeat in VALIDATION_SIZES.items():
+                bench_validation(rows, repeat)
+            bench_data_docs()
+            bench_restage()
+    finally:  # `python -m bench` runs the other benchmarks in this process
+        if saved is None:
+            os.environ.pop("NIGHTSHIFT_HOME", None)
+        else:
+            os.environ["NIGHTSHIFT_HOME"] = saved
 
 
 if __name__ == "__main__":

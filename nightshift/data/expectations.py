@@ -196,7 +196,8 @@ class CompoundColumnsDuplicatesByHash(TableMetricProvider):
         for position in repeats:
             same_hash = np.flatnonzero(hashes == hashes[position])
             first = next(p for p in same_hash if table.iloc[p].equals(table.iloc[position]))
-            result["examples"].append({"row": frame.index[position], "duplicate_of": frame.index[first]})
+            row, original = frame.index[[position, first]].tolist()
+            result["examples"].append({"row": row, "duplicate_of": original})
         return result
 
 

@@ -249,8 +249,8 @@ def version_validated(data: Path, workspace: str | Path, splits: dict[str, int],
 
 # ---- the staging record: "unchanged" without DVC --------------------------------------------------------
 
-def _stat(path: Path, *, follow: bool = True) -> dict[str, int]:
-    st = path.stat() if follow else path.lstat()
+def _stat(path: Path) -> dict[str, int]:
+    st = path.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
             "dev": st.st_dev}
 
