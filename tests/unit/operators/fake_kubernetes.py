@@ -395,6 +395,9 @@ class AsyncFakeApi:
     async def list_namespaced_pod(self, **kwargs: Any) -> Any:
         return self.cluster.list_namespaced_pod(**kwargs)
 
+    async def list_namespaced_custom_object(self, **kwargs: Any) -> Any:
+        return self.cluster.list_namespaced_custom_object(**kwargs)  # type: ignore[attr-defined]
+
 
 class FakeHook:
     """Stands in for `KubernetesHook`: the two clients and the connection's namespace."""

@@ -162,3 +162,41 @@ def test_gpus_without_a_node_size_say_what_to_set() -> None:
     forbidden.list_node = lambda **_: (_ for _ in ()).throw(fk._api_error(403, "Forbidden", "nodes is forbidden"))
     with pytest.raises(errors.InvalidJobConfig, match=r"set NIGHTSHIFT_GPUS_PER_NODE \(the nodes cannot be listed"):
         operator(forbidden, gpus=4).execute(CONTEXT)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("lifecycle", "status", "kind"), [
+    (fq.Lifecycle(pending_polls=3), "success", None),
+    (fq.Lifecycle(never_admit=True), "failed", "MPIJobQueueTimeout"),
+])
+def test_the_deferred_wait_follows_kueue_too(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                             lifecycle: fq.Lifecycle, status: str, kind: str | None) -> None:
+    import asyncio
+    import contextlib
+    import time
+    from collections.abc import AsyncIterator
+
+    from operators.triggers import MPIJobTrigger
+
+    cluster = fq.KueueCluster(lambda name: lifecycle, **queues())
+    body = operator(cluster).build_manifest(TaskIdentity("d", "train", "r", 1), "ml")
+    cluster.create_namespaced_custom_object("kubeflow.org", "v2beta1", "ml", "mpijobs", body)
+
+    @contextlib.asynccontextmanager
+    async def api_clients(self: MPIJobTrigger) -> AsyncIterator[tuple[Any, Any]]:
+        api = fk.AsyncFakeApi(cluster)
+        yield api, api
+
+    monkeypatch.setattr(MPIJobTrigger, "api_clients", api_clients)
+    trig = MPIJobTrigger(name=body["metadata"]["name"], namespace="ml", submitted_at=time.time(), poll_interval=0.0,
+                         queue_timeout=0.0 if kind else None)
+
+    async def collect() -> list[dict[str, Any]]:
+        return [event.payload async for event in trig.run()]
+
+    (event,) = asyncio.run(collect())
+    assert (event["status"], event["error_kind"]) == (status, kind)
+    if kind:
+        assert "insufficient unused quota for nvidia.com/gpu" in event["message"]
+    else:
+        queued = [line for line in capsys.readouterr().out.splitlines() if "is queued" in line]
+        assert len(queued) == 1 and "LocalQueue nightly" in queued[0]
