@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.integration.airflow_helpers import REPO, airflow_database, registered_versions, stop_model_server
+from tests.integration import airflow_helpers
+from tests.integration.airflow_helpers import (
+    REPO,
+    airflow_database,
+    free_port,
+    registered_versions,
+    stop_group,
+    stop_model_server,
+)
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -30,49 +36,13 @@ DAG_ID = "nightly_retrain"
 HOST = "127.0.0.1"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+# Kept under these names: other modules (test_dag_bundle) import them from here.
+_free_port = free_port
+_stop_group = stop_group
 
 
-def _stop_group(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
-    """TERM the process group we started (its leader is `proc`), then KILL what is left."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group (task processes, gunicorn workers)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
-class Api:
-    def __init__(self, base: str) -> None:
-        import requests
-
-        self.base = base
-        self.session = requests.Session()
-
-    def login(self) -> None:
-        answer = self.session.get(f"{self.base}/auth/token", timeout=30)
-        answer.raise_for_status()
-        self.session.headers["Authorization"] = f"Bearer {answer.json()['access_token']}"
-
-    def get(self, path: str, **kwargs: Any) -> Any:
-        return self.session.get(f"{self.base}{path}", timeout=30, **kwargs)
-
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        answer = self.session.request(method, f"{self.base}/api/v2{path}", json=body, timeout=30)
-        assert answer.status_code < 300, f"{method} {path}: {answer.status_code} {answer.text[:500]}"
-        return dict(answer.json())
+class Api(airflow_helpers.Api):
+    """The shared REST client, plus what these tests ask of nightly_retrain's runs."""
 
     def wait_run(self, run_id: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,7 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.integration.airflow_helpers import REPO, airflow_database
+from tests.integration.airflow_helpers import REPO, Api, airflow_database
+from tests.integration.airflow_helpers import free_port as _free_port
+from tests.integration.airflow_helpers import stop_group as _stop_group
 
 pytestmark = pytest.mark.integration
 
@@ -28,55 +28,6 @@ HOST = "127.0.0.1"
 DAG_ID = "gpu_pool_slots"
 SCHEDULED_DAG_ID = "gpu_pool_slots_scheduled"
 POOL_SLOTS = 8
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def _stop_group(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
-    """TERM the process group we started (its leader is `proc`), then KILL what is left."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
-class Api:
-    def __init__(self, base: str) -> None:
-        import requests
-
-        self.base = base
-        self.session = requests.Session()
-
-    def login(self) -> None:
-        answer = self.session.get(f"{self.base}/auth/token", timeout=30)
-        answer.raise_for_status()
-        self.session.headers["Authorization"] = f"Bearer {answer.json()['access_token']}"
-
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        answer = self.session.request(method, f"{self.base}/api/v2{path}", json=body, timeout=30)
-        assert answer.status_code < 300, f"{method} {path}: {answer.status_code} {answer.text[:500]}"
-        return dict(answer.json())
-
-    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
-        return str(self.call("POST", f"/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf})["dag_run_id"])
-
-    def task_instances(self, dag_id: str, run_id: str) -> dict[str, dict[str, Any]]:
-        out = self.call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")
-        return {ti["task_id"]: ti for ti in out["task_instances"]}
 
 
 @pytest.fixture(scope="module")
