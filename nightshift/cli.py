@@ -33,6 +33,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"nightshift: error: {message}\n")
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object (argparse's message names the flag it came with)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nightshift", description=__doc__.splitlines()[0] if __doc__ else None)
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

@@ -7,27 +7,18 @@ imported only when this command runs, so `nightshift` itself never imports Airfl
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
+from nightshift.cli import json_object
 from nightshift.errors import UsageError
-
-
-def _conf(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"--conf is not JSON: {err}") from err
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--conf must be a JSON object of the DAG's params")
-    return value
 
 
 def add_parser(subparsers: Any) -> None:
     plan = subparsers.add_parser(
         "plan", help="print, as YAML, every Kubernetes object a nightly_retrain run with this conf would create")
-    plan.add_argument("--conf", type=_conf, default={}, help="the trigger conf: a JSON object of the DAG's params")
+    plan.add_argument("--conf", type=json_object, default={},
+                      help="the trigger conf: a JSON object of the DAG's params")
     plan.add_argument("--run-id", default="manual__plan", help="the run id to render names and paths for")
     plan.add_argument("--against", metavar="REF",
                       help="print a diff of every object against the plan the code at git REF renders")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from nightshift.cli import json_object
 from nightshift.errors import NightshiftError, UsageError
 from nightshift.train.config import COMPRESSIONS, DEVICES, PRECISIONS, TrainConfig
 
@@ -16,16 +16,6 @@ if TYPE_CHECKING:
     from nightshift.train.trainer import EpochHook
 
 DEFAULTS = TrainConfig(data=".", out=".", checkpoint_dir=".")  # type: ignore[arg-type]
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON: {err}") from err
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def _tag(text: str) -> tuple[str, str]:
@@ -41,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="where model.pt, model.json, metrics.json(l) go")
     parser.add_argument("--checkpoint-dir", required=True, help="checkpoints; resumed from when restarted")
     parser.add_argument("--model", default=d.model, help=f"registered model name or module:factory ({d.model})")
-    parser.add_argument("--model-kwargs", type=_json_object, default={}, help="JSON object of model arguments")
+    parser.add_argument("--model-kwargs", type=json_object, default={}, help="JSON object of model arguments")
     parser.add_argument("--dataset", default=d.dataset, help=f"registered dataset name ({d.dataset})")
     parser.add_argument("--epochs", type=int, default=d.epochs, help=f"({d.epochs})")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help=f"per process ({d.batch_size})")
