@@ -59,3 +59,19 @@ class ChallengerRejected(NightshiftError):
 
 class DeploymentFailed(NightshiftError):
     """A deployment did not become healthy or answer correctly; the previous version keeps serving."""
+
+
+class EventsUnavailable(NightshiftError):
+    """The Redis the "new data" events go through does not answer or refuses the command."""
+
+    exit_code = 1
+
+
+class EventNotHeard(NightshiftError):
+    """A "new data" event was published while nobody subscribed to its channel, so it was dropped."""
+
+    exit_code = 1
+
+
+class BadEvent(NightshiftError):
+    """A "new data" event is not one `nightshift publish-data` writes (not JSON, wrong kind, no source)."""
