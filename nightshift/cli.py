@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.plan_cli",
     "nightshift.mpijob_local.cli",
     "nightshift.search.cli",
+    "nightshift.events",
 )
 
 
