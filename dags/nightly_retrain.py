@@ -13,13 +13,17 @@ from airflow.sdk import DAG, Asset, Param, get_current_context, task
 from airflow.sdk.exceptions import AirflowSkipException
 from nightly_tasks import steps
 from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator
+from nightly_tasks.events import retrain_schedule
 
 from operators.horovod import HorovodKubernetesOperator
 
 DAG_ID = "nightly_retrain"
 # Users change the schedule here or with NIGHTSHIFT_RETRAIN_CRON ("none": manual and UI triggers only).
 _CRON = os.environ.get("NIGHTSHIFT_RETRAIN_CRON", "0 2 * * *").strip()
-SCHEDULE = None if _CRON.lower() in {"", "none"} else _CRON
+CRON = None if _CRON.lower() in {"", "none"} else _CRON
+# With NIGHTSHIFT_EVENTS_REDIS_URL (or NIGHTSHIFT_EVENTS_CONN_ID) set, a "new data" event (`nightshift
+# publish-data DIR`) starts a run too: the cron or the event's Asset, whichever comes first (nightly_tasks.events).
+SCHEDULE = retrain_schedule(CRON)
 TRAINER_IMAGE = os.environ.get("NIGHTSHIFT_TRAINER_IMAGE", "ghcr.io/nightshift/trainer:0.1.0")
 
 DATASET_ASSET = Asset("nightshift://datasets/digits", group="nightshift")
@@ -55,6 +59,10 @@ run, `skip_training` runs instead of `train` and nothing downstream of it (unles
 | `require_approval` | wait for a person to approve in the UI (Required actions) before deploying |
 | `force` | train even when data, code and parameters are unchanged since the last successful run |
 | `deploy_target` | `local` (MLflow model server on 127.0.0.1, blue/green) or `kserve` |
+
+**Schedule**: `NIGHTSHIFT_RETRAIN_CRON` (default `0 2 * * *`), and, when `NIGHTSHIFT_EVENTS_REDIS_URL` is set,
+also each "new data" event (`nightshift publish-data DIR`, the Asset `nightshift://events/new-data` with an
+AssetWatcher on Redis pub/sub): such a run validates, stages and trains on the event's directory.
 
 Assets: `stage_dataset` emits `nightshift://datasets/digits` (extra: the version hash), `deploy` emits
 `nightshift://models/nightshift-digits/champion` (extra: the model version and URL).

@@ -45,7 +45,8 @@ def _suite(gx_context: Any) -> Any:
 
 
 class GXDataGateOperator(GXValidateBatchOperator):
-    """Validate every split of `data_source` (empty: the demo dataset) with the GX provider and the gx/ suite.
+    """Validate every split of `data_source` (empty: the new-data event's source when one started the run, else
+    the demo dataset) with the GX provider and the gx/ suite.
 
     Returns {"path", "files": {split: rows}}; raises AirflowFailException (no retry: bad data does not heal)
     naming each failed expectation, its rule and sample unexpected values, and the Data Docs page.
@@ -61,6 +62,7 @@ class GXDataGateOperator(GXValidateBatchOperator):
     def execute(self, context: Context) -> dict[str, Any]:  # type: ignore[override]
         from great_expectations_provider.common.errors import GXValidationFailed
 
+        from nightly_tasks.events import event_data_source
         from nightly_tasks.steps import resolve_data_source
         from nightshift.data.validate import (
             check_data,
@@ -74,7 +76,8 @@ class GXDataGateOperator(GXValidateBatchOperator):
 
         quiet_gx_logging()  # before the provider first imports GX, which logs ~200 INFO lines on import
         try:
-            path = resolve_data_source(str(self.data_source or ""))
+            # The data_source Param, else (a run a new-data event started) the event's source; both confined.
+            path = resolve_data_source(str(self.data_source or "") or event_data_source(context) or "")
         except UsageError as err:
             raise AirflowFailException(f"validate_data: {err}") from err
         try:
