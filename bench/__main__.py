@@ -6,7 +6,6 @@ import importlib
 import sys
 from pathlib import Path
 
-
 # Second modes of a module, run with every benchmark or when named exactly: `python -m bench multihost-steps`.
 MODES = {"multihost-steps": ("bench_multihost", "main_steps")}
 
