@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.mpijob_local.cli",
     "nightshift.search.cli",
     "nightshift.events",
+    "nightshift.stream.cli",
 )
 
 
