@@ -29,6 +29,7 @@ from nightshift import settings as nightshift_settings
 from nightshift.errors import UsageError
 from nightshift.search import tracking
 from nightshift.search.best import best_record, write_best
+from nightshift.search.report_html import write_report
 from nightshift.search.space import SearchSpace, parse_space
 from nightshift.search.study import (
     SearchSettings,
@@ -40,6 +41,7 @@ from nightshift.search.study import (
     fail_trial,
     open_study,
     process_owner,
+    study_dir,
     study_report,
 )
 
@@ -80,7 +82,7 @@ class SearchContext:
 
 def trial_dir(study: str, number: int) -> Path:
     """Where trial `number` of `study` keeps its outputs (`out/`) and checkpoints (`checkpoints/`)."""
-    return nightshift_settings.home() / "search" / study.replace("/", "_") / f"trial-{number}"
+    return study_dir(study) / f"trial-{number}"
 
 
 def check_data(space: SearchSpace, data: str) -> None:
@@ -119,7 +121,8 @@ def budget_report(study: optuna.Study, budget_hours: float | None, wanted: int) 
 
 
 def finish_search(ctx: SearchContext, budget: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The study's report; best.json when there is a best trial; the parent run ended."""
+    """The study's report; best.json when there is a best trial; its pictures (`report`: the HTML page);
+    the parent run ended."""
     report = study_report(ctx.study, ctx.settings)
     report["storage"] = ctx.storage
     report["mlflow"] = {"experiment_id": ctx.experiment_id, "parent_run_id": ctx.parent_run_id}
@@ -136,6 +139,7 @@ def finish_search(ctx: SearchContext, budget: dict[str, Any] | None = None) -> d
         written = write_best(record)
         report["best_file"] = {"path": str(nightshift_settings.home() / "search" / "best.json"),
                                "version": written["version"]}
+    report["report"] = str(write_report(ctx.study, ctx.settings))
     tracking.finish_parent(ctx.parent_run_id, report)
     return report
 

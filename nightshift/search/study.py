@@ -99,6 +99,14 @@ def default_storage() -> str:
     return f"sqlite:///{path}"
 
 
+def study_dir(study: str) -> Path:
+    """The folder of `study` under NIGHTSHIFT_HOME/search: its trials' outputs and its report page."""
+    name = study.replace("/", "_").replace("\x00", "_")
+    if not name.strip("."):  # "", "." or "..": never the search folder itself or its parent
+        name = "_" + name
+    return nightshift_settings.home() / "search" / name
+
+
 def check_storage(url: str) -> str:
     """`url` when it is a database URL Optuna can use without a password in it, else UsageError.
 
