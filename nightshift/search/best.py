@@ -4,6 +4,9 @@ Written atomically under NIGHTSHIFT_HOME with its lineage (study, storage, trial
 trial runs, data) and a version that grows by one whenever the content changes; every version is kept
 beside it as `search/best-v<N>.json`. Writing the same best again changes nothing, so a retried task or
 a re-run search does not bump the version.
+
+`training_defaults` is how `nightly_retrain` reads it, at run time: a training parameter the trigger left
+empty (null) takes best.json's value, else the trainer's built-in default; one the trigger set wins.
 """
 
 from __future__ import annotations
@@ -15,6 +18,13 @@ from typing import Any
 
 from nightshift import settings
 from nightshift.fsutil import atomic_write_json
+from nightshift.search.errors import BestConfigInvalid
+
+# nightly_retrain's training Params -> the trainer options they set, in the order they are reported.
+RETRAIN_PARAMS = {"learning_rate": "lr", "batch_size": "batch_size", "momentum": "momentum",
+                  "model_kwargs": "model_kwargs"}
+# Taken from best.json together with `model_kwargs` (arguments are for their model); no Param of its own.
+MODEL = "model"
 
 
 def best_path() -> Path:
@@ -61,3 +71,106 @@ def best_record(report: dict[str, Any], *, storage: str, data: str, max_epochs: 
         "data": data,
         "mlflow": mlflow,
     }
+
+
+def load_best(path: Path | None = None) -> dict[str, Any] | None:
+    """best.json, checked: None when no search has written one; BestConfigInvalid, naming the file and
+    what is wrong, when it cannot be used."""
+    path = path or best_path()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise _invalid(path, f"cannot be read ({err.strerror})") from err
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _invalid(path, f"is not JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise _invalid(path, f"must hold a JSON object, not {type(value).__name__}")
+    for key, kind in (("study", str), ("trial", int), ("version", int), ("train_options", dict)):
+        if not isinstance(value.get(key), kind) or isinstance(value.get(key), bool):
+            raise _invalid(path, f"has no {key!r} ({kind.__name__}), got {value.get(key)!r}")
+    options = value["train_options"]
+    checks = {"lr": (_positive_number, "a positive number"), "batch_size": (_positive_int, "a positive integer"),
+              "momentum": (_momentum, "a number in [0, 1)"), "model": (_name, "a model name"),
+              "model_kwargs": (lambda v: isinstance(v, dict), "a JSON object")}
+    for key, (valid, wanted) in checks.items():
+        if key in options and not valid(options[key]):
+            raise _invalid(path, f"train_options.{key} must be {wanted}, got {options[key]!r}")
+    return value
+
+
+def _invalid(path: Path, reason: str) -> BestConfigInvalid:
+    return BestConfigInvalid(f"{path} {reason}: fix or delete it (the next model_search run writes it again; "
+                             f"without it training takes its built-in defaults), or trigger with every training "
+                             f"parameter set ({', '.join(RETRAIN_PARAMS)})")
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _momentum(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+
+
+def _name(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def training_defaults(params: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+    """The trainer options of a `nightly_retrain` run from its Params (`RETRAIN_PARAMS`).
+
+    A Param the trigger set wins; one left null takes best.json's value when a search wrote one, else the
+    trainer's built-in default. `model` goes with `model_kwargs`: from best.json when `model_kwargs` does,
+    else the built-in model. Returns `options` (lr, batch_size, momentum, model, model_kwargs), `builtin`
+    (the trainer's defaults of the same), `sources` (per option: trigger, best.json or built-in), `best`
+    (the file's path, version, study, trial and value, when one was read), `not_applied` (what else
+    best.json holds that nightly_retrain sets itself or not at all) and `summary` (one line for logs and
+    tags).
+    """
+    from nightshift.train.config import TrainConfig
+
+    path = path or best_path()
+    fields = TrainConfig.__dataclass_fields__
+    builtin: dict[str, Any] = {MODEL: fields[MODEL].default, "model_kwargs": {}}
+    for option in ("lr", "batch_size", "momentum"):
+        builtin[option] = fields[option].default
+    wanted = [param for param in RETRAIN_PARAMS if params.get(param) is None]
+    best = load_best(path) if wanted else None
+    found = (best or {}).get("train_options", {})
+    options: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for param, option in RETRAIN_PARAMS.items():
+        if params.get(param) is not None:
+            options[option], sources[option] = params[param], "trigger"
+        elif option in found:
+            options[option], sources[option] = found[option], "best.json"
+        else:
+            options[option], sources[option] = builtin[option], "built-in"
+    if sources["model_kwargs"] == "best.json" and MODEL in found:
+        options[MODEL], sources[MODEL] = found[MODEL], "best.json"
+    else:
+        options[MODEL], sources[MODEL] = builtin[MODEL], "built-in"
+    options["lr"], options["batch_size"] = float(options["lr"]), int(options["batch_size"])
+    options["momentum"] = float(options["momentum"])
+    taken = [option for option, source in sources.items() if source == "best.json"]
+    record = None
+    if best is not None:
+        record = {"path": str(path), **{k: best.get(k) for k in ("version", "study", "trial", "value", "storage")}}
+    not_applied = {k: v for k, v in found.items() if k not in sources} if taken else {}
+    if taken and record:
+        summary = (f"{', '.join(taken)} from {path.name} v{record['version']} (study {record['study']}, "
+                   f"trial {record['trial']})")
+    elif best is None and wanted:
+        summary = f"built-in defaults for {', '.join(RETRAIN_PARAMS[p] for p in wanted)} (no {path.name})"
+    else:
+        summary = "trigger values" if not wanted else "trigger values and built-in defaults"
+    return {"options": options, "builtin": builtin, "sources": sources, "best": record if taken else None,
+            "not_applied": not_applied, "summary": summary}

@@ -15,3 +15,7 @@ class StudyMismatch(UsageError):
 
 class TrialNotRunning(NightshiftError):
     """A trainer was asked to report to a trial that is not RUNNING in its study."""
+
+
+class BestConfigInvalid(UsageError):
+    """The best configuration file (search/best.json) is malformed, so training cannot take its defaults."""
