@@ -26,7 +26,7 @@ BASE: dict[str, Any] = {"input": "in", "output": "out", "dead_letter": "dlq", "g
 ])
 def test_bad_options_name_the_flag(change: dict[str, object], flag: str) -> None:
     with pytest.raises(StreamConfigError, match=flag):
-        StreamConfig(**{**BASE, **change})  # type: ignore[arg-type]
+        StreamConfig(**{**BASE, **change})
 
 
 def test_claims_are_checked_often_enough_for_the_idle_time() -> None:
