@@ -278,6 +278,33 @@ print(json.dumps([{"name": "nightshift", "classpath": "airflow.providers.git.bun
 esac
 # --- end of the DAG bundle block ------------------------------------------------------------------------
 
+# --- New-data events ------------------------------------------------------------------------------------
+# NIGHTSHIFT_EVENTS_REDIS_URL (redis://[:password@]host:port[/db], rediss:// for TLS): nightly_retrain also runs
+# on each "new data" event (`nightshift publish-data DIR`); its AssetWatcher's trigger, run by the triggerer,
+# connects through the Airflow connection nightshift_events, made here from that URL (in the environment as
+# AIRFLOW_CONN_NIGHTSHIFT_EVENTS, never on a command line) unless AIRFLOW_CONN_NIGHTSHIFT_EVENTS is set already.
+# NIGHTSHIFT_EVENTS_CONN_ID instead names a connection defined elsewhere (a secrets backend); nothing is made.
+if [[ -n "${NIGHTSHIFT_EVENTS_REDIS_URL:-}" && -z "${NIGHTSHIFT_EVENTS_CONN_ID:-}" \
+      && -z "${AIRFLOW_CONN_NIGHTSHIFT_EVENTS:-}" ]]; then
+    events_conn="$(python -c 'import json, os, sys
+from urllib.parse import urlsplit
+url = urlsplit(os.environ["NIGHTSHIFT_EVENTS_REDIS_URL"].strip())
+try:
+    port = url.port or 6379
+    db = int(url.path.strip("/") or 0)
+except ValueError:
+    sys.exit("NIGHTSHIFT_EVENTS_REDIS_URL: the port and the database must be numbers: redis://HOST:PORT/DB")
+if url.scheme not in ("redis", "rediss") or not url.hostname:
+    sys.exit("NIGHTSHIFT_EVENTS_REDIS_URL is not redis://[:password@]HOST:PORT[/DB] (or rediss://)")
+extra = {"db": db, **({"ssl": True} if url.scheme == "rediss" else {})}
+print(json.dumps({"conn_type": "redis", "host": url.hostname, "port": port, "login": url.username or None,
+                  "password": url.password or None, "extra": extra}))')" \
+        || refuse "NIGHTSHIFT_EVENTS_REDIS_URL cannot be used (see above)"
+    export AIRFLOW_CONN_NIGHTSHIFT_EVENTS="$events_conn"
+    unset events_conn
+fi
+# --- end of new-data events ------------------------------------------------------------------------------
+
 mkdir -p "$AIRFLOW_HOME"
 case "${1:-}" in
     standalone)
