@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 import json
 import logging
+import re
 import warnings
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -122,8 +123,12 @@ def _intermediate(study: optuna.Study, trials: list[Any], state: str) -> go.Figu
     if not chosen:
         raise Unavailable(f"no {state} trial reported an intermediate value")
     subset = optuna.create_study(direction=DIRECTION, study_name=f"{study.study_name} {state}")
-    subset.add_trials(chosen)
+    subset.add_trials(chosen)  # numbered 0, 1, ... again: the legend gets the study's numbers back below
     figure = plot_intermediate_values(subset)
+    for trace in figure.data:
+        copied = re.fullmatch(r"Trial\s*(\d+)", str(trace.name or ""))
+        if copied and int(copied.group(1)) < len(chosen):
+            trace.name = f"Trial {chosen[int(copied.group(1))].number}"
     figure.update_layout(xaxis_title="epoch", yaxis_title=OBJECTIVE, showlegend=True)
     return figure
 

@@ -62,6 +62,9 @@ def test_pruned_and_completed_trials_are_drawn_apart() -> None:
     complete, pruned = figure_data(page, "intermediate-complete"), figure_data(page, "intermediate-pruned")
     assert "0.9" in complete and "0.7" in complete and "0.1" not in complete
     assert "0.1" in pruned and "0.9" not in pruned and "0.7" not in pruned
+    # The legends name the study's trials, not those of the copy each figure is drawn from.
+    assert re.findall(r'"name":"(Trial[^"]*)"', complete) == ["Trial 0", "Trial 2"]
+    assert re.findall(r'"name":"(Trial[^"]*)"', pruned) == ["Trial 1"]
 
 
 def test_everything_from_the_study_is_escaped() -> None:
