@@ -3,15 +3,19 @@
 - Extra links (every task; a link is disabled when its task has nothing to point to): "MLflow run" (the
   training run, from the `mlflow_run_id` XCom of `train` and `report`; its experiment from the
   `mlflow_experiment_id` XCom, else MLflow's own run page finds it), "Model version" (the registered version, from
-  the `model_version` XCom of `register`) and "GX Data Docs" (the page of a failed validation, from the
-  `data_docs` XCom of `validate_data`, served by this plugin).
+  the `model_version` XCom of `register`), "GX Data Docs" (the page of a failed validation, from the
+  `data_docs` XCom of `validate_data`, served by this plugin) and "Search report" (the pictures of a
+  `model_search` run, from the `report` XCom of its `finish` task, served by this plugin).
 - A FastAPI app under `/nightshift`: `/nightshift/lineage` lists recent `nightly_retrain` runs as dataset
   version -> model version -> deployment (from the run ledger in NIGHTSHIFT_HOME), `/nightshift/lineage.json`
   the same as JSON, `/nightshift/data-docs/...` the GX Data Docs pages. The page is also a nav entry.
+  `/nightshift/search/` lists the model searches' report pages (NIGHTSHIFT_HOME/search/<study>/report.html,
+  written by `nightshift.search.report_html`), `/nightshift/search/<study>/report.html` serves one.
 
 Every endpoint is behind Airflow's auth manager, as the REST API is: a request without a valid token
 (the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read
-`nightly_retrain`'s runs gets 403 (run parameters, failure reasons and sample data values are the DAG's).
+`nightly_retrain`'s runs gets 403 (run parameters, failure reasons and sample data values are the DAG's);
+the search pages ask for read access to `model_search`'s runs instead.
 Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.0.0.1:5000; `make airflow`
 starts one there and sets it).
 """
@@ -30,9 +34,11 @@ from airflow.plugins_manager import AirflowPlugin
 from airflow.sdk import BaseOperatorLink
 
 from nightshift.ledger import read_records
-from nightshift.settings import data_docs_dir
+from nightshift.search.report_html import REPORT_NAME
+from nightshift.settings import data_docs_dir, home
 
 DAG_ID = "nightly_retrain"
+SEARCH_DAG_ID = "model_search"
 PREFIX = "/nightshift"
 RECENT = 50
 
@@ -97,6 +103,49 @@ class DataDocsLink(BaseOperatorLink):
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
         return data_docs_url(_xcom(ti_key, "data_docs"))
+
+
+def search_root() -> Path:
+    return home() / "search"
+
+
+def search_report_url(page: Any, prefix: str = PREFIX) -> str:
+    """This plugin's URL of a search report page (a `report.html` under NIGHTSHIFT_HOME/search), else ""."""
+    if not page or Path(str(page)).name != REPORT_NAME:
+        return ""
+    try:
+        relative = Path(str(page)).resolve().relative_to(search_root().resolve())
+    except ValueError:
+        return ""
+    return f"{prefix}/search/{quote(relative.as_posix())}"
+
+
+class SearchReportLink(BaseOperatorLink):
+    name = "Search report"
+
+    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+        if ti_key.dag_id != SEARCH_DAG_ID:
+            return ""
+        return search_report_url(_xcom(ti_key, "report"))
+
+
+def search_reports(limit: int = RECENT) -> list[Path]:
+    """The newest `limit` search report pages, newest first."""
+    pages = [p for p in search_root().glob(f"*/{REPORT_NAME}") if p.is_file()]
+    return sorted(pages, key=lambda p: p.stat().st_mtime, reverse=True)[:limit]
+
+
+def search_index_html(pages: list[Path]) -> str:
+    rows = "\n".join(
+        f"<tr><td>{_link(search_report_url(p, prefix='..'), p.parent.name)}</td>"
+        f"<td>{_cell(readable_time(datetime.fromtimestamp(p.stat().st_mtime, UTC).isoformat()))}</td></tr>"
+        for p in pages) or "<tr><td colspan='2'>No search has written a report yet.</td></tr>"
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Nightshift model searches</title>
+<style>body{{font-family:sans-serif;margin:1.5em}} td,th{{padding:4px 8px;text-align:left}}</style></head>
+<body><h2>model_search reports</h2><p>Newest first; each page shows a study's pictures and trials.</p>
+<table><tr><th>study</th><th>written</th></tr>
+{rows}</table></body></html>"""
 
 
 def lineage_records(limit: int = RECENT) -> list[dict[str, Any]]:
@@ -204,32 +253,33 @@ tr.failed td{{color:#a00}}</style></head>
 {body}</table></body></html>"""
 
 
-def _require_dag_runs_read() -> Any:
-    """The API server's own check: may this user read the runs of `nightly_retrain`?"""
+def _require_dag_runs_read(dag_id: str = DAG_ID) -> Any:
+    """The API server's own check: may this user read the runs of `dag_id`?"""
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
     from airflow.api_fastapi.core_api.security import requires_access_dag
 
-    return requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN, param_dag_id=DAG_ID)
+    return requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN, param_dag_id=dag_id)
 
 
 def create_app() -> Any:
-    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi import APIRouter, Depends, FastAPI, HTTPException
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
-    app = FastAPI(title="Nightshift", description="nightly_retrain lineage and GX Data Docs",
-                  dependencies=[Depends(_require_dag_runs_read())])
+    app = FastAPI(title="Nightshift", description="nightly_retrain lineage and GX Data Docs; model search reports")
+    nightly = APIRouter(dependencies=[Depends(_require_dag_runs_read(DAG_ID))])
+    search = APIRouter(dependencies=[Depends(_require_dag_runs_read(SEARCH_DAG_ID))])
 
     # Return annotations are left out: with postponed evaluation FastAPI would have to resolve names
     # imported inside this function, and /openapi.json answered 500 when it could not.
-    @app.get("/lineage", response_class=HTMLResponse)
+    @nightly.get("/lineage", response_class=HTMLResponse)
     def lineage_page(limit: int = RECENT):  # type: ignore[no-untyped-def]
         return HTMLResponse(lineage_html(lineage_records(limit)))
 
-    @app.get("/lineage.json")
+    @nightly.get("/lineage.json")
     def lineage_json(limit: int = RECENT):  # type: ignore[no-untyped-def]
         return JSONResponse(lineage_records(limit))
 
-    @app.get("/data-docs/{path:path}")
+    @nightly.get("/data-docs/{path:path}")
     def data_docs(path: str):  # type: ignore[no-untyped-def]
         root = data_docs_dir().resolve()
         target = (root / path).resolve()
@@ -237,12 +287,29 @@ def create_app() -> Any:
             raise HTTPException(status_code=404, detail="no such Data Docs page")
         return FileResponse(target)
 
+    @search.get("/search/", response_class=HTMLResponse)
+    def search_index(limit: int = RECENT):  # type: ignore[no-untyped-def]
+        return HTMLResponse(search_index_html(search_reports(limit)))
+
+    @search.get("/search/{path:path}")
+    def search_report(path: str):  # type: ignore[no-untyped-def]
+        root = search_root().resolve()
+        target = (root / path).resolve()
+        if target.name != REPORT_NAME or root not in target.parents or not target.is_file():
+            raise HTTPException(status_code=404, detail="no such search report: a model search writes "
+                                                        "search/<study>/report.html when it finishes")
+        return FileResponse(target, media_type="text/html")
+
+    app.include_router(nightly)
+    app.include_router(search)
     return app
 
 
 class NightshiftPlugin(AirflowPlugin):
     name = "nightshift"
-    global_operator_extra_links = [MlflowRunLink(), ModelVersionLink(), DataDocsLink()]
+    global_operator_extra_links = [MlflowRunLink(), ModelVersionLink(), DataDocsLink(), SearchReportLink()]
     fastapi_apps = [{"app": create_app(), "url_prefix": PREFIX, "name": "Nightshift lineage"}]
     external_views = [{"name": "Nightshift lineage", "href": f"{PREFIX}/lineage", "destination": "nav",
-                       "url_route": "nightshift-lineage"}]
+                       "url_route": "nightshift-lineage"},
+                      {"name": "Nightshift searches", "href": f"{PREFIX}/search/", "destination": "nav",
+                       "url_route": "nightshift-searches"}]

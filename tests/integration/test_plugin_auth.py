@@ -1,7 +1,8 @@
 """The plugin's pages and JSON behind Airflow's auth, in the real API server app (in a child process).
 
 A request without a token gets 401, a user who may not read `nightly_retrain` gets 403 on every page,
-and a user who may gets the lineage page, its JSON and the Data Docs, but never a file outside them.
+and a user who may gets the lineage page, its JSON and the Data Docs, but never a file outside them. The
+model search reports ask for `model_search` instead: a user who may read only `nightly_retrain` gets 403.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ lineage.append_record("nightly_retrain", {{"run_id": "r1", "status": "success", 
 client = TestClient(create_app("core"))
 manager = get_auth_manager()
 tokens = {{name: manager.generate_jwt(SimpleAuthManagerUser(username=name, role=role))
-          for name, role in (("alice", "viewer"), ("outsider", "viewer"))}}
+          for name, role in (("alice", "viewer"), ("outsider", "viewer"), ("retrainer", "viewer"))}}
 paths = ["/nightshift/lineage", "/nightshift/lineage.json", "/nightshift/data-docs/run/index.html"]
 out = {{"anonymous": [client.get(p).status_code for p in paths]}}
 for name, token in tokens.items():
@@ -42,6 +43,15 @@ escape = client.get("/nightshift/data-docs/..%2F..%2F..%2F..%2F..%2Fetc%2Fpasswd
                     headers={{"Authorization": "Bearer " + tokens["alice"]}})
 out["escape"] = [escape.status_code, "root:" in escape.text]
 out["openapi"] = client.get("/nightshift/openapi.json").status_code
+search = ["/nightshift/search/", "/nightshift/search/demo/report.html"]
+out["search_anonymous"] = [client.get(p).status_code for p in search]
+for name, token in tokens.items():
+    answers = [client.get(p, headers={{"Authorization": f"Bearer {{token}}"}}) for p in search]
+    out["search_" + name] = [a.status_code for a in answers]
+    out["search_" + name + "_bodies"] = [a.text for a in answers]
+out["search_escape"] = [client.get(p, headers={{"Authorization": "Bearer " + tokens["alice"]}}).status_code
+                        for p in ("/nightshift/search/best.json", "/nightshift/search/..%2F..%2F..%2Fetc%2Fpasswd",
+                                  "/nightshift/search/demo/..%2F..%2Fgx%2Fdata_docs%2Frun%2Findex.html")]
 print(json.dumps(out))
 """
 
@@ -51,9 +61,13 @@ def test_pages_need_a_login_and_read_access_to_the_dag(airflow_env: dict[str, st
     page = nightshift_home / "gx" / "data_docs" / "run" / "index.html"
     page.parent.mkdir(parents=True)
     page.write_text("<html>data docs: sample bad value 99.5</html>")
+    report = nightshift_home / "search" / "demo" / "report.html"
+    report.parent.mkdir(parents=True)
+    report.write_text("<html>search report: trial 7 PRUNED</html>")
+    (nightshift_home / "search" / "best.json").write_text('{"study": "demo"}')
     env = {**airflow_env,
            "AIRFLOW__CORE__AUTH_MANAGER": "tests.integration.auth_managers.DagScopedAuthManager",
-           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "alice:viewer,outsider:viewer",
+           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "alice:viewer,outsider:viewer,retrainer:viewer",
            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(tmp_path / "passwords.json"),
            "PYTHONPATH": str(REPO)}
     airflow = str(Path(sys.executable).with_name("airflow"))
@@ -68,3 +82,13 @@ def test_pages_need_a_login_and_read_access_to_the_dag(airflow_env: dict[str, st
     assert out["cookie"] == 200  # the UI's session cookie is a login too
     assert out["escape"] == [404, False]
     assert out["openapi"] == 200
+    assert out["retrainer"] == [200, 200, 200]  # nightly_retrain's pages: yes
+
+    # The search reports: model_search's.
+    assert out["search_anonymous"] == [401, 401]
+    assert out["search_outsider"] == out["search_retrainer"] == [403, 403]
+    assert not any("trial 7" in body for body in out["search_retrainer_bodies"])
+    assert out["search_alice"] == [200, 200]
+    index, report = out["search_alice_bodies"]
+    assert "href='../search/demo/report.html'" in index and report == "<html>search report: trial 7 PRUNED</html>"
+    assert out["search_escape"] == [404, 404, 404]  # only report pages, only under NIGHTSHIFT_HOME/search
