@@ -28,6 +28,8 @@ TRAINER_IMAGE = os.environ.get("NIGHTSHIFT_TRAINER_IMAGE", "ghcr.io/nightshift/t
 
 DATASET_ASSET = Asset("nightshift://datasets/digits", group="nightshift")
 CHAMPION_ASSET = Asset(f"nightshift://models/{steps.MODEL_NAME}/champion", group="nightshift")
+# The training parameters check_changes resolved when the run started (steps.resolve_training).
+TRAINING = "ti.xcom_pull(task_ids='check_changes', key='training')"
 
 DOC_MD = """
 ### nightly_retrain
@@ -41,14 +43,21 @@ Retrains the model every night on the newest data and promotes it only when it b
 When the dataset version, the code and the training parameters are the same as in the last successful
 run, `skip_training` runs instead of `train` and nothing downstream of it (unless `force`).
 
+Training parameters left empty (`learning_rate`, `batch_size`, `momentum`, `model_kwargs`) take the best
+configuration of the last `model_search` (`NIGHTSHIFT_HOME/search/best.json`, read by `check_changes` when the
+run starts), else the trainer's defaults; the MLflow tag `nightshift.training_defaults` and the lineage record
+say which values came from where (and best.json's study and trial). A malformed best.json fails `check_changes`.
+
 **Parameters** (the trigger form shows them):
 
 | param | meaning |
 |---|---|
 | `data_source` | directory with `train/validation/test.parquet`; empty: the demo dataset in `NIGHTSHIFT_HOME` |
 | `epochs` | training epochs |
-| `learning_rate` | base learning rate (the trainer scales it by the number of workers) |
-| `batch_size` | batch size per worker |
+| `learning_rate` | base learning rate (the trainer scales it by the number of workers); empty: best.json's, else 0.05 |
+| `batch_size` | batch size per worker; empty: best.json's, else 32 |
+| `momentum` | SGD momentum; empty: best.json's, else 0.9 |
+| `model_kwargs` | the model's arguments (a JSON object); empty: best.json's (with its model), else none |
 | `workers` | Horovod workers: pods of the MPIJob, or local processes |
 | `gpus_per_worker` | GPUs each worker asks for (0 = CPU); also the MPI slots per worker |
 | `gpus` | total GPUs, packed into the fewest equal workers of at most one node (0: workers x GPUs per worker) |
@@ -75,10 +84,18 @@ PARAMS = {
     "data_source": Param(None, type=["null", "string"], title="Data source",
                          description="Directory with train/validation/test.parquet. Empty: the demo dataset."),
     "epochs": Param(5, type="integer", minimum=1, maximum=1000, title="Epochs", description="Training epochs."),
-    "learning_rate": Param(0.05, type="number", exclusiveMinimum=0, maximum=10, title="Learning rate",
-                           description="Base learning rate, multiplied by the number of workers."),
-    "batch_size": Param(32, type="integer", minimum=1, maximum=65536, title="Batch size",
-                        description="Batch size per worker."),
+    # Empty (null): the best model search's value (search/best.json, read when the run starts), else the
+    # trainer's default. A value given at trigger time wins.
+    "learning_rate": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=10, title="Learning rate",
+                           description="Base learning rate, multiplied by the number of workers. Empty: the "
+                                       "best model search's (search/best.json), else 0.05."),
+    "batch_size": Param(None, type=["null", "integer"], minimum=1, maximum=65536, title="Batch size",
+                        description="Batch size per worker. Empty: the best model search's, else 32."),
+    "momentum": Param(None, type=["null", "number"], minimum=0, exclusiveMaximum=1, title="Momentum",
+                      description="SGD momentum. Empty: the best model search's, else 0.9."),
+    "model_kwargs": Param(None, type=["null", "object"], title="Model arguments",
+                          description="The model's keyword arguments, a JSON object. Empty: the best model "
+                                      "search's (with its model), else none."),
     "workers": Param(2, type="integer", minimum=1, maximum=256, title="Workers",
                      description="Horovod workers (MPIJob worker pods, or local processes)."),
     "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per worker",
@@ -176,8 +193,12 @@ with DAG(
             "--data", "{{ ti.xcom_pull(task_ids='stage_dataset')['path'] }}",
             "--out", "{{ ti.xcom_pull(task_ids='stage_dataset')['workspace'] }}/model",
             "--epochs", "{{ params.epochs }}",
-            "--batch-size", "{{ params.batch_size }}",
-            "--lr", "{{ params.learning_rate }}",
+            # Params left empty were resolved by check_changes (best.json, else the trainer's defaults).
+            "--batch-size", "{{ " + TRAINING + "['batch_size'] }}",
+            "--lr", "{{ " + TRAINING + "['lr'] }}",
+            "--momentum", "{{ " + TRAINING + "['momentum'] }}",
+            "--model", "{{ " + TRAINING + "['model'] }}",
+            "--model-kwargs", "{{ " + TRAINING + "['model_kwargs'] | tojson }}",
             # A worker that asked for GPUs must train on them: without one it fails at once, naming the host.
             "--device", "{{ 'cuda' if params.gpus_per_worker | int > 0 or params.gpus | int > 0 else 'cpu' }}",
             "--mlflow-experiment", steps.EXPERIMENT,
@@ -188,6 +209,7 @@ with DAG(
             # The code this run is pinned to (the git DAG bundle's commit, see nightshift.ledger.code_version).
             "--tag", "nightshift.code_version={{ (ti.xcom_pull(task_ids='check_changes', key='fingerprint')"
                      " or {}).get('code_version', 'unknown') }}",
+            "--tag", "nightshift.training_defaults={{ " + TRAINING + "['summary'] }}",
         ],
         mlflow_experiment=steps.EXPERIMENT,
         mlflow_run_key="{{ dag.dag_id }}/{{ run_id }}",

@@ -66,17 +66,47 @@ def bundle_version(ti: Any) -> str | None:
     return version if isinstance(version, str) and version else None
 
 
+def resolve_training(params: dict[str, Any]) -> dict[str, Any]:
+    """The run's trainer options: a Param left empty takes the best model search's value (best.json, read
+    now, at run time), else the trainer's default; a Param the trigger set wins (search.best.training_defaults)."""
+    from nightshift.search.best import training_defaults
+    from nightshift.search.errors import BestConfigInvalid
+
+    try:
+        resolved = training_defaults(dict(params))
+    except BestConfigInvalid as err:  # a retry reads the same file
+        raise AirflowFailException(f"check_changes: {err}") from err
+    options, sources = resolved["options"], resolved["sources"]
+    log.info("Training parameters: %s; %s", ", ".join(f"{k}={options[k]!r} ({sources[k]})" for k in options),
+             resolved["summary"])
+    if resolved["not_applied"]:
+        log.info("best.json also holds %s, which nightly_retrain sets itself (or not at all)",
+                 ", ".join(f"{k}={v!r}" for k, v in resolved["not_applied"].items()))
+    return resolved
+
+
 def check_changes(staged: dict[str, Any], params: dict[str, Any], dag_id: str, run_id: str,
                   ti: Any) -> str:
-    """Branch: "train", or "skip_training" when data, code and training params match the last success."""
+    """Branch: "train", or "skip_training" when data, code and training params match the last success.
+
+    Pushes `training`: the trainer options the `train` task passes (`resolve_training`)."""
     from nightshift import ledger as lineage
 
-    current = lineage.fingerprint(staged["hash"], dict(params))
+    resolved = resolve_training(params)
+    options = resolved["options"]
+    current = lineage.fingerprint(staged["hash"], {**params, "learning_rate": options["lr"],
+                                                   "batch_size": options["batch_size"]})
+    # Options the fingerprint has no field for count where they differ from the trainer's defaults, so a run
+    # without them compares equal to the runs before them.
+    current["training"].update({k: options[k] for k in ("momentum", "model", "model_kwargs")
+                                if options[k] != resolved["builtin"][k]})
+    current["training_source"] = {k: resolved[k] for k in ("summary", "sources", "best", "not_applied")}
     if pinned := bundle_version(ti):
         current["code_version"] = lineage.code_version(pinned)
     previous = lineage.last_successful(dag_id, exclude_run_id=run_id)
     ti.xcom_push(key="fingerprint", value=current)
     ti.xcom_push(key="previous_run", value=previous)
+    ti.xcom_push(key="training", value={**options, "summary": resolved["summary"]})
     if params.get("force"):
         log.info("force is on: training whatever changed")
         return "train"
@@ -186,6 +216,7 @@ def report(dag_id: str, run_id: str, params: dict[str, Any], results: dict[str, 
         "dataset_version": staged.get("hash"), "dataset_rows": staged.get("rows"),
         "dataset_source": staged.get("source"),
         "code_version": fingerprint.get("code_version"), "training": fingerprint.get("training"),
+        "training_source": fingerprint.get("training_source"),
         "mlflow_run_id": (trained or {}).get("mlflow_run_id"),
         "train_metrics": (trained or {}).get("metrics"),
         "gate": decision,

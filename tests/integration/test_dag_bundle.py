@@ -87,16 +87,23 @@ def test_the_training_run_and_the_model_version_are_tagged_with_the_runs_commit(
     dag = load_dag()
     train = dag.get_task("train")
     fingerprint = {"code_version": SHA}
+    params = dict(dag.params.validate())
+    resolved = _steps().resolve_training(params)  # no best.json here: the trainer's defaults
+    training = {**resolved["options"], "summary": resolved["summary"]}
 
     class RunTI:
         def xcom_pull(self, task_ids: str | None = None, key: str = "return_value", **_: Any) -> Any:
             if (task_ids, key) == ("check_changes", "fingerprint"):
                 return fingerprint
+            if (task_ids, key) == ("check_changes", "training"):
+                return training
             return {"path": "/d", "workspace": "/w", "hash": "md5:x"}
 
-    context = {"params": dict(dag.params.validate()), "run_id": "r", "dag": dag, "ti": RunTI(), "task": train}
+    context = {"params": params, "run_id": "r", "dag": dag, "ti": RunTI(), "task": train}
     train.render_template_fields(context)
     assert f"nightshift.code_version={SHA}" in train.command
+    flags = dict(zip(train.command[3::2], train.command[4::2], strict=False))
+    assert (flags["--lr"], flags["--batch-size"], flags["--model-kwargs"]) == ("0.05", "32", "{}")
 
     run = SimpleNamespace(data=SimpleNamespace(params={}, metrics={}))
     monkeypatch.setattr(registry.tracking, "client", lambda: SimpleNamespace(get_run=lambda _id: run))

@@ -1,0 +1,104 @@
+"""nightly_retrain's check_changes takes the training parameters left empty from best.json at run time."""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from nightshift import ledger
+from nightshift.search.best import best_path, write_best
+from tests.dags.conftest import REPO
+
+DAG_ID = "nightly_retrain"
+
+
+def _steps() -> Any:
+    if str(REPO / "dags") not in sys.path:
+        sys.path.insert(0, str(REPO / "dags"))  # as Airflow puts the DAG folder on sys.path
+    from nightly_tasks import steps
+
+    return steps
+
+
+class TI:
+    def __init__(self) -> None:
+        self.bundle_instance = SimpleNamespace(name="nightshift", version=None)
+        self.pushed: dict[str, Any] = {}
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        self.pushed[key] = value
+
+
+def params(**given: Any) -> dict[str, Any]:
+    return {"epochs": 5, "workers": 2, "learning_rate": None, "batch_size": None, "momentum": None,
+            "model_kwargs": None, "force": False, **given}
+
+
+def search_best() -> dict[str, Any]:
+    return {"study": "model_search__manual_1", "storage": "sqlite:////s/optuna.db", "trial": 4,
+            "objective": "val_accuracy", "value": 0.95, "params": {}, "data": "/d", "mlflow": {},
+            "train_options": {"lr": 0.2, "batch_size": 64, "momentum": 0.8, "model_kwargs": {"channels": 24},
+                              "epochs": 9}}
+
+
+def check(run_id: str, **given: Any) -> TI:
+    ti = TI()
+    _steps().check_changes({"hash": "md5:data"}, params(**given), DAG_ID, run_id, ti)
+    return ti
+
+
+def test_the_train_task_gets_best_jsons_values_and_the_run_records_where_they_came_from() -> None:
+    write_best(search_best())
+    ti = check("r1", batch_size=16)
+    assert ti.pushed["training"] == {
+        "lr": 0.2, "batch_size": 16, "momentum": 0.8, "model": "digits_cnn", "model_kwargs": {"channels": 24},
+        "summary": "lr, momentum, model_kwargs from best.json v1 (study model_search__manual_1, trial 4)"}
+    fingerprint = ti.pushed["fingerprint"]
+    assert fingerprint["training"] == {"epochs": 5, "learning_rate": 0.2, "batch_size": 16, "workers": 2,
+                                       "momentum": 0.8, "model_kwargs": {"channels": 24}}
+    source = fingerprint["training_source"]
+    assert source["sources"]["batch_size"] == "trigger" and source["sources"]["lr"] == "best.json"
+    assert (source["best"]["study"], source["best"]["trial"], source["best"]["version"]) == (
+        "model_search__manual_1", 4, 1)
+    summary = _steps().report(DAG_ID, "r1", params(batch_size=16), {"fingerprint": fingerprint})
+    assert ledger.read_records(DAG_ID)[-1]["training_source"] == summary["training_source"] == source
+
+
+def test_without_best_json_the_fingerprint_is_the_one_runs_before_it_had() -> None:
+    ti = check("r1")
+    assert ti.pushed["training"]["lr"] == 0.05 and ti.pushed["training"]["model_kwargs"] == {}
+    before = {"epochs": 5, "learning_rate": 0.05, "batch_size": 32, "workers": 2}  # Param defaults until now
+    assert ti.pushed["fingerprint"]["training"] == before
+
+
+def test_a_new_best_configuration_is_a_change_that_trains() -> None:
+    ledger.append_record(DAG_ID, {"run_id": "r0", "status": "success", **check("r0").pushed["fingerprint"]})
+    assert _steps().check_changes({"hash": "md5:data"}, params(), DAG_ID, "r1", TI()) == "skip_training"
+    write_best(search_best())
+    assert _steps().check_changes({"hash": "md5:data"}, params(), DAG_ID, "r2", TI()) == "train"
+
+
+def test_a_malformed_best_json_fails_the_task_naming_the_file() -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    best_path().parent.mkdir(parents=True)
+    best_path().write_text(json.dumps({**search_best(), "version": 1, "train_options": {"lr": "fast"}}))
+    with pytest.raises(AirflowFailException, match=rf"{best_path()} train_options.lr must be a positive number"):
+        check("r1")
+    assert check("r2", learning_rate=0.1, batch_size=8, momentum=0.5, model_kwargs={}).pushed["training"]["lr"] == 0.1
+
+
+def test_the_param_defaults_are_empty_so_best_json_can_fill_them() -> None:
+    from operators.plan import load_dag
+
+    dag = load_dag()
+    values = dict(dag.params.validate())
+    assert {k: values[k] for k in ("learning_rate", "batch_size", "momentum", "model_kwargs")} == dict.fromkeys(
+        ("learning_rate", "batch_size", "momentum", "model_kwargs"))
+    values.update(learning_rate=0.1, batch_size=8, momentum=0.5, model_kwargs={"channels": 8})
+    dag.params.update(values)
+    dag.params.validate()  # explicit values pass the Params' schemas
