@@ -46,7 +46,8 @@ or Hyperband). The objective is the validation accuracy, maximised.
 is spent) → `trial.train` (`HorovodKubernetesOperator`: the trainer reports val_accuracy to the study after
 every epoch and stops at a rung when pruned: the task ends *skipped*) → `trial.tell` (COMPLETE, PRUNED or
 FAIL in the study; the MLflow child run) → `finish` (best configuration to `NIGHTSHIFT_HOME/search/best.json`,
-emits `nightshift://search/best`).
+emits `nightshift://search/best`; the search's pictures to `NIGHTSHIFT_HOME/search/<study>/report.html`,
+which the task's extra link "Search report" opens, also when no trial completed).
 
 **Parameters**
 
@@ -219,6 +220,7 @@ with DAG(
         try:
             report = steps.finish(search)
         except steps.NoTrialCompleted as err:
+            context["ti"].xcom_push(key="report", value=err.report)  # its pictures show why
             raise AirflowFailException(str(err)) from err
         context["outlet_events"][BEST_ASSET].extra = {
             "study": report["study"], "trial": report["best"]["trial"], "value": report["best"]["value"],

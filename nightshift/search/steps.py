@@ -5,7 +5,7 @@ the study for a trial (ask-and-tell through the storage; an identical retry gets
 a `HorovodKubernetesOperator` runs `trial_command` (the trainer reporting to the trial by
 `--search-*`), and `tell` gives the study the outcome: COMPLETE with the last epoch's val_accuracy,
 PRUNED when the trainer stopped at a rung, FAIL when the training task failed. `finish` fails what a
-dead task left RUNNING, writes best.json and ends the parent run. The DAG turns `BudgetSpent` and a
+dead task left RUNNING, writes best.json and the report page and ends the parent run. The DAG turns `BudgetSpent` and a
 pruned trial into skipped tasks.
 """
 
@@ -50,6 +50,10 @@ class BudgetSpent(NightshiftError):
 
 class NoTrialCompleted(NightshiftError):
     """A search ended without one COMPLETE trial, so there is no best configuration."""
+
+    def __init__(self, message: str, report: str | None = None) -> None:
+        super().__init__(message)
+        self.report = report  # the search's report page, written all the same
 
 
 def resolve_data(data_source: str | None) -> Path:
@@ -197,6 +201,7 @@ def finish(search: dict[str, Any]) -> dict[str, Any]:
     report = finish_search(ctx, budget_report(study, search.get("budget_hours"), len(search["slots"])))
     if report["best"] is None:
         raise NoTrialCompleted(f"study {search['study']}: no trial completed "
-                               f"({', '.join(t['state'] for t in report['trials']) or 'none started'})")
+                               f"({', '.join(t['state'] for t in report['trials']) or 'none started'}); "
+                               f"its pictures: {report['report']}", report=report["report"])
     return report
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -92,6 +93,16 @@ def test_the_report_has_the_promised_shape(cli_search: dict[str, Any]) -> None:
     for trial in report["trials"]:
         assert {"number", "state", "epochs", "value"} <= set(trial)
     assert report["storage"] == f"sqlite:///{cli_search['home'] / 'search' / 'optuna.db'}"
+
+
+def test_the_search_writes_its_report_page(cli_search: dict[str, Any]) -> None:
+    page = cli_search["home"] / "search" / "demo" / "report.html"
+    assert cli_search["report"]["report"] == str(page)
+    text = page.read_text()
+    assert re.findall(r"<tr class='(\w+)' data-trial='(\d+)'>", text) == [
+        ("COMPLETE", "0"), ("PRUNED", "1"), ("PRUNED", "2"), ("COMPLETE", "3")]
+    for key in ("history", "intermediate-complete", "intermediate-pruned", "importances", "parallel"):
+        assert f'id="plot-{key}"' in text, key
 
 
 def test_every_trial_is_an_mlflow_child_of_the_search_run(cli_search: dict[str, Any]) -> None:
@@ -318,6 +329,17 @@ def test_the_dag_writes_best_json_emits_the_asset_and_logs_child_runs(dag_search
                     for r in children)
     assert states == [("0", "COMPLETE", "FINISHED"), ("1", "PRUNED", "KILLED"), ("2", "FAIL", "FAILED")]
     assert client.get_run(parent_id).info.status == "FINISHED"
+
+
+def test_the_dag_writes_the_report_page_its_finish_task_links(dag_search: dict[str, Any]) -> None:
+    page = dag_search["home"] / "search" / dag_search["study"].study_name / "report.html"
+    rows = re.findall(r"<tr class='(\w+)' data-trial='(\d+)'>", page.read_text())
+    assert rows == [("COMPLETE", "0"), ("PRUNED", "1"), ("FAIL", "2")]
+    # The "Search report" extra link reads this XCom of `finish`.
+    (value,) = _airflow_rows(dag_search["home"] / "airflow-home",
+                             "SELECT value FROM xcom WHERE dag_id = 'model_search' AND task_id = 'finish' "
+                             "AND key = 'report'")[0]
+    assert json.loads(value) == str(page)
 
 
 def test_a_malformed_space_fails_the_first_task_naming_the_key(dag_search: dict[str, Any]) -> None:

@@ -100,3 +100,25 @@ def test_the_report_is_written_under_the_study_folder(nightshift_home: Path) -> 
     assert path == nightshift_home / "search" / "s1" / "report.html" and path.read_text().startswith("<!doctype")
     for name in ("..", ".", "a/../../b"):
         assert nightshift_home / "search" in report_path(name).parents, name
+
+
+@pytest.mark.integration  # an MLflow store of its own: tens of seconds
+def test_a_dag_search_without_a_completed_trial_still_writes_its_report(nightshift_home: Path) -> None:
+    from nightshift.search import steps, tracking
+    from nightshift.search.study import default_storage, open_study
+
+    config = SearchSettings(space={"lr": {"type": "float", "low": 0.01, "high": 0.1}}, data="/d", max_epochs=2)
+    storage = default_storage()
+    study = open_study(storage, "dag", config)
+    experiment_id, parent_run_id = tracking.start_parent("model_search", "dag", storage, config)
+    trial = study.ask()
+    trial.suggest_float("lr", 0.01, 0.1)
+    trial.report(0.3, 1)
+    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    search = {"storage": storage, "study": "dag", "run_id": "manual__1", "experiment": "model_search",
+              "experiment_id": experiment_id, "parent_run_id": parent_run_id, "budget_hours": None, "slots": [0]}
+    with pytest.raises(steps.NoTrialCompleted) as caught:
+        steps.finish(search)
+    page = nightshift_home / "search" / "dag" / "report.html"
+    assert caught.value.report == str(page) and f"its pictures: {page}" in str(caught.value)
+    assert "no trial has completed yet" in page.read_text() and "data-trial='0'" in page.read_text()
