@@ -284,6 +284,8 @@ esac
 # connects through the Airflow connection nightshift_events, made here from that URL (in the environment as
 # AIRFLOW_CONN_NIGHTSHIFT_EVENTS, never on a command line) unless AIRFLOW_CONN_NIGHTSHIFT_EVENTS is set already.
 # NIGHTSHIFT_EVENTS_CONN_ID instead names a connection defined elsewhere (a secrets backend); nothing is made.
+# Airflow then sees NIGHTSHIFT_EVENTS_CONN_ID=nightshift_events, not the URL: a NIGHTSHIFT_* variable reaches the
+# training ranks (operators/local_launcher.py's allowlist), and the URL may hold the Redis password.
 if [[ -n "${NIGHTSHIFT_EVENTS_REDIS_URL:-}" && -z "${NIGHTSHIFT_EVENTS_CONN_ID:-}" \
       && -z "${AIRFLOW_CONN_NIGHTSHIFT_EVENTS:-}" ]]; then
     events_conn="$(python -c 'import json, os, sys
@@ -302,6 +304,10 @@ print(json.dumps({"conn_type": "redis", "host": url.hostname, "port": port, "log
         || refuse "NIGHTSHIFT_EVENTS_REDIS_URL cannot be used (see above)"
     export AIRFLOW_CONN_NIGHTSHIFT_EVENTS="$events_conn"
     unset events_conn
+fi
+if [[ -n "${NIGHTSHIFT_EVENTS_REDIS_URL:-}" ]]; then
+    export NIGHTSHIFT_EVENTS_CONN_ID="${NIGHTSHIFT_EVENTS_CONN_ID:-nightshift_events}"
+    unset NIGHTSHIFT_EVENTS_REDIS_URL
 fi
 # --- end of new-data events ------------------------------------------------------------------------------
 

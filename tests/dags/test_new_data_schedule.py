@@ -166,3 +166,25 @@ def test_airflow_sh_makes_the_triggerers_connection_from_the_url(airflow_env: di
     proc = _airflow_sh(airflow_env, "http://:s3cret@127.0.0.1:6390", "connections", "get", "nightshift_events")
     assert proc.returncode == 2
     assert "NIGHTSHIFT_EVENTS_REDIS_URL is not redis://" in proc.stderr and "s3cret" not in proc.stderr
+
+
+def test_airflow_sees_the_connection_id_not_the_url_with_its_password(airflow_env: dict[str, str],
+                                                                     tmp_path: Path) -> None:
+    # NIGHTSHIFT_* variables reach the training ranks (the local launcher's allowlist): the password must not.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "airflow").write_text("#!/bin/sh\nenv\n")
+    (fake / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    for path in fake.iterdir():
+        path.chmod(0o755)
+    env = {k: v for k, v in airflow_env.items() if not k.startswith(("NIGHTSHIFT_EVENTS_", "AIRFLOW_CONN_"))}
+    env.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)
+    env.update({"NIGHTSHIFT_VENV_BIN": str(fake), "NIGHTSHIFT_AIRFLOW_DB": "sqlite",
+                "NIGHTSHIFT_EVENTS_REDIS_URL": "redis://:s3cret@127.0.0.1:6390/0"})
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "airflow.sh"), "version"], env=env, capture_output=True,
+                          text=True, timeout=120, check=False, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    seen = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert seen.get("NIGHTSHIFT_EVENTS_CONN_ID") == "nightshift_events"
+    assert "NIGHTSHIFT_EVENTS_REDIS_URL" not in seen
+    assert [k for k, v in seen.items() if "s3cret" in v] == ["AIRFLOW_CONN_NIGHTSHIFT_EVENTS"]
