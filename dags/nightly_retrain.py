@@ -15,7 +15,7 @@ from nightly_tasks import steps
 from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator
 from nightly_tasks.events import retrain_schedule
 
-from operators.horovod import HorovodKubernetesOperator
+from operators.horovod import ClusterConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
 
 DAG_ID = "nightly_retrain"
 # Users change the schedule here or with NIGHTSHIFT_RETRAIN_CRON ("none": manual and UI triggers only).
@@ -69,7 +69,8 @@ say which values came from where (and best.json's study and trial). A malformed 
 | `force` | train even when data, code and parameters are unchanged since the last successful run |
 | `deploy_target` | `local` (MLflow model server on 127.0.0.1, blue/green) or `kserve` |
 
-**Schedule**: `NIGHTSHIFT_RETRAIN_CRON` (default `0 2 * * *`), and, when `NIGHTSHIFT_EVENTS_REDIS_URL` is set,
+**Schedule**: `NIGHTSHIFT_RETRAIN_CRON` (default `0 2 * * *`), and, when `NIGHTSHIFT_EVENTS_REDIS_URL` (or
+`NIGHTSHIFT_EVENTS_CONN_ID`) is set,
 also each "new data" event (`nightshift publish-data DIR`, the Asset `nightshift://events/new-data` with an
 AssetWatcher on Redis pub/sub): such a run validates, stages and trains on the event's directory.
 
@@ -181,38 +182,41 @@ with DAG(
     # the result comes back from MLflow (the run tagged with the run key), not from this machine's disk.
     train = HorovodKubernetesOperator(
         task_id="train",
-        num_workers="{{ params.workers }}",
-        gpus_per_worker="{{ params.gpus_per_worker }}",
-        gpus="{{ params.gpus }}",
-        backend="{{ params.backend }}",
-        kueue_queue="{{ params.queue or '' }}",
-        kueue_priority="{{ params.priority or '' }}",
-        image=TRAINER_IMAGE,
-        command=[
-            "python", "-m", "nightshift.train",
-            "--data", "{{ ti.xcom_pull(task_ids='stage_dataset')['path'] }}",
-            "--out", "{{ ti.xcom_pull(task_ids='stage_dataset')['workspace'] }}/model",
-            "--epochs", "{{ params.epochs }}",
-            # Params left empty were resolved by check_changes (best.json, else the trainer's defaults).
-            "--batch-size", "{{ " + TRAINING + "['batch_size'] }}",
-            "--lr", "{{ " + TRAINING + "['lr'] }}",
-            "--momentum", "{{ " + TRAINING + "['momentum'] }}",
-            "--model", "{{ " + TRAINING + "['model'] }}",
-            "--model-kwargs", "{{ " + TRAINING + "['model_kwargs'] | tojson }}",
-            # A worker that asked for GPUs must train on them: without one it fails at once, naming the host.
-            "--device", "{{ 'cuda' if params.gpus_per_worker | int > 0 or params.gpus | int > 0 else 'cpu' }}",
-            "--mlflow-experiment", steps.EXPERIMENT,
-            "--mlflow-run-name", "{{ run_id }}",
-            "--tag", "nightshift.run_key={{ dag.dag_id }}/{{ run_id }}",
-            "--tag", "nightshift.dag_run_id={{ run_id }}",
-            "--tag", "nightshift.dataset_version={{ ti.xcom_pull(task_ids='stage_dataset')['hash'] }}",
-            # The code this run is pinned to (the git DAG bundle's commit, see nightshift.ledger.code_version).
-            "--tag", "nightshift.code_version={{ (ti.xcom_pull(task_ids='check_changes', key='fingerprint')"
-                     " or {}).get('code_version', 'unknown') }}",
-            "--tag", "nightshift.training_defaults={{ " + TRAINING + "['summary'] }}",
-        ],
-        mlflow_experiment=steps.EXPERIMENT,
-        mlflow_run_key="{{ dag.dag_id }}/{{ run_id }}",
+        job=JobConfig(
+            num_workers="{{ params.workers }}",
+            gpus_per_worker="{{ params.gpus_per_worker }}",
+            gpus="{{ params.gpus }}",
+            image=TRAINER_IMAGE,
+            command=[
+                "python", "-m", "nightshift.train",
+                "--data", "{{ ti.xcom_pull(task_ids='stage_dataset')['path'] }}",
+                "--out", "{{ ti.xcom_pull(task_ids='stage_dataset')['workspace'] }}/model",
+                "--epochs", "{{ params.epochs }}",
+                # Params left empty were resolved by check_changes (best.json, else the trainer's defaults).
+                "--batch-size", "{{ " + TRAINING + "['batch_size'] }}",
+                "--lr", "{{ " + TRAINING + "['lr'] }}",
+                "--momentum", "{{ " + TRAINING + "['momentum'] }}",
+                "--model", "{{ " + TRAINING + "['model'] }}",
+                "--model-kwargs", "{{ " + TRAINING + "['model_kwargs'] | tojson }}",
+                # A worker that asked for GPUs must train on them: without one it fails at once, naming the host.
+                "--device", "{{ 'cuda' if params.gpus_per_worker | int > 0 or params.gpus | int > 0 else 'cpu' }}",
+                "--mlflow-experiment", steps.EXPERIMENT,
+                "--mlflow-run-name", "{{ run_id }}",
+                "--tag", "nightshift.run_key={{ dag.dag_id }}/{{ run_id }}",
+                "--tag", "nightshift.dag_run_id={{ run_id }}",
+                "--tag", "nightshift.dataset_version={{ ti.xcom_pull(task_ids='stage_dataset')['hash'] }}",
+                # The code this run is pinned to (the git DAG bundle's commit, see nightshift.ledger.code_version).
+                "--tag", "nightshift.code_version={{ (ti.xcom_pull(task_ids='check_changes', key='fingerprint')"
+                         " or {}).get('code_version', 'unknown') }}",
+                "--tag", "nightshift.training_defaults={{ " + TRAINING + "['summary'] }}",
+            ],
+        ),
+        cluster=ClusterConfig(
+            backend="{{ params.backend }}",
+            kueue_queue="{{ params.queue or '' }}",
+            kueue_priority="{{ params.priority or '' }}",
+        ),
+        tracking=TrackingConfig(mlflow_experiment=steps.EXPERIMENT, mlflow_run_key="{{ dag.dag_id }}/{{ run_id }}"),
         execution_timeout=timedelta(hours=6),
         retry_delay=timedelta(minutes=1),
     )
