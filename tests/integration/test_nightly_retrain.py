@@ -13,11 +13,16 @@ from typing import Any
 
 import pytest
 
+from nightshift.search.best import write_best
 from tests.integration.airflow_helpers import demo_module, registered_versions, stop_model_server
 
 pytestmark = pytest.mark.integration
 
 CONF = {"epochs": 5, "workers": 2, "backend": "local"}
+# What a model search left in NIGHTSHIFT_HOME/search/best.json: the run takes the Params it leaves empty.
+BEST = {"study": "demo-search", "storage": "sqlite:////x/optuna.db", "trial": 3, "objective": "val_accuracy",
+        "value": 0.97, "params": {}, "data": "/d", "mlflow": {},
+        "train_options": {"lr": 0.05, "momentum": 0.85, "model_kwargs": {"channels": 32}, "epochs": 9}}
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +33,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     env = module.airflow_env(home, home / "airflow-home")
     env["NIGHTSHIFT_RETRAIN_CRON"] = "none"
     module.prepare_airflow(env)
+    write_best(BEST, path=home / "search" / "best.json")
     state: dict[str, Any] = {"module": module, "env": env, "home": home}
     try:
         run = module.run_dag(env, CONF, progress=None, timeout=900)
@@ -48,6 +54,23 @@ def test_first_run_registers_deploys_and_serves(demo: dict[str, Any]) -> None:
     data = demo["home"] / "demo-data" / "digits"  # the empty data_source default wrote it here
     predicted, labels = demo["module"].predict(record["serving_url"], data, rows=20)
     assert len(predicted) == 20 and sum(p == t for p, t in zip(predicted, labels, strict=True)) >= 16
+
+
+def test_first_run_took_the_empty_params_from_best_json(demo: dict[str, Any]) -> None:
+    from mlflow import MlflowClient
+
+    _, record, _ = demo["first"]
+    source = record["training_source"]
+    assert source["sources"] == {"lr": "best.json", "batch_size": "built-in", "momentum": "best.json",
+                                 "model_kwargs": "best.json", "model": "built-in"}, source
+    assert (source["best"]["study"], source["best"]["trial"], source["best"]["version"]) == ("demo-search", 3, 1)
+    assert source["not_applied"] == {"epochs": 9}  # the run's own epochs Param
+    assert record["training"]["momentum"] == 0.85 and record["training"]["model_kwargs"] == {"channels": 32}
+    uri = demo["env"].get("MLFLOW_TRACKING_URI") or f"sqlite:///{demo['home'] / 'mlflow.db'}"
+    run = MlflowClient(tracking_uri=uri).get_run(record["mlflow_run_id"])
+    assert (run.data.params["momentum"], run.data.params["model.channels"]) == ("0.85", "32")  # what it trained
+    assert run.data.tags["nightshift.training_defaults"] == (
+        "lr, momentum, model_kwargs from best.json v1 (study demo-search, trial 3)")
 
 
 def progress(lines: list[str]) -> dict[str, tuple[str, float | None]]:
