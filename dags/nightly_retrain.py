@@ -94,9 +94,11 @@ PARAMS = {
                         description="Batch size per worker. Empty: the best model search's, else 32."),
     "momentum": Param(None, type=["null", "number"], minimum=0, exclusiveMaximum=1, title="Momentum",
                       description="SGD momentum. Empty: the best model search's, else 0.9."),
-    "model_kwargs": Param(None, type=["null", "object"], title="Model arguments",
-                          description="The model's keyword arguments, a JSON object. Empty: the best model "
-                                      "search's (with its model), else none."),
+    # Object or string: the trigger form then shows a text field (JSON text is parsed by check_changes).
+    "model_kwargs": Param(None, type=["null", "object", "string"], title="Model arguments",
+                          description="The model's keyword arguments, a JSON object such as "
+                                      '{"channels": 32}. Empty: taken from the best model search (with its '
+                                      "model), else none."),
     "workers": Param(2, type="integer", minimum=1, maximum=256, title="Workers",
                      description="Horovod workers (MPIJob worker pods, or local processes)."),
     "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per worker",

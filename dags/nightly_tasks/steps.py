@@ -69,12 +69,12 @@ def bundle_version(ti: Any) -> str | None:
 def resolve_training(params: dict[str, Any]) -> dict[str, Any]:
     """The run's trainer options: a Param left empty takes the best model search's value (best.json, read
     now, at run time), else the trainer's default; a Param the trigger set wins (search.best.training_defaults)."""
+    from nightshift.errors import UsageError
     from nightshift.search.best import training_defaults
-    from nightshift.search.errors import BestConfigInvalid
 
     try:
         resolved = training_defaults(dict(params))
-    except BestConfigInvalid as err:  # a retry reads the same file
+    except UsageError as err:  # a malformed best.json or model_kwargs Param: a retry reads the same
         raise AirflowFailException(f"check_changes: {err}") from err
     options, sources = resolved["options"], resolved["sources"]
     log.info("Training parameters: %s; %s", ", ".join(f"{k}={options[k]!r} ({sources[k]})" for k in options),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nightshift import settings
+from nightshift.errors import UsageError
 from nightshift.fsutil import atomic_write_json
 from nightshift.search.errors import BestConfigInvalid
 
@@ -124,6 +125,22 @@ def _name(value: Any) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
+def _model_kwargs(value: Any) -> dict[str, Any] | None:
+    """The `model_kwargs` Param: null or "" (empty), a JSON object, or the text of one (the trigger form's
+    text field); anything else is a UsageError naming the Param."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"the model_kwargs Param is not JSON ({err}): give a JSON object such as "
+                             f'{{"channels": 32}}, or leave it empty') from err
+    if not isinstance(value, dict):
+        raise UsageError(f"the model_kwargs Param must be a JSON object such as {{\"channels\": 32}}, got {value!r}")
+    return value
+
+
 def training_defaults(params: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     """The trainer options of a `nightly_retrain` run from its Params (`RETRAIN_PARAMS`).
 
@@ -138,6 +155,7 @@ def training_defaults(params: dict[str, Any], path: Path | None = None) -> dict[
     from nightshift.train.config import TrainConfig
 
     path = path or best_path()
+    params = {**params, "model_kwargs": _model_kwargs(params.get("model_kwargs"))}
     fields = TrainConfig.__dataclass_fields__
     builtin: dict[str, Any] = {MODEL: fields[MODEL].default, "model_kwargs": {}}
     for option in ("lr", "batch_size", "momentum"):

@@ -92,6 +92,14 @@ def test_a_malformed_best_json_fails_the_task_naming_the_file() -> None:
     assert check("r2", learning_rate=0.1, batch_size=8, momentum=0.5, model_kwargs={}).pushed["training"]["lr"] == 0.1
 
 
+def test_model_kwargs_typed_in_the_form_is_parsed_and_bad_text_fails_the_task() -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    assert check("r1", model_kwargs='{"channels": 8}').pushed["training"]["model_kwargs"] == {"channels": 8}
+    with pytest.raises(AirflowFailException, match="the model_kwargs Param is not JSON"):
+        check("r2", model_kwargs="channels=8")
+
+
 def test_the_param_defaults_are_empty_so_best_json_can_fill_them() -> None:
     from operators.plan import load_dag
 
@@ -99,6 +107,7 @@ def test_the_param_defaults_are_empty_so_best_json_can_fill_them() -> None:
     values = dict(dag.params.validate())
     assert {k: values[k] for k in ("learning_rate", "batch_size", "momentum", "model_kwargs")} == dict.fromkeys(
         ("learning_rate", "batch_size", "momentum", "model_kwargs"))
-    values.update(learning_rate=0.1, batch_size=8, momentum=0.5, model_kwargs={"channels": 8})
-    dag.params.update(values)
-    dag.params.validate()  # explicit values pass the Params' schemas
+    for model_kwargs in ({"channels": 8}, '{"channels": 8}'):  # the REST API's object, the form's text
+        values.update(learning_rate=0.1, batch_size=8, momentum=0.5, model_kwargs=model_kwargs)
+        dag.params.update(values)
+        dag.params.validate()  # explicit values pass the Params' schemas

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from nightshift.errors import UsageError
 from nightshift.search.best import best_path, training_defaults, write_best
 from nightshift.search.errors import BestConfigInvalid
 
@@ -78,3 +79,14 @@ def test_a_malformed_best_json_is_refused_naming_the_file(content: str, fragment
     message = str(caught.value)
     assert message.startswith(str(best_path())) and fragment in message, message
     assert "fix or delete it" in message
+
+
+def test_model_kwargs_from_the_trigger_form_may_be_json_text() -> None:
+    write_best(best(model_kwargs={"channels": 12}))
+    assert training_defaults({**UNSET, "model_kwargs": '{"hidden": 8}'})["options"]["model_kwargs"] == {"hidden": 8}
+    emptied = training_defaults({**UNSET, "model_kwargs": " "})  # an emptied field: best.json's
+    assert emptied["options"]["model_kwargs"] == {"channels": 12} and emptied["sources"]["model_kwargs"] == "best.json"
+    for bad, fragment in (("channels=8", "the model_kwargs Param is not JSON"), ("[8]", "must be a JSON object"),
+                          (7, "must be a JSON object")):
+        with pytest.raises(UsageError, match=fragment):
+            training_defaults({**UNSET, "model_kwargs": bad})
