@@ -290,7 +290,9 @@ class StreamConsumer:
             parsed = records.parse_entry(entry_id, fields, scorer.columns, scorer.column_set)
             (rows if isinstance(parsed, records.InputRow) else rejected).append(parsed)  # type: ignore[arg-type]
         scored = scorer.score(rows)
-        rejected.extend(scored.rejected)
+        if scored.rejected:  # dead letters in input order
+            rejected.extend(scored.rejected)
+            rejected.sort(key=lambda item: tuple(int(part) for part in item.entry_id.split("-", 1)))
         now_ms = time.time() * 1000
         args: list[Any] = [self.config.group]
         for row, label in zip(scored.rows, scored.labels, strict=True):
