@@ -27,6 +27,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.events",
     "nightshift.stream.cli",
 )
+# Subcommands that use MLflow: main configures it (nightshift.tracking.configure) before they run. `train`
+# configures it itself, in rank 0 only.
+MLFLOW_COMMANDS = frozenset({"evaluate", "register", "deploy", "search", "score-stream"})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     no_telemetry()
     args = build_parser().parse_args(argv)
     try:
+        if args.command in MLFLOW_COMMANDS:
+            from nightshift.tracking import configure
+
+            configure()
         result = args.func(args)
     except NightshiftError as err:
         print(f"nightshift {args.command}: {err}", file=sys.stderr)

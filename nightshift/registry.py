@@ -117,7 +117,7 @@ def register(run_id: str, *, model_name: str = "nightshift-digits", lineage: dic
                                                      tags=tags, model_id=model_id)
     except Exception as err:
         raise RegistryError(f"registering run {run_id} as {model_name} failed ({type(err).__name__}: {err}); "
-                            f"check the tracking store {tracking.settings.mlflow_tracking_uri()}") from err
+                            f"check the tracking store {tracking.tracking_uri()}") from err
     try:
         mlflow_client.set_registered_model_alias(model_name, alias, str(version.version))
     except Exception as err:

@@ -52,13 +52,23 @@ MODEL_ARTIFACT = "model"
 SERVED_REQUIREMENTS = ("mlflow-skinny", "torch", "numpy", "pandas", "cloudpickle")
 
 
-def client() -> MlflowClient:
-    """An MlflowClient on the configured tracking URI (also set as mlflow's global URI)."""
+# The process's MLflow configuration: (tracking URI, client), set once by configure().
+_configured: tuple[str, MlflowClient] | None = None
+
+
+def configure(uri: str | None = None) -> MlflowClient:
+    """Point this process's MLflow at the tracking store, once, where the process starts: the CLIs' main,
+    the trainer, a DAG task's entry point. `uri` defaults to the settings (MLFLOW_TRACKING_URI, else
+    NIGHTSHIFT_HOME's SQLite store). Sets MLflow's own URIs too, for its fluent API (`mlflow.start_run`,
+    `log_model`), and returns the client every library function here then uses. Calling it again
+    re-points the process (a test with a new NIGHTSHIFT_HOME does).
+    """
+    global _configured
     import mlflow
 
-    uri = settings.mlflow_tracking_uri()
-    # mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI (and the registry one) into os.environ,
-    # which would pin every later settings.mlflow_tracking_uri() of this process to the first store.
+    uri = uri or settings.mlflow_tracking_uri()
+    # mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI (and the registry one) into os.environ, which
+    # would turn the process's default into a setting the user never made (children inherit os.environ).
     saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     try:
         mlflow.set_tracking_uri(uri)
@@ -69,7 +79,21 @@ def client() -> MlflowClient:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    return mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    _configured = (uri, mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri))
+    return _configured[1]
+
+
+def client() -> MlflowClient:
+    """The client configure() made; a process that never called it (a script using the library, a unit test)
+    is configured from the settings on first use. Never changes MLflow's global state afterwards."""
+    return _configured[1] if _configured is not None else configure()
+
+
+def tracking_uri() -> str:
+    """The tracking URI this process's MLflow uses (configuring it from the settings if nothing did)."""
+    client()
+    assert _configured is not None
+    return _configured[0]
 
 
 def ensure_experiment(name: str) -> str:
@@ -81,7 +105,7 @@ def ensure_experiment(name: str) -> str:
         if experiment.lifecycle_stage == "deleted":
             mlflow_client.restore_experiment(experiment.experiment_id)
         return str(experiment.experiment_id)
-    uri = settings.mlflow_tracking_uri()
+    uri = tracking_uri()
     location = None
     if not uri.startswith(("http://", "https://", "databricks")):
         root_setting = settings.mlflow_artifact_root()
@@ -334,7 +358,7 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
 
 def _record(run_id: str, experiment_id: str, model_uri: str) -> dict[str, Any]:
     return {"run_id": run_id, "experiment_id": experiment_id, "model_uri": model_uri,
-            "tracking_uri": settings.mlflow_tracking_uri()}
+            "tracking_uri": tracking_uri()}
 
 
 def find_training_run(experiment: str, run_key: str) -> dict[str, Any]:
@@ -345,7 +369,7 @@ def find_training_run(experiment: str, run_key: str) -> dict[str, Any]:
     """
     mlflow_client = client()
     found = mlflow_client.get_experiment_by_name(experiment)
-    where = f"experiment {experiment!r} at {settings.mlflow_tracking_uri()}"
+    where = f"experiment {experiment!r} at {tracking_uri()}"
     if found is None:
         raise TrackingError(f"no {where}")
     runs = [run for run in _find_run(mlflow_client, str(found.experiment_id), run_key)
@@ -363,7 +387,7 @@ def run_model_uri(run_id: str) -> str:
     try:
         run = mlflow_client.get_run(run_id)
     except Exception as err:
-        raise TrackingError(f"MLflow run {run_id} not found in {settings.mlflow_tracking_uri()} "
+        raise TrackingError(f"MLflow run {run_id} not found in {tracking_uri()} "
                             f"({err})") from err
     uri = run.data.tags.get(MODEL_URI_TAG)
     if not uri or run.data.tags.get(COMPLETE_TAG) != "true":

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ def nightshift_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     home = tmp_path_factory.mktemp("nightshift-home")
     monkeypatch.setenv("NIGHTSHIFT_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracking = sys.modules.get("nightshift.tracking")
+    if tracking is not None:  # a process configures MLflow once: this test's process starts afresh, on this home
+        monkeypatch.setattr(tracking, "_configured", None)
     return home
 
 

@@ -132,7 +132,9 @@ def skip_training(previous: dict[str, Any] | None) -> dict[str, Any]:
 def evaluate(trained: dict[str, Any], staged: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     from nightshift.evaluate import GateConfig
     from nightshift.evaluate import evaluate as run_evaluation
+    from nightshift.tracking import configure
 
+    configure()  # each task is a process of its own: its entry point configures MLflow
     gate = GateConfig(min_improvement=float(params["min_improvement"]))
     result = run_evaluation(trained["mlflow_run_id"], data_dir=staged["path"], model_name=MODEL_NAME, gate=gate)
     champion = result.get("champion")
@@ -156,7 +158,9 @@ def register(decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_
                                    f"({'; '.join(decision['reasons'])}); the champion keeps serving")
     from nightshift.ledger import code_version
     from nightshift.registry import register as register_version
+    from nightshift.tracking import configure
 
+    configure()
     code = code_version(bundle_version(ti))
     lineage_tags = {"dataset_version": staged["hash"], "dataset_git_rev": staged.get("git_rev"),
                     "dataset_source": staged.get("source"), "dag_id": dag_id, "dag_run_id": run_id,
@@ -171,7 +175,9 @@ def register(decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_
 def deploy(registered: dict[str, Any], staged: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     from nightshift.deploy import deploy as run_deploy
     from nightshift.errors import DeploymentFailed
+    from nightshift.tracking import configure
 
+    configure()
     target = params.get("deploy_target", "local")
     api = None
     if target == "kserve":

@@ -217,7 +217,7 @@ def _download(model_name: str, version: str) -> Path:
     try:
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model_name}/{version}",
                                             dst_path=str(staging),
-                                            tracking_uri=settings.mlflow_tracking_uri())
+                                            tracking_uri=tracking.tracking_uri())
     except Exception as err:
         shutil.rmtree(staging, ignore_errors=True)
         raise DeploymentFailed(f"downloading {model_name} v{version} failed ({type(err).__name__}: {err}); "
@@ -235,7 +235,6 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
     Raises DeploymentFailed when the new server does not start, answer, or pass the smoke test; the old
     server, the record and `@champion` are then untouched.
     """
-    tracking.client()
     if version is None:
         selected = registry.version_by_alias(model_name, alias)
         if selected is None:

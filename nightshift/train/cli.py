@@ -99,8 +99,9 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
         on_epoch = TrialReporter.for_config(config)
     summary = Trainer(config, train, validation, hvd, on_epoch=on_epoch).fit()
     if summary and config.mlflow_experiment:
-        from nightshift.tracking import log_training_run
+        from nightshift.tracking import configure, log_training_run
 
+        configure()  # rank 0 is this process's only MLflow user, and this its one use
         summary["mlflow_run_id"] = log_training_run(config.out, experiment=config.mlflow_experiment,
                                                     run_name=config.mlflow_run_name, tags=config.tags)
     return summary

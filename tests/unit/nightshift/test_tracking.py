@@ -268,3 +268,37 @@ def test_a_local_tracking_store_can_keep_its_artifacts_on_an_object_store(monkey
     monkeypatch.setenv("NIGHTSHIFT_MLFLOW_ARTIFACTS", "s3://models-bucket/mlartifacts/")
     experiment_id = tracking.ensure_experiment("to-s3")
     assert tracking.client().get_experiment(experiment_id).artifact_location == "s3://models-bucket/mlartifacts/to-s3"
+
+
+def test_mlflow_is_configured_once_per_process(monkeypatch: pytest.MonkeyPatch, nightshift_home: Path) -> None:
+    import os
+
+    import mlflow
+
+    first = tracking.client()  # nothing configured it: the first use does, from the settings
+    assert tracking.tracking_uri() == f"sqlite:///{nightshift_home / 'mlflow.db'}"
+    assert mlflow.get_tracking_uri() == tracking.tracking_uri()
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the default store is not made a setting children inherit
+    pointed: list[str] = []
+    monkeypatch.setattr(mlflow, "set_tracking_uri", pointed.append)
+    assert tracking.client() is first and tracking.client() is first
+    with pytest.raises(TrackingError, match="no experiment 'absent'"):
+        tracking.find_training_run("absent", "k")
+    assert pointed == []  # a library call never re-points MLflow
+    other = f"sqlite:///{nightshift_home / 'other.db'}"
+    assert tracking.configure(other) is tracking.client() and pointed == [other]
+
+
+def test_no_module_sets_environment_defaults_when_imported() -> None:
+    import ast
+
+    from tests.conftest import REPO
+
+    offenders = []
+    for folder in ("nightshift", "operators", "dags", "plugins", "config"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:  # module level only: a function may set one
+                if "os.environ.setdefault" in ast.unparse(node) and not isinstance(
+                        node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert offenders == []
