@@ -91,13 +91,15 @@ def features(world: dict[str, Any]) -> pd.DataFrame:
     return world["test"].drop(columns=["label"])
 
 
-def add_inputs(client: Any, frame: pd.DataFrame, ids: list[Any], stream: str = "in", chunk: int = 2000) -> None:
+def add_inputs(client: Any, frame: pd.DataFrame, ids: list[Any], stream: str = "in", chunk: int = 2000,
+               first_row: int = 0) -> None:
+    """XADD one input per id; the i-th id gets row (first_row + i) of `frame`, cycling."""
     columns = list(frame.columns)
     values = frame.to_numpy().tolist()
     for start in range(0, len(ids), chunk):
         pipe = client.pipeline(transaction=False)
         for i in range(start, min(start + chunk, len(ids))):
-            row = values[i % len(values)]
+            row = values[(first_row + i) % len(values)]
             pipe.xadd(stream, {"data": json.dumps({"id": ids[i], **dict(zip(columns, row, strict=True))})})
         pipe.execute()
 
@@ -327,7 +329,7 @@ def test_champion_swap_mid_stream_loses_and_repeats_nothing(world: dict[str, Any
         wait_for(lambda: client.xlen("out") >= n // 4, 240, "v1 predictions", procs, tmp_path / "logs")
         registry.set_alias(MODEL, registry.CHAMPION, world["v2"])
         assert announce_champion(MODEL, world["v2"], url=server.url)
-        add_inputs(client, frame, ids[n // 2:], chunk=500)
+        add_inputs(client, frame, ids[n // 2:], chunk=500, first_row=n // 2)
         wait_for(lambda: client.xlen("out") >= n, 240, "all predictions", procs, tmp_path / "logs")
     finally:
         codes = [stop(p) for p in procs]
@@ -373,7 +375,7 @@ def test_redis_restart_mid_stream_loses_nothing(world: dict[str, Any], tmp_path:
             thread.join(timeout=120)
             assert restarted.is_set()
             client = connect(srv.url)
-            add_inputs(client, frame, ids[n // 2:], chunk=500)
+            add_inputs(client, frame, ids[n // 2:], chunk=500, first_row=n // 2)
             wait_for(lambda: client.xlen("out") >= n, 240, "all predictions", procs, tmp_path / "logs")
         finally:
             codes = [stop(p) for p in procs]
