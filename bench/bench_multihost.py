@@ -75,7 +75,11 @@ def manifest(name: str, hosts: int, workdir: Path, program: list[str]) -> dict[s
         return {"spec": {"containers": [{"name": role, "image": "nightshift-trainer", "command": command,
                                           "volumeMounts": mounts}], "volumes": volumes}}
 
-    launcher = ["horovodrun", "--gloo", "-np", str(hosts), "--hostfile", "/etc/mpi/hostfile", *program]
+    # The pods' eth0 named: left to find the NICs itself, horovodrun with ONE worker host finds {eth0, lo}
+    # routable (that worker probes itself) and puts its rendezvous on the first of a Python set, 127.0.0.1
+    # for about half of the hash seeds, where the rank cannot reach it ("HTTP GET request failed too many times").
+    launcher = ["horovodrun", "--gloo", "--network-interfaces", "eth0", "-np", str(hosts),
+                "--hostfile", "/etc/mpi/hostfile", *program]
     worker = ["/usr/sbin/sshd", "-De", "-f", "/home/mpiuser/.sshd_config"]
     return {"apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": {"name": name},
             "spec": {"slotsPerWorker": 1, "sshAuthMountPath": "/home/mpiuser/.ssh", "mpiReplicaSpecs": {
