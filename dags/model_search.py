@@ -14,7 +14,7 @@ from airflow.sdk import DAG, Asset, Param, get_current_context, task, task_group
 from airflow.sdk.bases.sensor import PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from operators.horovod import HorovodKubernetesOperator
+from operators.horovod import ClusterConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
 
 DAG_ID = "model_search"
 # Manual and UI triggers; NIGHTSHIFT_SEARCH_CRON (e.g. "0 3 * * 6") adds a weekly search.
@@ -182,13 +182,10 @@ with DAG(
         pulled = "ti.xcom_pull(task_ids='trial.ask', map_indexes=ti.map_index)"
         train = HorovodKubernetesOperator(
             task_id="train",
-            num_workers="{{ params.workers }}",
-            gpus_per_worker="{{ params.gpus_per_worker }}",
-            backend="{{ params.backend }}",
-            image=TRAINER_IMAGE,
-            command="{{ " + pulled + "['command'] }}",
-            mlflow_experiment="model_search",
-            mlflow_run_key="{{ " + pulled + "['run_key'] }}",
+            job=JobConfig(num_workers="{{ params.workers }}", gpus_per_worker="{{ params.gpus_per_worker }}",
+                          image=TRAINER_IMAGE, command="{{ " + pulled + "['command'] }}"),
+            cluster=ClusterConfig(backend="{{ params.backend }}"),
+            tracking=TrackingConfig(mlflow_experiment="model_search", mlflow_run_key="{{ " + pulled + "['run_key'] }}"),
             post_execute=_skip_if_pruned,
             max_active_tis_per_dagrun=MAX_CONCURRENT_TRIALS,
             execution_timeout=timedelta(hours=6),

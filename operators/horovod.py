@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.configuration import conf
 from airflow.sdk.exceptions import AirflowNotFoundException
 
 from operators.errors import InvalidJobConfig, MPIJobFailed, MPIJobStartupFailure, TrainingResultMissing
+from operators.horovod_config import (
+    CONFIG_TYPES,
+    SETTING_GROUPS,
+    ClusterConfig,
+    ExecutionConfig,
+    JobConfig,
+    TrackingConfig,
+    field_renderers,
+    is_template,
+    templated_fields,
+    to_count,
+)
 from operators.mpijob_spec import (
     GPU_RESOURCE,
     MPIJobConfig,
@@ -41,205 +52,76 @@ if TYPE_CHECKING:
     from operators.local_launcher import LocalHorovodLauncher
     from operators.mpijob_launcher import MPIJobLauncher
 
-Backend = Literal["kubernetes", "local", "auto"]
-CleanupPolicy = Literal["always", "on_success", "never"]
-BACKENDS = ("kubernetes", "local", "auto")
-CLEANUP_POLICIES = ("always", "on_success", "never")
 GPU_POOL = "gpu"
 SHARED_VOLUME = "nightshift-shared"
+# The operator's settings, by concern (operators.horovod_config): its keyword argument -> the config's type.
+CONFIG_ARGUMENTS: dict[str, type[Any]] = dict(CONFIG_TYPES)
 
 
 class HorovodKubernetesOperator(BaseOperator):
     """Run a Horovod training command on `num_workers` workers, on Kubernetes (MPIJob) or locally.
 
-    :param num_workers: number of worker pods (Kubernetes) or local processes. Templated: an int, or a
-        template such as ``"{{ params.workers }}"`` rendered and checked at execute.
-    :param gpus_per_worker: GPUs each worker asks for (`nvidia.com/gpu`); also MPI slots per worker
-        (templated, like `num_workers`). With plain ints the task takes `num_workers * gpus_per_worker`
-        slots (at least 1) of the `gpu` pool; with templates, 1 unless the cluster policy in
-        `config/airflow_local_settings.py` sizes it from the run's params.
-    :param image: the trainer image (Kubernetes backend).
-    :param command: the training entrypoint, as a list or one shell-like string, e.g.
-        `["python", "-m", "nightshift.train", "--data", "/workspace/data", "--out", "/workspace/model"]`.
-        `--checkpoint-dir` is appended unless the command passes one.
-    :param checkpoint_dir: where checkpoints live; default `<checkpoint_root>/<dag_id>/<run_id>/<task_id>`
-        (never the try number, so a retry resumes). `checkpoint_root` defaults to NIGHTSHIFT_HOME's
-        checkpoints directory locally and to `/workspace/checkpoints` (the workspace PVC) on Kubernetes.
-    :param backend: "kubernetes", "local", or "auto" (kubernetes when the `kubernetes_conn_id`
-        connection exists, else local). Templated.
-    :param shared_volume_claim: Kubernetes: the ReadWriteMany claim holding NIGHTSHIFT_HOME, mounted at
-        in the launcher and every worker (default: NIGHTSHIFT_SHARED_PVC, else
-        `nightshift-workspace`), mounted at NIGHTSHIFT_HOME's path on this worker, so that the same
-        paths name the same files in Airflow and in the pods. Every absolute path in `command` must lie
-        under a mount.
-    :param kueue_queue: Kubernetes: the Kueue LocalQueue the job waits in (templated; None: NIGHTSHIFT_KUEUE_QUEUE;
-        empty: no Kueue). The MPIJob then carries `kueue.x-k8s.io/queue-name`, is created suspended, and
-        the task waits while Kueue holds it, logging why from the job's Workload; a preempted job waits
-        for readmission within the same try and resumes from its checkpoint.
-    :param kueue_priority: the Kueue WorkloadPriorityClass of the job (label `kueue.x-k8s.io/priority-class`).
-    :param queue_timeout: seconds the job may wait in the queue (since it was last suspended) before the
-        task fails with the reason it waited; None: no limit but the task's execution_timeout.
-    :param gpus: the total GPUs (templated; 0: `num_workers` x `gpus_per_worker`). Packed into the fewest
-        equal workers of at most one node's GPUs (NIGHTSHIFT_GPUS_PER_NODE, else the largest allocatable
-        `nvidia.com/gpu` of the cluster's nodes; locally, this machine's GPUs); see `mpijob_spec.pack_gpus`.
-        With a queue, a total above what its ClusterQueue can ever admit is refused before submitting.
-    :param mlflow_experiment: with `mlflow_run_key`, the task's result comes from the tracking server:
-        the complete MLflow run tagged `nightshift.run_key=<mlflow_run_key>` in this experiment (its id,
-        model URI and metrics, also pushed as the `mlflow_run_id` / `mlflow_experiment_id` XComs).
-        Pods log to NIGHTSHIFT_CLUSTER_MLFLOW_URI, else MLFLOW_TRACKING_URI, passed in their env.
-    :param deferrable: on Kubernetes, wait in the triggerer (`MPIJobTrigger`) instead of a worker slot.
-    :param poll_interval: seconds between status polls.
-    :param startup_timeout: seconds the job may take to start running before it is failed and deleted.
-    :param cleanup: delete the MPIJob when the task ends "always", "on_success" (keep failed jobs for
-        inspection; ttl_seconds_after_finished removes them) or "never". Jobs that never started
-        (unschedulable, image pull failure, startup timeout) are deleted unless cleanup is "never".
-    :param timeout: local backend only: seconds before the horovodrun process tree is killed.
+    :param job: what runs (`JobConfig`: command, workers, GPUs, image, env, checkpoints, resources).
+    :param cluster: where (`ClusterConfig`: backend, namespace, shared volume, Kueue, pod fields); default
+        `ClusterConfig()`: the "auto" backend.
+    :param execution: how it is waited for and cleaned up (`ExecutionConfig`: deferrable, polling, timeouts,
+        cleanup, the MPIJob's run policy); default `ExecutionConfig()`.
+    :param tracking: where its result comes back from (`TrackingConfig`: MLflow experiment and run key).
+
+    Every field of these configs is documented in `operators.horovod_config`. The templated ones (`num_workers`,
+    `gpus_per_worker`, `gpus`, `backend`, `kueue_queue`, `image`, `command`, ...) are this operator's template
+    fields, attributes of the same names: a template such as ``"{{ params.workers }}"`` is rendered, then
+    converted and checked at execute (`settle`), with an error naming the field.
     """
 
-    template_fields: Sequence[str] = (
-        "num_workers",
-        "gpus_per_worker",
-        "gpus",
-        "backend",
-        "kueue_queue",
-        "kueue_priority",
-        "mlflow_run_key",
-        "image",
-        "command",
-        "env",
-        "checkpoint_dir",
-        "checkpoint_root",
-        "namespace",
-        "labels",
-        "annotations",
-        "volumes",
-        "volume_mounts",
-        "node_selector",
-        "tolerations",
-        "service_account_name",
-        "priority_class_name",
-        "cpu_request",
-        "cpu_limit",
-        "memory_request",
-        "memory_limit",
-    )
-    template_fields_renderers = {"command": "py", "env": "json", "volumes": "json", "labels": "json"}
+    template_fields: Sequence[str] = templated_fields()
+    template_fields_renderers = field_renderers()
     ui_color = "#c9e4f6"
 
     def __init__(
         self,
         *,
-        num_workers: int | str,
-        gpus_per_worker: int | str = 0,
-        image: str = "",
-        command: str | Sequence[str],
-        cpu_request: str | None = None,
-        cpu_limit: str | None = None,
-        memory_request: str | None = None,
-        memory_limit: str | None = None,
-        namespace: str | None = None,
-        service_account_name: str | None = None,
-        node_selector: Mapping[str, str] | None = None,
-        tolerations: Sequence[Mapping[str, Any]] | None = None,
-        priority_class_name: str | None = None,
-        env: Mapping[str, str] | None = None,
-        volumes: Sequence[Mapping[str, Any]] | None = None,
-        volume_mounts: Sequence[Mapping[str, Any]] | None = None,
-        image_pull_policy: str | None = None,
-        image_pull_secrets: Sequence[str] | None = None,
-        labels: Mapping[str, str] | None = None,
-        annotations: Mapping[str, str] | None = None,
-        checkpoint_dir: str | None = None,
-        checkpoint_root: str | None = None,
-        backend: Backend | str = "auto",
-        kubernetes_conn_id: str = "kubernetes_default",
-        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
-        poll_interval: float = 10.0,
-        startup_timeout: float = 600.0,
-        cleanup: CleanupPolicy = "on_success",
-        clean_pod_policy: str = "Running",
-        backoff_limit: int = 0,
-        ttl_seconds_after_finished: int | None = 3600,
-        active_deadline_seconds: int | None = None,
-        launcher_resources: Mapping[str, Mapping[str, str]] | None = None,
-        worker_command: Sequence[str] | None = None,
-        ssh_auth_mount_path: str | None = None,
-        timeout: float | None = None,
-        shared_volume_claim: str | None = None,
-        mlflow_experiment: str | None = None,
-        mlflow_run_key: str | None = None,
-        kueue_queue: str | None = None,
-        kueue_priority: str | None = None,
-        queue_timeout: float | None = None,
-        gpus: int | str = 0,
+        job: JobConfig,
+        cluster: ClusterConfig | None = None,
+        execution: ExecutionConfig | None = None,
+        tracking: TrackingConfig | None = None,
         pool: str | None = None,
         pool_slots: int | None = None,
         **kwargs: Any,
     ) -> None:
-        # Plain values are checked now, so a DAG with a typo fails to parse; templates are checked at execute.
-        if not _is_template(backend):
-            _check_backend(backend)
-        if cleanup not in CLEANUP_POLICIES:
-            raise InvalidJobConfig(f"cleanup must be one of {CLEANUP_POLICIES}, got {cleanup!r}")
-        counts = {"num_workers": (num_workers, 1), "gpus_per_worker": (gpus_per_worker, 0), "gpus": (gpus, 0)}
-        for name, (value, minimum) in counts.items():
-            if not _is_template(value):
-                _to_count(name, value, minimum)
+        misplaced = sorted(set(kwargs) & SETTING_GROUPS.keys())
+        if misplaced:
+            where = ", ".join(f"{name} in {CONFIG_ARGUMENTS[SETTING_GROUPS[name]].__name__}" for name in misplaced)
+            raise InvalidJobConfig(f"{', '.join(misplaced)}: not an operator argument; pass it in its config ({where})")
+        configs = {"job": job, "cluster": cluster or ClusterConfig(), "execution": execution or ExecutionConfig(),
+                   "tracking": tracking or TrackingConfig()}
+        for argument, config in configs.items():
+            if not isinstance(config, CONFIG_ARGUMENTS[argument]):
+                raise InvalidJobConfig(f"{argument} must be a {CONFIG_ARGUMENTS[argument].__name__} "
+                                       f"(operators.horovod_config), got {type(config).__name__}")
         if pool_slots is None:
-            templated = _is_template(num_workers) or _is_template(gpus_per_worker) or _is_template(gpus)
-            if templated:
+            counts = (job.num_workers, job.gpus_per_worker, job.gpus)
+            if any(is_template(value) for value in counts):
                 pool_slots = 1
             else:
-                pool_slots = int(gpus) or pool_slots_for(int(num_workers), int(gpus_per_worker))
+                pool_slots = int(job.gpus) or pool_slots_for(int(job.num_workers), int(job.gpus_per_worker))
         super().__init__(pool=pool or GPU_POOL, pool_slots=pool_slots, **kwargs)
-        self.num_workers = num_workers
-        self.gpus_per_worker = gpus_per_worker
-        self.image = image
-        self.command = command
-        self.cpu_request = cpu_request
-        self.cpu_limit = cpu_limit
-        self.memory_request = memory_request
-        self.memory_limit = memory_limit
-        self.namespace = namespace
-        self.service_account_name = service_account_name
-        self.node_selector = node_selector
-        self.tolerations = tolerations
-        self.priority_class_name = priority_class_name
-        self.env = env
-        self.volumes = volumes
-        self.volume_mounts = volume_mounts
-        self.image_pull_policy = image_pull_policy
-        self.image_pull_secrets = image_pull_secrets
-        self.labels = labels
-        self.annotations = annotations
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_root = checkpoint_root
-        self.backend = backend
-        self.kubernetes_conn_id = kubernetes_conn_id
-        self.deferrable = deferrable
-        self.poll_interval = poll_interval
-        self.startup_timeout = startup_timeout
-        self.cleanup = cleanup
-        self.clean_pod_policy = clean_pod_policy
-        self.backoff_limit = backoff_limit
-        self.ttl_seconds_after_finished = ttl_seconds_after_finished
-        self.active_deadline_seconds = active_deadline_seconds
-        self.launcher_resources = launcher_resources
-        self.worker_command = worker_command
-        self.ssh_auth_mount_path = ssh_auth_mount_path
-        self.timeout = timeout
-        self.shared_volume_claim = shared_volume_claim
-        self.mlflow_experiment = mlflow_experiment
-        self.mlflow_run_key = mlflow_run_key
-        # Not `queue`: BaseOperator.queue is the executor's (Celery) queue.
-        self.kueue_queue = kueue_queue
-        self.kueue_priority = kueue_priority
-        self.queue_timeout = queue_timeout
-        self.gpus = gpus
+        self.job: JobConfig = job
+        self.cluster: ClusterConfig = configs["cluster"]  # type: ignore[assignment]
+        self.execution: ExecutionConfig = configs["execution"]  # type: ignore[assignment]
+        self.tracking: TrackingConfig = configs["tracking"]  # type: ignore[assignment]
+        self._use(**configs)
         # Per-try state that on_kill needs.
         self.job_name: str | None = None
         self._job_namespace: str | None = None
         self._local: LocalHorovodLauncher | None = None
+
+    def _use(self, **configs: Any) -> None:
+        """Hold these configs, and their templated fields as the attributes Airflow renders."""
+        for argument, config in configs.items():
+            setattr(self, argument, config)
+            for name in _TEMPLATED[argument]:
+                setattr(self, name, getattr(config, name))
 
     # -- clients -----------------------------------------------------------------------------------
 
@@ -247,7 +129,7 @@ class HorovodKubernetesOperator(BaseOperator):
     def hook(self) -> KubernetesHook:
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
-        return KubernetesHook(conn_id=self.kubernetes_conn_id)
+        return KubernetesHook(conn_id=self.cluster.kubernetes_conn_id)
 
     def make_launcher(self, namespace: str) -> MPIJobLauncher:
         from operators.mpijob_launcher import MPIJobLauncher
@@ -256,37 +138,34 @@ class HorovodKubernetesOperator(BaseOperator):
             self.hook.custom_object_client,
             self.hook.core_v1_client,
             namespace,
-            poll_interval=self.poll_interval,
-            startup_timeout=self.startup_timeout,
-            queue_timeout=self.queue_timeout,
+            poll_interval=self.execution.poll_interval,
+            startup_timeout=self.execution.startup_timeout,
+            queue_timeout=self.execution.queue_timeout,
             logger=self.log,
         )
 
     # -- pure derivations --------------------------------------------------------------------------
 
     def settle(self) -> None:
-        """Convert the rendered template fields to what they stand for, naming the field that is wrong."""
-        self.num_workers = _to_count("num_workers", self.num_workers, 1)
-        self.gpus_per_worker = _to_count("gpus_per_worker", self.gpus_per_worker, 0)
-        self.gpus = _to_count("gpus", self.gpus, 0)
-        self.backend = _check_backend(str(self.backend).strip())
-        self.kueue_queue = _name_or_none(self.kueue_queue)
-        self.kueue_priority = _name_or_none(self.kueue_priority)
+        """Each config from the rendered template fields, converted; InvalidJobConfig names a wrong field."""
+        self._use(**{argument: replace(getattr(self, argument), **{name: getattr(self, name)
+                                                                     for name in _TEMPLATED[argument]}).settled()
+                     for argument in CONFIG_ARGUMENTS})
 
     def resolve_queue(self) -> str | None:
-        """The LocalQueue: the `queue` argument, else NIGHTSHIFT_KUEUE_QUEUE; an empty one means no Kueue."""
+        """The LocalQueue: `kueue_queue`, else NIGHTSHIFT_KUEUE_QUEUE; an empty one means no Kueue."""
         import os
 
-        if self.kueue_queue is not None:
-            return self.kueue_queue or None
+        if self.cluster.kueue_queue is not None:
+            return self.cluster.kueue_queue or None
         return os.environ.get("NIGHTSHIFT_KUEUE_QUEUE", "").strip() or None
 
     def pack(self, gpus_per_node: int) -> None:
         """Turn `gpus` (a total) into workers x GPUs per worker, each worker at most one node."""
-        workers, per_worker = pack_gpus(int(self.gpus), gpus_per_node)
-        self.log.info("%d GPUs on nodes of %d: %d worker(s) x %d GPU(s)", self.gpus, gpus_per_node, workers,
-                      per_worker)
-        self.num_workers, self.gpus_per_worker = workers, per_worker
+        total = int(self.job.gpus)
+        workers, per_worker = pack_gpus(total, gpus_per_node)
+        self.log.info("%d GPUs on nodes of %d: %d worker(s) x %d GPU(s)", total, gpus_per_node, workers, per_worker)
+        self._use(job=replace(self.job, num_workers=workers, gpus_per_worker=per_worker, gpus=0))
 
     def cluster_gpus_per_node(self, *, discover: bool) -> int:
         """NIGHTSHIFT_GPUS_PER_NODE, else (when `discover`) the largest allocatable nvidia.com/gpu of a node."""
@@ -294,7 +173,7 @@ class HorovodKubernetesOperator(BaseOperator):
 
         configured = os.environ.get("NIGHTSHIFT_GPUS_PER_NODE", "").strip()
         if configured:
-            return _to_count("NIGHTSHIFT_GPUS_PER_NODE", configured, 1)
+            return to_count("NIGHTSHIFT_GPUS_PER_NODE", configured, 1)
         found, why = 0, "the cluster is not asked when planning"
         if discover:
             from kubernetes.client.exceptions import ApiException
@@ -307,7 +186,8 @@ class HorovodKubernetesOperator(BaseOperator):
             except ApiException as err:  # listing nodes needs a ClusterRole many teams do not get
                 why = f"the nodes cannot be listed ({err.status} {err.reason})"
         if found < 1:
-            raise InvalidJobConfig(f"gpus={self.gpus} needs the GPUs of one node: set NIGHTSHIFT_GPUS_PER_NODE ({why})")
+            raise InvalidJobConfig(f"gpus={self.job.gpus} needs the GPUs of one node: set NIGHTSHIFT_GPUS_PER_NODE "
+                                   f"({why})")
         return found
 
     def check_queue_capacity(self, namespace: str, queue: str) -> None:
@@ -317,7 +197,7 @@ class HorovodKubernetesOperator(BaseOperator):
         from operators.kueue_quota import max_admissible
         from operators.mpijob_launcher import KUEUE_GROUP, KUEUE_VERSION
 
-        total = int(self.num_workers) * int(self.gpus_per_worker)
+        total = int(self.job.num_workers) * int(self.job.gpus_per_worker)
         if total < 1:
             return
         api = self.hook.custom_object_client
@@ -345,26 +225,26 @@ class HorovodKubernetesOperator(BaseOperator):
         limit = max_admissible(cluster_queue, GPU_RESOURCE, peers)
         if limit is not None and total > limit:
             raise InvalidJobConfig(
-                f"the job asks for {total} GPUs ({self.num_workers} x {self.gpus_per_worker}) but ClusterQueue "
+                f"the job asks for {total} GPUs ({self.job.num_workers} x {self.job.gpus_per_worker}) but ClusterQueue "
                 f"{cq_name} (LocalQueue {queue}) can admit at most {limit}: ask for at most {limit} GPUs"
             )
 
     def resolve_backend(self) -> str:
         """The backend this run uses; "auto" looks for the Kubernetes connection."""
-        if self.backend != "auto":
-            return self.backend
+        if self.cluster.backend != "auto":
+            return str(self.cluster.backend)
         from airflow.sdk import BaseHook
 
         try:
-            BaseHook.get_connection(self.kubernetes_conn_id)
+            BaseHook.get_connection(self.cluster.kubernetes_conn_id)
         except AirflowNotFoundException:
-            self.log.info("No connection %r: using the local backend", self.kubernetes_conn_id)
+            self.log.info("No connection %r: using the local backend", self.cluster.kubernetes_conn_id)
             return "local"
         return "kubernetes"
 
     def resolve_namespace(self) -> str:
-        if self.namespace:
-            return self.namespace
+        if self.cluster.namespace:
+            return self.cluster.namespace
         try:
             return self.hook.get_namespace() or "default"
         except AirflowNotFoundException:
@@ -382,9 +262,9 @@ class HorovodKubernetesOperator(BaseOperator):
         )
 
     def resolve_checkpoint_dir(self, identity: TaskIdentity, backend: str) -> str:
-        if self.checkpoint_dir:
-            return str(self.checkpoint_dir)
-        root = self.checkpoint_root
+        if self.job.checkpoint_dir:
+            return str(self.job.checkpoint_dir)
+        root = self.job.checkpoint_root
         if not root:
             # NIGHTSHIFT_HOME's checkpoints: on this machine, or on the shared volume that holds it.
             from nightshift.settings import checkpoints_dir
@@ -399,7 +279,7 @@ class HorovodKubernetesOperator(BaseOperator):
         """The shared volume, its mount and the env every pod gets: NIGHTSHIFT_HOME and the tracking URI."""
         from nightshift import settings
 
-        claim = self.shared_volume_claim or settings.shared_volume_claim()
+        claim = self.cluster.shared_volume_claim or settings.shared_volume_claim()
         mount_path = str(settings.home())
         uri = settings.cluster_mlflow_tracking_uri()
         if not uri.startswith(("http://", "https://")):
@@ -414,51 +294,27 @@ class HorovodKubernetesOperator(BaseOperator):
         return volume, mount, {"NIGHTSHIFT_HOME": mount_path, "MLFLOW_TRACKING_URI": uri}
 
     def job_config(self, command: Sequence[str], namespace: str) -> MPIJobConfig:
-        optional: dict[str, Any] = {}
-        if self.launcher_resources is not None:
-            optional["launcher_resources"] = self.launcher_resources
-        if self.worker_command is not None:
-            optional["worker_command"] = tuple(self.worker_command)
-        if self.ssh_auth_mount_path is not None:
-            optional["ssh_auth_mount_path"] = self.ssh_auth_mount_path
-        return MPIJobConfig(
-            image=self.image,
-            command=list(command),
-            num_workers=int(self.num_workers),
-            gpus_per_worker=int(self.gpus_per_worker),
-            namespace=namespace,
-            cpu_request=self.cpu_request,
-            cpu_limit=self.cpu_limit,
-            memory_request=self.memory_request,
-            memory_limit=self.memory_limit,
-            env=dict(self.env or {}),
-            volumes=[_plain(v) for v in self.volumes or ()],
-            volume_mounts=[_plain(m) for m in self.volume_mounts or ()],
-            service_account_name=self.service_account_name,
-            node_selector=dict(self.node_selector or {}),
-            tolerations=[_plain(t) for t in self.tolerations or ()],
-            priority_class_name=self.priority_class_name,
-            image_pull_policy=self.image_pull_policy,
-            image_pull_secrets=tuple(self.image_pull_secrets or ()),
-            labels=dict(self.labels or {}),
-            annotations=dict(self.annotations or {}),
-            clean_pod_policy=self.clean_pod_policy,
-            backoff_limit=self.backoff_limit,
-            ttl_seconds_after_finished=self.ttl_seconds_after_finished,
-            active_deadline_seconds=self.active_deadline_seconds,
-            queue_name=self.resolve_queue(),
-            priority_class=self.kueue_priority if self.resolve_queue() else None,
-            **optional,
-        )
+        """The spec builder's config: every setting that MPIJobConfig has a field of the same name for."""
+        given = {name: value for config in (self.job, self.cluster, self.execution)
+                 for name, value in vars(config).items()}
+        spec: dict[str, Any] = {}
+        for f in fields(MPIJobConfig):
+            value = given.get(f.name)
+            # None: the spec's default, unless the spec's field takes None itself (ttl_seconds_after_finished).
+            if f.name in given and (value is not None or "None" in str(f.type)):
+                spec[f.name] = _spec_value(value)
+        queue = self.resolve_queue()
+        return MPIJobConfig(**{**spec, "command": list(command), "namespace": namespace, "queue_name": queue,
+                               "priority_class": self.cluster.kueue_priority if queue else None})
 
     def build_manifest(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
         """The MPIJob this task submits for `identity` (pure; no cluster needed)."""
         self.settle()
-        if self.gpus:
+        if self.job.gpus:
             self.pack(self.cluster_gpus_per_node(discover=False))
-        namespace = namespace or self.namespace or "default"
+        namespace = namespace or self.cluster.namespace or "default"
         checkpoint_dir = self.resolve_checkpoint_dir(identity, "kubernetes")
-        command = with_checkpoint_dir(split_command(self.command), checkpoint_dir)
+        command = with_checkpoint_dir(split_command(self.job.command), checkpoint_dir)
         volume, mount, env = self.cluster_contract()
         config = self.job_config(command, namespace)
         volumes = [volume, *(v for v in config.volumes if v.get("name") != SHARED_VOLUME)]
@@ -500,19 +356,20 @@ class HorovodKubernetesOperator(BaseOperator):
     def execute_local(self, identity: TaskIdentity) -> dict[str, Any]:
         from operators.local_launcher import LocalHorovodLauncher, check_local_capacity
 
-        if self.gpus:  # this machine is the one node: one worker with all the GPUs asked for
-            self.num_workers, self.gpus_per_worker, self.gpus = 1, int(self.gpus), 0
-        ranks = check_local_capacity(int(self.num_workers), int(self.gpus_per_worker))
+        if self.job.gpus:  # this machine is the one node: one worker with all the GPUs asked for
+            self._use(job=replace(self.job, num_workers=1, gpus_per_worker=int(self.job.gpus), gpus=0))
+        job = self.job
+        ranks = check_local_capacity(int(job.num_workers), int(job.gpus_per_worker))
         checkpoint_dir = self.resolve_checkpoint_dir(identity, "local")
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        command = with_checkpoint_dir(split_command(self.command), checkpoint_dir)
+        command = with_checkpoint_dir(split_command(job.command), checkpoint_dir)
         self.log.info("Training with %d rank(s) here (%d worker(s) x %d GPU(s)); checkpoints of this task "
-                      "(every try): %s", ranks, self.num_workers, self.gpus_per_worker, checkpoint_dir)
+                      "(every try): %s", ranks, job.num_workers, job.gpus_per_worker, checkpoint_dir)
         self._local = LocalHorovodLauncher(
             ranks,
             command,
-            env=dict(self.env or {}),
-            timeout=self.timeout,
+            env=dict(job.env or {}),
+            timeout=self.execution.timeout,
             logger=self.log,
         )
         try:
@@ -520,18 +377,20 @@ class HorovodKubernetesOperator(BaseOperator):
         finally:
             if self._local.process is not None and self._local.process.poll() is None:
                 self._local.kill()
-        return {"backend": "local", "checkpoint_dir": checkpoint_dir, "num_workers": self.num_workers,
-                "gpus_per_worker": self.gpus_per_worker}
+        return {"backend": "local", "checkpoint_dir": checkpoint_dir, "num_workers": job.num_workers,
+                "gpus_per_worker": job.gpus_per_worker}
 
     def collect_results(self, context: Context | Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         """Add the training's MLflow run (found on the tracking server by its run key) to the result."""
-        if not (self.mlflow_experiment and self.mlflow_run_key):
+        experiment, run_key = self.tracking.mlflow_experiment, self.tracking.mlflow_run_key
+        if not (experiment and run_key):
             return result
         from nightshift.errors import TrackingError
-        from nightshift.tracking import find_training_run
+        from nightshift.tracking import configure, find_training_run
 
+        configure()  # the task's process: its one MLflow use
         try:
-            run = find_training_run(str(self.mlflow_experiment), str(self.mlflow_run_key))
+            run = find_training_run(str(experiment), str(run_key))
         except TrackingError as err:
             raise TrainingResultMissing(f"the training job succeeded but its result is not in MLflow: {err}") from err
         context["ti"].xcom_push(key="mlflow_run_id", value=run["run_id"])
@@ -543,9 +402,8 @@ class HorovodKubernetesOperator(BaseOperator):
 
     def execute_kubernetes(self, identity: TaskIdentity) -> dict[str, Any]:
         namespace = self.resolve_namespace()
-        if self.gpus:
+        if self.job.gpus:
             self.pack(self.cluster_gpus_per_node(discover=True))
-            self.gpus = 0
         if queue := self.resolve_queue():
             self.check_queue_capacity(namespace, queue)
         body = self.build_manifest(identity, namespace)
@@ -560,7 +418,7 @@ class HorovodKubernetesOperator(BaseOperator):
         }
         submitted_at = time.time()
         launcher.submit(body)
-        if self.deferrable:
+        if self.execution.deferrable:
             from operators.triggers import MPIJobTrigger
 
             self.defer(
@@ -568,10 +426,10 @@ class HorovodKubernetesOperator(BaseOperator):
                     name=name,
                     namespace=namespace,
                     submitted_at=submitted_at,
-                    kubernetes_conn_id=self.kubernetes_conn_id,
-                    poll_interval=self.poll_interval,
-                    startup_timeout=self.startup_timeout,
-                    queue_timeout=self.queue_timeout,
+                    kubernetes_conn_id=self.cluster.kubernetes_conn_id,
+                    poll_interval=self.execution.poll_interval,
+                    startup_timeout=self.execution.startup_timeout,
+                    queue_timeout=self.execution.queue_timeout,
                 ),
                 method_name="execute_complete",
                 kwargs={"result": result},
@@ -618,17 +476,18 @@ class HorovodKubernetesOperator(BaseOperator):
         error: BaseException | None = None,
         force: bool = False,
     ) -> None:
-        if self.cleanup == "never":
+        cleanup = self.execution.cleanup
+        if cleanup == "never":
             self.log.info("Keeping MPIJob %s (cleanup='never')", name)
             return
         never_started = isinstance(error, MPIJobStartupFailure)
-        if force or never_started or self.cleanup == "always" or (succeeded and self.cleanup == "on_success"):
+        if force or never_started or cleanup == "always" or (succeeded and cleanup == "on_success"):
             try:
                 launcher.delete(name)
             except Exception as err:
                 self.log.warning("Could not delete MPIJob %s: %s", name, err)
         else:
-            self.log.info("Keeping failed MPIJob %s for inspection (cleanup=%r)", name, self.cleanup)
+            self.log.info("Keeping failed MPIJob %s for inspection (cleanup=%r)", name, cleanup)
 
     def on_kill(self) -> None:
         if self._local is not None:
@@ -638,34 +497,18 @@ class HorovodKubernetesOperator(BaseOperator):
             self.make_launcher(namespace).delete(self.job_name)
 
 
-def _is_template(value: object) -> bool:
-    return isinstance(value, str) and ("{{" in value or "{%" in value)
+def _spec_value(value: Any) -> Any:
+    """A setting as the spec builder takes it: mappings as dicts, lists of Kubernetes objects as plain dicts."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, list | tuple):
+        return [item if isinstance(item, str) else _plain(item) for item in value]
+    return value
 
 
-def _check_backend(value: object) -> str:
-    if value not in BACKENDS:
-        raise InvalidJobConfig(f"backend must be one of {BACKENDS}, got {value!r}")
-    return str(value)
-
-
-def _to_count(name: str, value: object, minimum: int) -> int:
-    """An int field given as an int or as its rendered template (a string of digits)."""
-    number: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        number = int(value.strip())
-    if number is None or number < minimum:
-        raise InvalidJobConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return number
-
-
-def _name_or_none(value: object) -> str | None:
-    """A rendered optional name: None stays None; "None" (a None param rendered by Jinja) and blanks are ""."""
-    if value is None:
-        return None
-    text = str(value).strip()
-    return "" if text in {"", "None"} else text
+# The templated settings of each config.
+_TEMPLATED = {argument: tuple(f.name for f in fields(kind) if f.metadata.get("templated"))
+              for argument, kind in CONFIG_ARGUMENTS.items()}
 
 
 def _redacted(uri: str) -> str:
@@ -687,4 +530,4 @@ def _plain(obj: Any) -> dict[str, Any]:
 
 
 # The job name for a task instance, re-exported for DAG authors and tests.
-__all__ = ["HorovodKubernetesOperator", "job_name"]
+__all__ = ["ClusterConfig", "ExecutionConfig", "HorovodKubernetesOperator", "JobConfig", "TrackingConfig", "job_name"]

@@ -58,13 +58,24 @@ def effective_params(dag: Any, conf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class _StagedTI:
-    """Stands in for the task instance in templates: `xcom_pull` answers with what stage_dataset returns."""
+    """Stands in for the task instance in templates: `xcom_pull` answers with what stage_dataset returns, and
+    check_changes's `training` (the trainer options resolved from the params, as that task resolves them)."""
 
-    def __init__(self, dag_id: str, run_id: str, task_id: str) -> None:
+    def __init__(self, dag_id: str, run_id: str, task_id: str, params: Mapping[str, Any]) -> None:
         self.dag_id, self.run_id, self.task_id = dag_id, run_id, task_id
         self.try_number, self.map_index = 1, -1
+        self.params = dict(params)
 
     def xcom_pull(self, task_ids: str | None = None, key: str = "return_value", **_: Any) -> Any:
+        if task_ids == "check_changes" and key == "training":
+            from nightshift.search.best import training_defaults
+            from nightshift.search.errors import BestConfigInvalid
+
+            try:  # what check_changes resolves (nightly_tasks.steps.resolve_training), without its log lines
+                resolved = training_defaults(self.params)
+            except BestConfigInvalid as err:
+                raise PlanError(str(err)) from err
+            return {**resolved["options"], "summary": resolved["summary"]}
         if task_ids != "stage_dataset" or key != "return_value":
             return None
         from nightly_tasks.steps import workspace_for
@@ -84,11 +95,11 @@ def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None)
     task = copy.deepcopy(dag.get_task(TRAIN_TASK))
     if not isinstance(task, HorovodKubernetesOperator):
         raise PlanError(f"{dag.dag_id}.{TRAIN_TASK} is a {type(task).__name__}, not a HorovodKubernetesOperator")
-    ti = _StagedTI(dag.dag_id, run_id, TRAIN_TASK)
+    ti = _StagedTI(dag.dag_id, run_id, TRAIN_TASK, params)
     context = {"params": params, "run_id": run_id, "dag": dag, "ti": ti, "task_instance": ti, "task": task}
     task.render_template_fields(context)  # type: ignore[arg-type]
     try:
-        return [task.build_manifest(task.identity_from(context), task.namespace or None)]
+        return [task.build_manifest(task.identity_from(context))]
     except InvalidJobConfig as err:
         raise PlanError(f"{TRAIN_TASK}: {err}") from err
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from operators.horovod import HorovodKubernetesOperator
 from tests.trained_model import write_trained_output
 from tests.unit.operators import fake_kubernetes as fk
+from tests.unit.operators.conftest import horovod_operator
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +90,7 @@ def test_the_result_comes_back_through_the_tracking_server(tracking_server: str,
     workspace = nightshift_home / "workspaces" / "nightly_retrain" / RUN_ID
     out = write_trained_output(workspace / "model", demo_data, epochs=1)
     cluster = fk.FakeCluster(lambda name: fk.succeeding(name, ["training done"]))
-    op = HorovodKubernetesOperator(
+    op = horovod_operator(
         task_id="train", num_workers="{{ params.workers }}", gpus_per_worker="0", backend="kubernetes",
         image="ghcr.io/example/trainer:1", namespace="ml", poll_interval=0.0,
         command=["python", "-m", "nightshift.train", "--data", str(workspace / "data"), "--out", str(out)],
@@ -123,7 +123,7 @@ def test_a_job_whose_pods_could_not_log_fails_with_the_reason(tracking_server: s
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)
     cluster = fk.FakeCluster(lambda name: fk.succeeding(name, ["training done"]))
     home = os.environ["NIGHTSHIFT_HOME"]
-    op = HorovodKubernetesOperator(
+    op = horovod_operator(
         task_id="train", num_workers=1, backend="kubernetes", image="ghcr.io/example/trainer:1", namespace="ml",
         poll_interval=0.0, command=["python", "-m", "nightshift.train", "--out", f"{home}/out"],
         mlflow_experiment="nightly_retrain", mlflow_run_key="nightly_retrain/never-logged")

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from operators.horovod import HorovodKubernetesOperator
 from tests.integration.test_train_horovod import TRAIN_ARGS, assert_bitwise_equal, run, weights
 from tests.unit.operators import fake_kubernetes as fk
 from tests.unit.operators import fake_kueue as fq
-from tests.unit.operators.conftest import make_context
+from tests.unit.operators.conftest import horovod_operator, make_context
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +43,7 @@ def test_preemption_waits_for_readmission_and_resumes_bit_for_bit(demo_data: Pat
         lambda name: fq.Lifecycle(pending_polls=2, evict_when=first_checkpoint_written, readmit_polls=3,
                                   kubelet=kubelet),
         local_queues=[fq.local_queue("nightly", "gpu")], cluster_queues=[fq.cluster_queue("gpu", 8)])
-    op = HorovodKubernetesOperator(
+    op = horovod_operator(
         task_id="train", num_workers=2, gpus_per_worker=0, backend="kubernetes", image="trainer:1", namespace="ml",
         kueue_queue="nightly", poll_interval=0.2, startup_timeout=120,
         command=["python", "-m", "nightshift.train", "--data", str(data), "--out", str(out), *TRAIN_ARGS])

@@ -14,7 +14,7 @@ import pytest
 
 from operators import errors
 from operators.horovod import HorovodKubernetesOperator
-from tests.unit.operators.conftest import make_context
+from tests.unit.operators.conftest import horovod_operator, make_context
 
 pytestmark = [
     pytest.mark.integration,
@@ -50,7 +50,7 @@ def operator(conn_id: str, **overrides: Any) -> HorovodKubernetesOperator:
         "cleanup": "always",
     }
     kwargs.update(overrides)
-    return HorovodKubernetesOperator(**kwargs)
+    return horovod_operator(**kwargs)
 
 
 def test_two_worker_job_runs_and_is_cleaned_up(k8s_conn: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from operators.errors import HorovodRunFailed, HorovodRunTimeout
-from operators.horovod import HorovodKubernetesOperator
 from operators.local_launcher import LocalHorovodLauncher
-from tests.unit.operators.conftest import make_context
+from tests.unit.operators.conftest import horovod_operator, make_context
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +50,7 @@ def wait_for_pids(pid_dir: Path, n: int, timeout: float = 120) -> list[int]:
 
 
 def test_operator_runs_two_processes_and_streams_their_output(capsys: pytest.CaptureFixture[str]) -> None:
-    op = HorovodKubernetesOperator(
+    op = horovod_operator(
         task_id="train", num_workers=2, command=["python", "-c", RANK_SCRIPT], backend="local"
     )
     result = op.execute(make_context(run_id="manual__local"))  # type: ignore[arg-type]
@@ -78,7 +77,7 @@ def test_no_secret_of_the_worker_reaches_a_rank_or_a_command_line(capsys: pytest
     planted = "planted-secret-7f3a9c"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", planted)
     monkeypatch.setenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", f"postgresql://airflow:{planted}@db/airflow")
-    op = HorovodKubernetesOperator(task_id="train", num_workers=2, backend="local",
+    op = horovod_operator(task_id="train", num_workers=2, backend="local",
                                    command=["python", "-c", LEAK_PROBE],
                                    env={"PROBE_HEAD": planted[:9], "PROBE_TAIL": planted[9:]})
     op.execute(make_context(run_id="manual__leak"))  # type: ignore[arg-type]
@@ -113,7 +112,7 @@ def test_timeout_kills_every_rank(tmp_path: Path) -> None:
 def test_on_kill_stops_the_process_tree(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    op = HorovodKubernetesOperator(
+    op = horovod_operator(
         task_id="train",
         num_workers=2,
         command=[sys.executable, "-c", SLEEPER, str(pid_dir)],

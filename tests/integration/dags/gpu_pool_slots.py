@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 from airflow.sdk import DAG, BaseOperator, Param
 
-from operators.horovod import HorovodKubernetesOperator
+from operators.horovod import ClusterConfig, HorovodKubernetesOperator, JobConfig
 
 COMMAND = ["python", "-c", "pass"]
 
@@ -45,15 +45,14 @@ def horovod_dag(dag_id: str, schedule: str | None, workers: int, gpus_per_worker
     ) as dag:
         HorovodKubernetesOperator(
             task_id="train",
-            num_workers="{{ params.workers }}",
-            gpus_per_worker="{{ params['gpus_per_worker'] }}",
-            command=COMMAND,
-            backend="local",
+            job=JobConfig(num_workers="{{ params.workers }}", gpus_per_worker="{{ params['gpus_per_worker'] }}",
+                          command=COMMAND),
+            cluster=ClusterConfig(backend="local"),
             pool="gpu",
         )
         if controls:  # a plain-int Horovod task and a look-alike that is not one
-            HorovodKubernetesOperator(task_id="train_fixed", num_workers=1, gpus_per_worker=2, command=COMMAND,
-                                      backend="local")
+            HorovodKubernetesOperator(task_id="train_fixed", job=JobConfig(num_workers=1, gpus_per_worker=2,
+                                      command=COMMAND), cluster=ClusterConfig(backend="local"))
             CountsOperator(task_id="not_horovod", num_workers="{{ params.workers }}",
                            gpus_per_worker="{{ params.gpus_per_worker }}", pool="gpu")
     return dag

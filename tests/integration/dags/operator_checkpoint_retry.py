@@ -11,24 +11,26 @@ from datetime import timedelta
 
 from airflow.sdk import DAG
 
-from operators.horovod import HorovodKubernetesOperator
+from operators.horovod import ClusterConfig, ExecutionConfig, HorovodKubernetesOperator, JobConfig
 
 with DAG(dag_id="operator_checkpoint_retry", schedule=None, catchup=False, tags=["test"]):
     HorovodKubernetesOperator(
         task_id="train",
-        backend="local",
-        num_workers=2,
-        command=[
-            "python",
-            "-m",
-            "nightshift.train",
-            "--data",
-            os.environ.get("NIGHTSHIFT_TEST_DATA", "/nonexistent"),
-            "--out",
-            os.environ.get("NIGHTSHIFT_TEST_OUT", "/nonexistent"),
-            *os.environ.get("NIGHTSHIFT_TEST_TRAIN_ARGS", "").split(),
-        ],
+        job=JobConfig(
+            num_workers=2,
+            command=[
+                "python",
+                "-m",
+                "nightshift.train",
+                "--data",
+                os.environ.get("NIGHTSHIFT_TEST_DATA", "/nonexistent"),
+                "--out",
+                os.environ.get("NIGHTSHIFT_TEST_OUT", "/nonexistent"),
+                *os.environ.get("NIGHTSHIFT_TEST_TRAIN_ARGS", "").split(),
+            ],
+        ),
+        cluster=ClusterConfig(backend="local"),
+        execution=ExecutionConfig(timeout=600),
         retries=1,
         retry_delay=timedelta(seconds=0),
-        timeout=600,
     )

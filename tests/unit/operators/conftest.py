@@ -9,7 +9,7 @@ import pytest
 from operators.validation import strict
 from tests.conftest import SHARED
 
-__all__ = ["MPIJOB_CRD", "make_context", "strict"]
+__all__ = ["MPIJOB_CRD", "horovod_operator", "make_context", "strict"]
 
 MPIJOB_CRD = SHARED / "schemas" / "kubeflow.org_mpijobs.yaml"
 
@@ -46,3 +46,13 @@ def make_context(
 ) -> dict[str, Any]:
     ti = SimpleNamespace(dag_id=dag_id, task_id=task_id, run_id=run_id, try_number=try_number, map_index=map_index)
     return {"ti": ti, "run_id": run_id}
+
+
+def horovod_operator(**arguments: Any) -> Any:
+    """A HorovodKubernetesOperator from flat keyword arguments, as tests write them: each setting (a field of
+    operators.horovod_config's configs) goes into its config, the rest (task_id, pool...) to the operator."""
+    from operators.horovod import HorovodKubernetesOperator
+    from operators.horovod_config import SETTING_GROUPS, configs_from
+
+    settings = {name: arguments.pop(name) for name in list(arguments) if name in SETTING_GROUPS}
+    return HorovodKubernetesOperator(**configs_from(**settings), **arguments)

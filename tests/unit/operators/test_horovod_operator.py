@@ -13,7 +13,7 @@ from operators.horovod import HorovodKubernetesOperator
 from operators.mpijob_spec import TaskIdentity, job_name
 from operators.triggers import MPIJobTrigger
 from tests.unit.operators import fake_kubernetes as fk
-from tests.unit.operators.conftest import make_context
+from tests.unit.operators.conftest import horovod_operator, make_context
 
 COMMAND = ["python", "-m", "nightshift.train", "--data", "/workspace/data", "--out", "/workspace/model"]
 CONTEXT = make_context()
@@ -42,7 +42,7 @@ def operator(cluster: fk.FakeCluster | None = None, **overrides: Any) -> Horovod
         "startup_timeout": 30.0,
     }
     kwargs.update(overrides)
-    op = HorovodKubernetesOperator(**kwargs)
+    op = horovod_operator(**kwargs)
     if cluster is not None:
         op.__dict__["hook"] = fk.FakeHook(cluster)  # what the cached_property would hold
     return op

@@ -12,7 +12,7 @@ from operators.horovod import HorovodKubernetesOperator
 from operators.mpijob_spec import MPIJobConfig, TaskIdentity, build_mpijob, pack_gpus
 from tests.unit.operators import fake_kubernetes as fk
 from tests.unit.operators import fake_kueue as fq
-from tests.unit.operators.conftest import make_context
+from tests.unit.operators.conftest import horovod_operator, make_context
 
 COMMAND = ["python", "-m", "nightshift.train", "--data", "/workspace/data", "--out", "/workspace/model"]
 CONTEXT = make_context()
@@ -31,7 +31,7 @@ def operator(cluster: fk.FakeCluster, **overrides: Any) -> HorovodKubernetesOper
                               "command": COMMAND, "backend": "kubernetes", "namespace": "ml", "poll_interval": 0.0,
                               "startup_timeout": 30.0, "kueue_queue": "nightly"}
     kwargs.update(overrides)
-    op = HorovodKubernetesOperator(**kwargs)
+    op = horovod_operator(**kwargs)
     op.__dict__["hook"] = fk.FakeHook(cluster)
     return op
 

@@ -1,0 +1,287 @@
+"""The settings of a `HorovodKubernetesOperator`, declared once, as small frozen dataclasses by concern:
+
+- `JobConfig`: what runs — the command, workers and GPUs, the image, env, checkpoints, resources;
+- `ClusterConfig`: where it runs — the backend, the Kubernetes namespace, pods' placement, Kueue;
+- `ExecutionConfig`: how it is waited for and cleaned up — deferral, polling, timeouts, retries of the job;
+- `TrackingConfig`: where its result comes back from — the MLflow experiment and run key.
+
+Each field's metadata (`meta`) says whether it is a template field (the operator exposes it as an attribute
+of that name, which Airflow renders and serialises) and how its rendered value is converted at execute
+(`settle`: e.g. "4" -> 4, naming the field when the value is wrong). A plain value is checked when
+the config is made, so a DAG with a typo fails to parse; a template is checked once rendered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
+
+from operators.errors import InvalidJobConfig
+
+Backend = Literal["kubernetes", "local", "auto"]
+CleanupPolicy = Literal["always", "on_success", "never"]
+BACKENDS = ("kubernetes", "local", "auto")
+CLEANUP_POLICIES = ("always", "on_success", "never")
+
+Settle = Callable[[str, Any], Any]
+
+
+def meta(*, templated: bool = False, settle: Settle | None = None, renderer: str | None = None) -> dict[str, Any]:
+    """A config field's metadata: `templated` makes it an operator template field (`renderer`: how the UI
+    shows it); `settle(name, value)` converts and checks a value (a rendered template at execute), raising
+    InvalidJobConfig that names the field."""
+    return {"templated": templated, "settle": settle, "renderer": renderer}
+
+
+def is_template(value: object) -> bool:
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+# --- conversions of rendered values -------------------------------------------------------------------
+
+
+def to_count(name: str, value: object, minimum: int) -> int:
+    """An int field given as an int or as its rendered template (a string of digits)."""
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        number = int(value.strip())
+    if number is None or number < minimum:
+        raise InvalidJobConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def count(minimum: int) -> Settle:
+    return lambda name, value: to_count(name, value, minimum)
+
+
+def one_of(choices: Sequence[str]) -> Settle:
+    def check(name: str, value: object) -> str:
+        text = value.strip() if isinstance(value, str) else value
+        if text not in choices:
+            raise InvalidJobConfig(f"{name} must be one of {tuple(choices)}, got {value!r}")
+        return str(text)
+
+    return check
+
+
+def name_or_none(name: str, value: object) -> str | None:
+    """A rendered optional name: None stays None; "None" (a None param rendered by Jinja) and blanks are ""."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    return "" if text in {"", "None"} else text
+
+
+def optional_number(minimum: float) -> Settle:
+    def check(name: str, value: object) -> float | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            raise InvalidJobConfig(f"{name} must be a number >= {minimum} (or None), got {value!r}")
+        return float(value)
+
+    return check
+
+
+def number(minimum: float) -> Settle:
+    def check(name: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            raise InvalidJobConfig(f"{name} must be a number >= {minimum}, got {value!r}")
+        return float(value)
+
+    return check
+
+
+def boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidJobConfig(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _default_deferrable() -> bool:
+    from airflow.sdk.configuration import conf
+
+    return conf.getboolean("operators", "default_deferrable", fallback=False)
+
+
+# --- the configs ---------------------------------------------------------------------------------------
+
+
+class _Settings:
+    """Checks plain values on construction; `settled()` converts every field after rendering."""
+
+    def __post_init__(self) -> None:
+        for name, settle, value in self._settles():
+            if not is_template(value):
+                settle(name, value)
+
+    def _settles(self) -> Iterator[tuple[str, Settle, Any]]:
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.metadata.get("settle") is not None:
+                yield f.name, f.metadata["settle"], getattr(self, f.name)
+
+    def settled(self: _S) -> _S:
+        """This config with each field converted from its rendered value (InvalidJobConfig names a bad one)."""
+        return dataclasses.replace(self, **{name: settle(name, value)  # type: ignore[type-var]
+                                            for name, settle, value in self._settles()})
+
+
+_S = TypeVar("_S", bound=_Settings)
+
+
+@dataclass(frozen=True)
+class JobConfig(_Settings):
+    """What runs.
+
+    :param command: the training entrypoint, as a list or one shell-like string, e.g.
+        `["python", "-m", "nightshift.train", "--data", "/workspace/data", "--out", "/workspace/model"]`.
+        `--checkpoint-dir` is appended unless the command passes one.
+    :param num_workers: worker pods (Kubernetes) or local processes: an int, or a template such as
+        ``"{{ params.workers }}"``.
+    :param gpus_per_worker: GPUs each worker asks for (`nvidia.com/gpu`); also MPI slots per worker. With
+        plain ints the task takes `num_workers * gpus_per_worker` slots (at least 1) of the `gpu` pool; with
+        templates, 1 unless the cluster policy in `config/airflow_local_settings.py` sizes it from the params.
+    :param gpus: the total GPUs (0: `num_workers` x `gpus_per_worker`), packed into the fewest equal workers of
+        at most one node's GPUs (NIGHTSHIFT_GPUS_PER_NODE, else the largest allocatable `nvidia.com/gpu` of the
+        cluster's nodes; locally, this machine's GPUs); see `mpijob_spec.pack_gpus`. With a Kueue queue, a
+        total above what its ClusterQueue can ever admit is refused before submitting.
+    :param image: the trainer image (Kubernetes backend).
+    :param env: extra environment of the training processes.
+    :param checkpoint_dir: where checkpoints live; default `<checkpoint_root>/<dag_id>/<run_id>/<task_id>`
+        (never the try number, so a retry resumes). `checkpoint_root` defaults to NIGHTSHIFT_HOME's
+        checkpoints directory (on Kubernetes, the shared volume that holds it).
+    :param cpu_request: ... and the other resources: each worker container's requests and limits.
+    """
+
+    command: str | Sequence[str] = field(metadata=meta(templated=True, renderer="py"))
+    num_workers: int | str = field(default=1, metadata=meta(templated=True, settle=count(1)))
+    gpus_per_worker: int | str = field(default=0, metadata=meta(templated=True, settle=count(0)))
+    gpus: int | str = field(default=0, metadata=meta(templated=True, settle=count(0)))
+    image: str = field(default="", metadata=meta(templated=True))
+    env: Mapping[str, str] | None = field(default=None, metadata=meta(templated=True, renderer="json"))
+    checkpoint_dir: str | None = field(default=None, metadata=meta(templated=True))
+    checkpoint_root: str | None = field(default=None, metadata=meta(templated=True))
+    cpu_request: str | None = field(default=None, metadata=meta(templated=True))
+    cpu_limit: str | None = field(default=None, metadata=meta(templated=True))
+    memory_request: str | None = field(default=None, metadata=meta(templated=True))
+    memory_limit: str | None = field(default=None, metadata=meta(templated=True))
+
+
+@dataclass(frozen=True)
+class ClusterConfig(_Settings):
+    """Where it runs.
+
+    :param backend: "kubernetes", "local", or "auto" (kubernetes when the `kubernetes_conn_id` connection
+        exists, else local).
+    :param namespace: the MPIJob's namespace (default: the connection's, else "default").
+    :param shared_volume_claim: the ReadWriteMany claim holding NIGHTSHIFT_HOME (default: NIGHTSHIFT_SHARED_PVC,
+        else `nightshift-workspace`), mounted in the launcher and every worker at NIGHTSHIFT_HOME's path on
+        this worker, so that the same paths name the same files in Airflow and in the pods. Every absolute
+        path in the command must lie under a mount.
+    :param kueue_queue: the Kueue LocalQueue the job waits in (None: NIGHTSHIFT_KUEUE_QUEUE; empty: no Kueue).
+        The MPIJob then carries `kueue.x-k8s.io/queue-name`, is created suspended, and the task waits while
+        Kueue holds it, logging why from the job's Workload; a preempted job waits for readmission within
+        the same try and resumes from its checkpoint.
+    :param kueue_priority: the Kueue WorkloadPriorityClass of the job (label `kueue.x-k8s.io/priority-class`).
+    The pod fields (service account, node selector, tolerations, priority class, volumes, labels,
+    annotations, image pull policy and secrets, the launcher's resources, the workers' sshd command and the
+    ssh mount) go into the MPIJob as the MPI Operator documents them (`mpijob_spec.MPIJobConfig`).
+    """
+
+    backend: Backend | str = field(default="auto", metadata=meta(templated=True, settle=one_of(BACKENDS)))
+    kubernetes_conn_id: str = "kubernetes_default"
+    namespace: str | None = field(default=None, metadata=meta(templated=True))
+    shared_volume_claim: str | None = None
+    kueue_queue: str | None = field(default=None, metadata=meta(templated=True, settle=name_or_none))
+    kueue_priority: str | None = field(default=None, metadata=meta(templated=True, settle=name_or_none))
+    service_account_name: str | None = field(default=None, metadata=meta(templated=True))
+    node_selector: Mapping[str, str] | None = field(default=None, metadata=meta(templated=True))
+    tolerations: Sequence[Mapping[str, Any]] | None = field(default=None, metadata=meta(templated=True))
+    priority_class_name: str | None = field(default=None, metadata=meta(templated=True))
+    volumes: Sequence[Mapping[str, Any]] | None = field(default=None,
+                                                        metadata=meta(templated=True, renderer="json"))
+    volume_mounts: Sequence[Mapping[str, Any]] | None = field(default=None, metadata=meta(templated=True))
+    labels: Mapping[str, str] | None = field(default=None, metadata=meta(templated=True, renderer="json"))
+    annotations: Mapping[str, str] | None = field(default=None, metadata=meta(templated=True))
+    image_pull_policy: str | None = None
+    image_pull_secrets: Sequence[str] | None = None
+    launcher_resources: Mapping[str, Mapping[str, str]] | None = None
+    worker_command: Sequence[str] | None = None
+    ssh_auth_mount_path: str | None = None
+
+
+@dataclass(frozen=True)
+class ExecutionConfig(_Settings):
+    """How the job is waited for and cleaned up.
+
+    :param deferrable: on Kubernetes, wait in the triggerer (`MPIJobTrigger`) instead of a worker slot
+        (default: `[operators] default_deferrable`).
+    :param poll_interval: seconds between status polls.
+    :param startup_timeout: seconds the job may take to start running before it is failed and deleted.
+    :param queue_timeout: seconds the job may wait in the Kueue queue (since it was last suspended) before the
+        task fails with the reason it waited; None: no limit but the task's execution_timeout.
+    :param timeout: local backend only: seconds before the horovodrun process tree is killed.
+    :param cleanup: delete the MPIJob when the task ends "always", "on_success" (keep failed jobs for
+        inspection; ttl_seconds_after_finished removes them) or "never". Jobs that never started
+        (unschedulable, image pull failure, startup timeout) are deleted unless cleanup is "never".
+    :param clean_pod_policy: ... `backoff_limit`, `ttl_seconds_after_finished`, `active_deadline_seconds`: the
+        MPIJob's run policy.
+    """
+
+    deferrable: bool = field(default_factory=_default_deferrable, metadata=meta(settle=boolean))
+    poll_interval: float = field(default=10.0, metadata=meta(settle=number(0)))
+    startup_timeout: float = field(default=600.0, metadata=meta(settle=number(0)))
+    queue_timeout: float | None = field(default=None, metadata=meta(settle=optional_number(0)))
+    timeout: float | None = field(default=None, metadata=meta(settle=optional_number(0)))
+    cleanup: CleanupPolicy | str = field(default="on_success", metadata=meta(settle=one_of(CLEANUP_POLICIES)))
+    clean_pod_policy: str = "Running"
+    backoff_limit: int = 0
+    ttl_seconds_after_finished: int | None = 3600
+    active_deadline_seconds: int | None = None
+
+
+@dataclass(frozen=True)
+class TrackingConfig(_Settings):
+    """Where the result comes back from: with both set, the complete MLflow run tagged
+    `nightshift.run_key=<mlflow_run_key>` in `mlflow_experiment` (its id, model URI and metrics, also pushed
+    as the `mlflow_run_id` / `mlflow_experiment_id` XComs). Pods log to NIGHTSHIFT_CLUSTER_MLFLOW_URI, else
+    MLFLOW_TRACKING_URI, passed in their env."""
+
+    mlflow_experiment: str | None = None
+    mlflow_run_key: str | None = field(default=None, metadata=meta(templated=True))
+
+
+CONFIG_TYPES: dict[str, type[_Settings]] = {
+    "job": JobConfig, "cluster": ClusterConfig, "execution": ExecutionConfig, "tracking": TrackingConfig,
+}
+
+
+def templated_fields() -> tuple[str, ...]:
+    """Every templated field of the configs: the operator's `template_fields`."""
+    return tuple(f.name for kind in CONFIG_TYPES.values() for f in fields(kind)  # type: ignore[arg-type]
+                 if f.metadata.get("templated"))
+
+
+def field_renderers() -> dict[str, str]:
+    return {f.name: f.metadata["renderer"] for kind in CONFIG_TYPES.values()
+            for f in fields(kind) if f.metadata.get("renderer")}  # type: ignore[arg-type]
+
+
+# Which config (the operator's keyword argument) holds each setting.
+SETTING_GROUPS: dict[str, str] = {f.name: group for group, kind in CONFIG_TYPES.items()
+                                  for f in fields(kind)}  # type: ignore[arg-type]
+
+
+def configs_from(**settings: Any) -> dict[str, _Settings]:
+    """The four configs from settings given by field name (`num_workers=2, backend="local", ...`), as the
+    operator's keyword arguments; an unknown name is an error that lists the known ones."""
+    grouped: dict[str, dict[str, Any]] = {group: {} for group in CONFIG_TYPES}
+    for name, value in settings.items():
+        if name not in SETTING_GROUPS:
+            raise InvalidJobConfig(f"unknown setting {name!r}; the settings are: {', '.join(sorted(SETTING_GROUPS))}")
+        grouped[SETTING_GROUPS[name]][name] = value
+    return {group: CONFIG_TYPES[group](**values) for group, values in grouped.items()}
