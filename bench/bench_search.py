@@ -6,7 +6,9 @@ trial after another in this process (what `nightshift search` does), on the demo
 For each: epochs spent (the compute), wall time, the best trial by validation accuracy and that model's
 test accuracy, and the highest test accuracy of any completed trial. Then wall time of ASHA as one and
 as two `nightshift search` processes started together on one study (max_concurrent_trials=2), with
-heavier trials (64-channel-ish CNNs) so that process start-up does not dominate.
+heavier trials (64-channel-ish CNNs) so that process start-up does not dominate. Last, the cost of the
+search's report page (`nightshift.search.report_html`, written when a search ends, so inside the wall
+times above): rendering it again for seed 0's two studies, and its size.
 
 Goal: ASHA spends at most a third of the full search's epochs, for a best test accuracy within 0.5
 points of the full search's.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -113,6 +116,22 @@ def processes(count: int, data: Path, root: Path) -> dict[str, Any]:
     return outcome(report, home, data, seconds)
 
 
+def report_cost(home: Path, study: str, repeats: int = 3) -> dict[str, float]:
+    """Seconds to render and write the report page of `study` in `home` again (min and median of `repeats`)
+    and the page's size."""
+    from nightshift.search.report_html import write_report
+    from nightshift.search.study import load_study
+
+    os.environ["NIGHTSHIFT_HOME"] = str(home)
+    loaded, config = load_study(f"sqlite:///{home / 'search' / 'optuna.db'}", study)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        path = write_report(loaded, config)
+        times.append(time.perf_counter() - started)
+    return {"min": min(times), "median": statistics.median(times), "megabytes": path.stat().st_size / 1e6}
+
+
 def main() -> None:
     import optuna
 
@@ -130,6 +149,7 @@ def main() -> None:
                 raise RuntimeError(f"seed {seed}: the two searches drew different configurations")
             rows.append((seed, full, asha))
         one, two = processes(1, data, root), processes(2, data, root)
+        pages = {pruner: report_cost(root / f"{pruner}-{SEEDS[0]}", f"bench-{pruner}") for pruner in ("none", "asha")}
         load_after = os.getloadavg()[0]
     print(f"{N_TRIALS} configurations per seed (random sampler), max_epochs {MAX_EPOCHS}, ASHA rungs at "
           f"{MIN_EPOCHS} x {REDUCTION_FACTOR}^k epochs; load average {load:.1f} -> {load_after:.1f}")
@@ -151,8 +171,11 @@ def main() -> None:
           f"({one['epochs']} epochs), 2 processes (max_concurrent_trials=2) {two['seconds']:.0f} s "
           f"({two['epochs']} epochs, {two['states']['PRUNED']} pruned, best test {two['best_test']:.4f}); "
           f"ratio {two['seconds'] / one['seconds']:.2f}")
+    for pruner, page in pages.items():
+        print(f"report page of seed {SEEDS[0]}'s {'ASHA' if pruner == 'asha' else 'full'} study ({N_TRIALS} trials): "
+              f"{page['min']:.2f} s (median {page['median']:.2f} s of 3), {page['megabytes']:.2f} MB")
     print(json.dumps({"seeds": {seed: {"full": full, "asha": asha} for seed, full, asha in rows},
-                      "processes": {"1": one, "2": two}}, default=str, sort_keys=True))
+                      "processes": {"1": one, "2": two}, "report_pages": pages}, default=str, sort_keys=True))
 
 
 if __name__ == "__main__":
