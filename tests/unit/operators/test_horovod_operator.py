@@ -77,6 +77,42 @@ def test_templates_render_into_the_manifest() -> None:
     assert {"name": "RUN", "value": "r1"} in launcher["env"]
 
 
+def test_each_setting_is_declared_once_in_a_config_and_named_when_wrong() -> None:
+    from dataclasses import fields
+
+    from operators.horovod_config import CONFIG_TYPES, ClusterConfig, ExecutionConfig, JobConfig, configs_from
+
+    templated = {f.name for kind in CONFIG_TYPES.values() for f in fields(kind) if f.metadata.get("templated")}
+    assert set(HorovodKubernetesOperator.template_fields) == templated
+    assert {"num_workers", "gpus_per_worker", "gpus", "backend", "kueue_queue", "kueue_priority", "command",
+            "image", "mlflow_run_key"} <= templated
+    with pytest.raises(errors.InvalidJobConfig, match="num_workers must be an integer >= 1, got 0"):
+        JobConfig(command=COMMAND, num_workers=0)
+    with pytest.raises(errors.InvalidJobConfig, match="poll_interval must be a number >= 0"):
+        ExecutionConfig(poll_interval=-1)
+    with pytest.raises(errors.InvalidJobConfig, match=r"backend must be one of .*got 'slurm'"):
+        ClusterConfig(backend="slurm")
+    with pytest.raises(errors.InvalidJobConfig, match=r"num_workers: not an operator argument; pass it in its "
+                                                      r"config \(num_workers in JobConfig\)"):
+        HorovodKubernetesOperator(task_id="t", job=JobConfig(command=COMMAND), num_workers=2)
+    with pytest.raises(errors.InvalidJobConfig, match="cluster must be a ClusterConfig"):
+        HorovodKubernetesOperator(task_id="t", job=JobConfig(command=COMMAND), cluster={"backend": "local"})
+    with pytest.raises(errors.InvalidJobConfig, match="unknown setting 'workers'; the settings are: "):
+        configs_from(workers=2)
+
+
+def test_a_rendered_value_is_settled_into_its_config_naming_a_wrong_one() -> None:
+    op = operator(num_workers="{{ params.workers }}", kueue_queue="{{ params.queue }}", backend="{{ params.b }}")
+    op.render_template_fields({"params": {"workers": "3", "queue": None, "b": " local "}})
+    op.settle()
+    assert (op.job.num_workers, op.cluster.kueue_queue, op.cluster.backend) == (3, "", "local")
+    assert op.num_workers == 3  # the template field follows its config
+    op = operator(num_workers="{{ params.workers }}")
+    op.render_template_fields({"params": {"workers": "many"}})
+    with pytest.raises(errors.InvalidJobConfig, match="num_workers must be an integer >= 1, got 'many'"):
+        op.settle()
+
+
 def containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     specs = manifest["spec"]["mpiReplicaSpecs"]
     return [specs[role]["template"]["spec"]["containers"][0] for role in ("Launcher", "Worker")]
