@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from nightshift.errors import UsageError
 
 TARGETS = ("local", "kserve")
+# Statuses after which `@champion` names the deployed version.
+CHAMPION_STATUSES = frozenset({"created", "promoted", "already_serving"})
+
+
+def _announced(result: dict[str, Any]) -> dict[str, Any]:
+    """Tell running `score-stream` consumers about the champion (nightshift.stream.announce), only where
+    $NIGHTSHIFT_REDIS_URL is set; `announced` says whether Redis took it. A failure is a warning: consumers
+    also poll the registry."""
+    if os.environ.get("NIGHTSHIFT_REDIS_URL") and result.get("status") in CHAMPION_STATUSES:
+        from nightshift.stream.announce import announce_champion
+
+        result["announced"] = announce_champion(str(result["model_name"]), str(result["version"]))
+    return result
 
 
 def deploy(target: str, model_name: str, *, version: str | None = None, alias: str = "challenger",
@@ -19,12 +33,12 @@ def deploy(target: str, model_name: str, *, version: str | None = None, alias: s
 
         if data_dir is None:
             raise UsageError("the local target needs data_dir (the staged dataset) for its canary batch")
-        return deploy_local(model_name, data_dir=data_dir, version=version, alias=alias, **options)
+        return _announced(deploy_local(model_name, data_dir=data_dir, version=version, alias=alias, **options))
     if target == "kserve":
         from nightshift.deploy.kserve import deploy_kserve
 
         if kserve_api is None:
             raise UsageError("the kserve target needs a CustomObjectsApi-like client (kserve_api)")
-        return deploy_kserve(model_name, api=kserve_api, namespace=namespace, version=version, alias=alias,
-                             **options)
+        return _announced(deploy_kserve(model_name, api=kserve_api, namespace=namespace, version=version,
+                                        alias=alias, **options))
     raise UsageError(f"unknown deployment target {target!r}; use one of {', '.join(TARGETS)}")
