@@ -62,20 +62,21 @@ class _StagedTI:
     check_changes's `training` (the trainer options resolved from the params, as that task resolves them)."""
 
     def __init__(self, dag_id: str, run_id: str, task_id: str, params: Mapping[str, Any]) -> None:
+        from nightshift.errors import UsageError
+        from nightshift.search.best import training_defaults
+
         self.dag_id, self.run_id, self.task_id = dag_id, run_id, task_id
         self.try_number, self.map_index = 1, -1
-        self.params = dict(params)
+        try:  # what check_changes resolves (nightly_tasks.steps.resolve_training), without its log lines;
+            # resolved before any template renders, so a bad value is one line, not a rendering error
+            resolved = training_defaults(dict(params))
+        except UsageError as err:  # a malformed best.json, or model_kwargs text that is no JSON object
+            raise PlanError(str(err)) from err
+        self.training = {**resolved["options"], "summary": resolved["summary"]}
 
     def xcom_pull(self, task_ids: str | None = None, key: str = "return_value", **_: Any) -> Any:
         if task_ids == "check_changes" and key == "training":
-            from nightshift.search.best import training_defaults
-            from nightshift.search.errors import BestConfigInvalid
-
-            try:  # what check_changes resolves (nightly_tasks.steps.resolve_training), without its log lines
-                resolved = training_defaults(self.params)
-            except BestConfigInvalid as err:
-                raise PlanError(str(err)) from err
-            return {**resolved["options"], "summary": resolved["summary"]}
+            return self.training
         if task_ids != "stage_dataset" or key != "return_value":
             return None
         from nightly_tasks.steps import workspace_for

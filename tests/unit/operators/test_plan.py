@@ -84,6 +84,7 @@ def test_the_local_backend_creates_no_kubernetes_object() -> None:
     ({"workers": 0}, "Invalid input for param workers: 0 is less than the minimum of 1"),
     ({"backend": "slurm"}, "Invalid input for param backend: 'slurm' is not one of"),
     ('["workers", 4]', "must be a JSON object"),
+    ({"backend": "kubernetes", "model_kwargs": "channels=8"}, "the model_kwargs Param is not JSON"),
 ])
 def test_a_bad_conf_exits_non_zero_with_the_params_message(conf: dict[str, Any] | str, message: str,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
