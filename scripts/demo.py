@@ -3,7 +3,9 @@
 State goes to NIGHTSHIFT_HOME (default ~/.nightshift); Airflow's own home (SQLite metadata DB, logs) to
 NIGHTSHIFT_HOME/airflow-home unless AIRFLOW_HOME is set. The DAGs and plugins come from this repository.
 Run 1 trains with the local backend (2 Horovod workers) and deploys; run 2 forces a retrain on the same
-data and shows the gate refusing to promote a model that is not better. The model server keeps running.
+data and shows the gate refusing to promote a model that is not better. Then the test rows are streamed
+through a private redis-server and `nightshift score-stream` (skipped, saying why, without redis-server).
+The model server keeps running.
 Each run prints one line per task as it ends (state, seconds); Airflow's full output goes to a log file
 under AIRFLOW_HOME/demo-logs/, whose path is printed (`--verbose` also shows it on the terminal).
 """
@@ -300,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("  run 2 did not promote: the new model is not better than the champion, which keeps serving.")
     print("  (Without force=true an unchanged dataset and code skip training altogether.)")
+
+    from nightshift.stream.demo import stream_demo
+
+    stream_demo(nightshift, data, env=env)
 
     serving = read_record("nightshift-digits")
     if serving:
