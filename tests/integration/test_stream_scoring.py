@@ -385,3 +385,47 @@ def test_redis_restart_mid_stream_loses_nothing(world: dict[str, Any], tmp_path:
     summaries = [json.loads((tmp_path / "logs" / f"{c}.out").read_text()) for c in ("c1", "c2")]
     assert all(s["reconnects"] >= 1 for s in summaries)
     assert sum(s["predictions"] for s in summaries) == n
+
+
+def consumer_pending(client: Any, name: str) -> int:
+    return len(client.xpending_range("in", "g", min="-", max="+", count=100_000, consumername=name))
+
+
+FULL_KILL_TEST = os.environ.get("NIGHTSHIFT_STREAM_100K") == "1"
+
+
+@pytest.mark.parametrize("n", [
+    pytest.param(20_000, id="20k"),
+    pytest.param(100_000, id="100k", marks=pytest.mark.skipif(
+        not FULL_KILL_TEST, reason="100,000 inputs take ~2-4 min on 2 shared cores; NIGHTSHIFT_STREAM_100K=1 runs it")),
+])
+def test_kill9_of_one_of_two_consumers_mid_batch_scores_every_input_once(
+        world: dict[str, Any], server: RedisServer, tmp_path: Path, n: int) -> None:
+    """Two consumers over n inputs; one is SIGKILLed while it holds a batch it has read but not written.
+    The other claims that batch after --claim-idle-ms and at the end every input has one prediction."""
+    client = connect(server.url)
+    frame = features(world)
+    ids = list(range(n))
+    logs = tmp_path / "logs"
+    procs = {name: start_consumer(world, server.url, name, logs, "--batch-rows", "256", "--claim-idle-ms", "2000")
+             for name in ("c1", "c2")}
+    try:
+        add_inputs(client, frame, ids, chunk=5000)
+        wait_for(lambda: client.xlen("out") >= n // 5, 600, "a fifth of the predictions", list(procs.values()), logs)
+        wait_for(lambda: consumer_pending(client, "c1") > 0, 60, "c1 holding a batch", list(procs.values()), logs)
+        os.kill(procs["c1"].pid, signal.SIGKILL)
+        assert procs["c1"].wait(timeout=30) == -signal.SIGKILL
+        held = consumer_pending(client, "c1")
+        scored_before = client.xlen("out")
+        assert held > 0, "c1 was not killed mid-batch"
+        wait_for(lambda: client.xlen("out") >= n, 900, "all predictions", [procs["c2"]], logs)
+    finally:
+        code = stop(procs["c2"])
+        if procs["c1"].poll() is None:
+            stop(procs["c1"], signal.SIGKILL)
+    assert code == 0
+    assert scored_before < n, "the kill came after the stream was done"
+    assert_exactly_once(client, ids)
+    summary = json.loads((logs / "c2.out").read_text())
+    assert summary["claimed"] >= held
+    client.close()
