@@ -251,7 +251,8 @@ def main_steps() -> None:
         link = ring_allreduce_seconds(nbytes, hosts, rate)
         ideal = ideal_step_seconds(one_host, hosts, link)
         ideal_cores = ideal_step_seconds(one_host, hosts, link, cores)
-        print(f"| {hosts} | {compression} | {nbytes / 1e6:.1f} MB | {link * 1e3:.0f} | "
+        sent = f"{nbytes / 1e6:.1f} MB" if hosts > 1 else "— (1 rank)"
+        print(f"| {hosts} | {compression} | {sent} | {link * 1e3:.0f} | "
               f"{_spread([r['step'] for r in results], 1e3)} | {ideal * 1e3:.0f} / {ideal_cores * 1e3:.0f} | "
               f"{scaling_efficiency(one_host, hosts, step):.2f} | "
               f"{scaling_efficiency(one_host, hosts, ideal):.2f} / "
