@@ -145,5 +145,5 @@ print(json.dumps({"errors": plugins_manager.get_import_errors(),
 """
     out = run_json(code, airflow_env)
     assert out["errors"] == {}
-    assert {"GX Data Docs", "MLflow run", "Model version"} <= set(out["links"])
+    assert {"GX Data Docs", "MLflow run", "Model version", "Search report"} <= set(out["links"])
     assert "/nightshift" in out["apps"]
