@@ -128,7 +128,7 @@ def measure(rate: str, hosts: int, workdir: Path) -> dict[str, Any]:
 # hosts (one rank each, 1 torch thread), the same global batch, every link at STEP_RATE, with and without
 # `--compression fp16`. digits_cnn with a 2048-wide hidden layer: 2.14 M parameters, 8.6 MB of fp32
 # gradients per step (the default 128-wide model's 0.4 MB would cross a 1 Gbit/s link in ~3 ms, hiding the
-# link behind the compute), while one step of the global batch still takes ~0.1 s of compute on a core.
+# link behind the compute), while one step of the global batch takes ~0.15–0.2 s of compute on one core.
 STEP_RATE = "1gbit"
 STEP_RUNS = ((1, "none"), (2, "none"), (2, "fp16"), (4, "none"), (4, "fp16"))
 STEP_MODEL_KWARGS = {"channels": 32, "hidden": 2048}
