@@ -429,3 +429,36 @@ def test_kill9_of_one_of_two_consumers_mid_batch_scores_every_input_once(
     summary = json.loads((logs / "c2.out").read_text())
     assert summary["claimed"] >= held
     client.close()
+
+
+def test_a_champion_moved_without_an_announcement_is_found_by_the_registry_poll(
+        world: dict[str, Any], server: RedisServer) -> None:
+    """No Redis at deploy time: the consumer still swaps, at its next registry poll, between batches."""
+    from nightshift import registry
+
+    client = connect(server.url)
+    frame = features(world)
+    n = 2000
+    consumer = StreamConsumer(config(stop_after=n, batch_rows=64, champion_poll_s=0.5), server.url)
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(consumer.run()))
+    add_inputs(client, frame, list(range(n // 2)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 240
+        while client.xlen("out") < n // 4 and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.1)
+        registry.set_alias(MODEL, registry.CHAMPION, world["v2"])
+        add_inputs(client, frame, list(range(n // 2, n)), first_row=n // 2)
+    finally:
+        thread.join(timeout=300)
+        if thread.is_alive():
+            consumer.stop()
+            thread.join(timeout=60)
+    assert result["swaps"] and result["swaps"][0]["to"] == world["v2"]
+    assert "registry" in result["swaps"][0]["why"]
+    outs = assert_exactly_once(client, list(range(n)))
+    versions = [o["model_version"] for o in outs]
+    first_v2 = versions.index(world["v2"])
+    assert set(versions[:first_v2]) == {world["v1"]} and set(versions[first_v2:]) == {world["v2"]}
+    client.close()
