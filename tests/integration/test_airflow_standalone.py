@@ -1,13 +1,15 @@
 """`airflow standalone` (scripts/airflow.sh) on 127.0.0.1: trigger `nightly_retrain` through the REST API v2
 with params, as the UI's trigger form does; once on good data (success, a model version, extra links, the
 lineage page), once on corrupt data (fails at validate_data, no new model version), once waiting for an
-approval. Last, in headless Chromium, a person's view: the trigger form submitted with its defaults starts
-a run (screenshots in `$NIGHTSHIFT_ARTIFACTS/browser`, default `.artifacts/browser`)."""
+approval. Then, in headless Chromium, a person's view: the extra links of the successful run's tasks and of
+the refused run's gate, the lineage page, and last the trigger form submitted with its defaults starting a
+run (screenshots in `$NIGHTSHIFT_ARTIFACTS/browser`, default `.artifacts/browser`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -99,7 +101,8 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
                 assert time.monotonic() < deadline, f"standalone not ready: {log_path.read_text()[-3000:]}"
                 time.sleep(2)
             api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
-            yield {"api": api, "home": home, "env": env, "log": log_path, "database": database}
+            # runs: what the browser tests look at, by what happened to them ("success", "refused").
+            yield {"api": api, "home": home, "env": env, "log": log_path, "database": database, "runs": {}}
         finally:
             try:
                 stop_model_server(env)
@@ -121,6 +124,7 @@ def test_trigger_with_params_through_the_rest_api_succeeds(standalone: dict[str,
     assert states["train"] == "success" and states["deploy"] == "success"
     assert states["approve"] == "skipped"  # require_approval defaults to off
     assert registered_versions(standalone["home"]) == ["1"]
+    standalone["runs"]["success"] = run_id
 
     conf = api.call("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["conf"]
     assert conf["epochs"] == 5 and conf["min_improvement"] == 0.0
@@ -158,6 +162,7 @@ def test_corrupt_data_fails_at_validation_without_a_new_model(standalone: dict[s
     assert states["validate_data"] == "failed", states
     assert all(states[t] in {"upstream_failed", None} for t in ("stage_dataset", "train", "register", "deploy"))
     assert registered_versions(standalone["home"]) == before
+    standalone["runs"]["refused"] = run_id
 
     answer = api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/validate_data/logs/1",
                      headers={"Accept": "application/json"})
@@ -256,6 +261,130 @@ def _screenshot_newest_runs(driver: WebDriver, path: Path) -> None:
         "  if (e.scrollWidth > e.clientWidth && ['auto', 'scroll'].includes(getComputedStyle(e).overflowX)"
         "      && e.getBoundingClientRect().right < window.innerWidth / 3) e.scrollLeft = e.scrollWidth; }")
     driver.save_screenshot(str(path))
+
+
+def _version_run(mlflow_ui: str, version: str, model_name: str = "nightshift-digits") -> tuple[str, str]:
+    """(training run id, its experiment id) of a registered model version, asked of the MLflow server that the
+    links open (the one `airflow.sh standalone` started on the run's tracking store)."""
+    import requests
+
+    api = f"{mlflow_ui}/api/2.0/mlflow"
+    answer = requests.get(f"{api}/model-versions/get", params={"name": model_name, "version": version}, timeout=30)
+    assert answer.status_code == 200, f"the MLflow UI at {mlflow_ui} lacks {model_name} v{version}: {answer.text}"
+    run_id = answer.json()["model_version"]["run_id"]
+    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, timeout=30)
+    assert run.status_code == 200, f"the MLflow UI at {mlflow_ui} does not know run {run_id}: {run.text}"
+    return str(run_id), str(run.json()["run"]["info"]["experiment_id"])
+
+
+def _run_of(standalone: dict[str, Any], what: str) -> str:
+    run_id = standalone["runs"].get(what)
+    if run_id is None:
+        pytest.skip(f"no {what} run: the REST tests before this one make it (they failed or were deselected)")
+    return str(run_id)
+
+
+LINK_NAMES = ("MLflow run", "GX Data Docs", "Model version")  # plugins/nightshift_plugin.py's extra links
+
+
+def _extra_links(driver: WebDriver, api: Api, run_id: str, task_id: str, expected: set[str]) -> dict[str, str]:
+    """Open a task instance's page in the UI; the names and hrefs of the extra links it shows, once `expected`
+    ones are there (the UI shows a link only where the plugin returned a URL)."""
+    from urllib.parse import quote
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(f"{api.base}/dags/{DAG_ID}/runs/{quote(run_id, safe='')}/tasks/{task_id}/details")  # the links' tab
+
+    def shown(_: Any) -> tuple[dict[str, str]] | bool:
+        # Read in one script: the page re-renders while it polls, and an element found before may be gone. The
+        # "Extra Links" heading shows once the API answered, also when none of the task's links has a URL.
+        heading, anchors = driver.execute_script(
+            "return [document.body.innerText.includes('Extra Links'),"
+            " [...document.querySelectorAll('a')].map(a => [a.textContent.trim(), a.href])];")
+        found = {str(text): str(href) for text, href in anchors if text in LINK_NAMES}
+        return (found,) if heading and expected <= set(found) else False
+
+    try:
+        (links,) = WebDriverWait(driver, 60).until(shown)
+    except Exception as err:
+        raise AssertionError(f"{task_id} of {run_id} does not show the extra links {sorted(expected)}; the page "
+                             f"says:\n{driver.find_element(By.TAG_NAME, 'body').text[:2000]}") from err
+    return links
+
+
+@pytest.mark.browser
+@needs_browser
+def test_task_pages_show_the_extra_links(browser: WebDriver, standalone: dict[str, Any], artifacts: Path) -> None:
+    """Each finished task of the successful run shows the links it has (train: its MLflow run, register: the
+    model version; a passed gate has no Data Docs page to link), and the refused run's gate links the Data
+    Docs page of the split that failed, which the plugin serves."""
+    from urllib.parse import urlsplit
+
+    api: Api = standalone["api"]
+    success, refused = _run_of(standalone, "success"), _run_of(standalone, "refused")
+    mlflow_ui = f"http://127.0.0.1:{standalone['env']['NIGHTSHIFT_MLFLOW_UI_PORT']}"  # airflow.sh serves it there
+    training_run, experiment = _version_run(mlflow_ui, "1")
+
+    links = _extra_links(browser, api, success, "train", {"MLflow run"})
+    browser.save_screenshot(str(artifacts / "task-extra-links.png"))
+    assert links["MLflow run"] == f"{mlflow_ui}/#/experiments/{experiment}/runs/{training_run}", links
+    assert experiment != "0", "the link opens MLflow's Default experiment, not the training run's"
+    assert set(links) == {"MLflow run"}, f"train links what it has not made: {links}"
+
+    links = _extra_links(browser, api, success, "register", {"Model version"})
+    assert links["Model version"] == f"{mlflow_ui}/#/models/nightshift-digits/versions/1", links
+
+    links = _extra_links(browser, api, success, "validate_data", set())
+    assert "GX Data Docs" not in links, f"a passed gate links a Data Docs page: {links}"
+
+    links = _extra_links(browser, api, refused, "validate_data", {"GX Data Docs"})
+    browser.save_screenshot(str(artifacts / "task-extra-links-refused-data.png"))
+    docs = urlsplit(links["GX Data Docs"])
+    assert docs.path.startswith("/nightshift/data-docs/") and docs.netloc == urlsplit(api.base).netloc, links
+    page = api.get(docs.path)
+    assert page.status_code == 200, f"{links['GX Data Docs']}: {page.status_code}"
+    # The page of the split that failed (corrupt labels were written into train.parquet only), not a passing one.
+    assert "train" in docs.path and "label" in page.text, (docs.path, page.text[:500])
+
+
+@pytest.mark.browser
+@needs_browser
+def test_lineage_page_shows_the_runs(browser: WebDriver, standalone: dict[str, Any], artifacts: Path) -> None:
+    """/nightshift/lineage, opened in the browser logged in (the UI's session): the successful run with its
+    model version, times a person reads, the refused run with its reason."""
+    from urllib.parse import quote
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    api: Api = standalone["api"]
+    success, refused = _run_of(standalone, "success"), _run_of(standalone, "refused")
+    wait = WebDriverWait(browser, 60)
+    browser.get(f"{api.base}/dags/{DAG_ID}")  # logs in: the UI's session cookie is the plugin's login too
+    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "[data-testid=trigger-dag-button]")))
+    browser.get(f"{api.base}/nightshift/lineage")
+    table = wait.until(ec.presence_of_element_located((By.TAG_NAME, "table")),
+                       message=f"no lineage table: {browser.find_element(By.TAG_NAME, 'body').text[:1000]}")
+    browser.save_screenshot(str(artifacts / "lineage.png"))
+
+    rows = {row.find_element(By.CSS_SELECTOR, "td.run").text: row
+            for row in table.find_elements(By.CSS_SELECTOR, "tr") if row.find_elements(By.CSS_SELECTOR, "td.run")}
+    assert {success, refused} <= set(rows), f"runs shown: {sorted(rows)}"
+    good = rows[success].find_elements(By.TAG_NAME, "td")
+    assert good[2].text == "success" and good[6].text == "v1", [cell.text for cell in good]
+    links = {a.text: str(a.get_attribute("href")) for a in rows[success].find_elements(By.TAG_NAME, "a")}
+    assert links[success].endswith(f"/dags/{DAG_ID}/runs/{quote(success, safe='')}"), links
+    mlflow_ui = f"http://127.0.0.1:{standalone['env']['NIGHTSHIFT_MLFLOW_UI_PORT']}"
+    assert links["MLflow run"].endswith(f"/runs/{_version_run(mlflow_ui, '1')[0]}"), links
+    for row in rows.values():
+        recorded = row.find_element(By.CSS_SELECTOR, "td.time").text
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC", recorded), f"unreadable time {recorded!r}"
+    bad = rows[refused].find_elements(By.TAG_NAME, "td")
+    assert bad[2].text == "failed" and "label" in bad[10].text, [cell.text for cell in bad]
+    assert "GX Data Docs" in rows[refused].text
 
 
 @pytest.mark.browser
