@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 from operators.errors import InvalidJobConfig
+from operators.mpijob_spec import DEFAULT_NETWORK_INTERFACES
 
 Backend = Literal["kubernetes", "local", "auto"]
 CleanupPolicy = Literal["always", "on_success", "never"]
@@ -190,6 +191,9 @@ class ClusterConfig(_Settings):
     The pod fields (service account, node selector, tolerations, priority class, volumes, labels,
     annotations, image pull policy and secrets, the launcher's resources, the workers' sshd command and the
     ssh mount) go into the MPIJob as the MPI Operator documents them (`mpijob_spec.MPIJobConfig`).
+    :param network_interfaces: the pods' interface(s) horovodrun and the ranks use (`--network-interfaces`;
+        default "eth0", a pod's interface under the common CNIs; e.g. "net1" for a Multus network). None lets
+        horovodrun choose, which with a single worker can pick the loopback and fail the rendezvous.
     """
 
     backend: Backend | str = field(default="auto", metadata=meta(templated=True, settle=one_of(BACKENDS)))
@@ -212,6 +216,7 @@ class ClusterConfig(_Settings):
     launcher_resources: Mapping[str, Mapping[str, str]] | None = None
     worker_command: Sequence[str] | None = None
     ssh_auth_mount_path: str | None = None
+    network_interfaces: str | None = DEFAULT_NETWORK_INTERFACES
 
 
 @dataclass(frozen=True)

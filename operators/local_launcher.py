@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -47,9 +48,17 @@ ENV_ALLOWED_PREFIXES = ("LC_", "NIGHTSHIFT_", "HOROVOD_", "GLOO_", "NCCL_")
 SECRET_NAME_PARTS = ("SECRET", "PASSWORD", "PASSWD", "TOKEN", "CREDENTIAL", "PRIVATE", "API_KEY", "ACCESS_KEY")
 
 
+# A value with a URL that carries a password (scheme://user:password@host), whatever the variable's name.
+CREDENTIAL_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+
+
 def looks_secret(name: str) -> bool:
     upper = name.upper()
     return any(part in upper for part in SECRET_NAME_PARTS)
+
+
+def carries_credentials(value: str) -> bool:
+    return CREDENTIAL_URL.search(value) is not None
 
 
 def child_environment(source: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -61,6 +70,10 @@ def child_environment(source: Mapping[str, str], extra: Mapping[str, str] | None
     }
     if "MLFLOW_TRACKING_URI" in env:
         check_no_credentials("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
+    # e.g. NIGHTSHIFT_EVENTS_REDIS_URL=redis://:password@host: the ranks need no such URL; say which, not what.
+    for name in sorted(name for name, value in env.items() if carries_credentials(value)):
+        log.warning("not passing %s to the ranks: its value holds a URL with a password", name)
+        del env[name]
     return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 

@@ -52,6 +52,12 @@ DEFAULT_LAUNCHER_RESOURCES: Mapping[str, Mapping[str, str]] = {
 }
 # Where the MPI Operator mounts the hostfile it writes for the launcher (`<worker-fqdn> slots=N` lines).
 MPI_HOSTFILE = "/etc/mpi/hostfile"
+# The pods' interface the ranks and horovodrun's driver talk over. Left to itself, horovodrun with a single
+# worker host counts that host's loopback as a common interface and, about half the time (set order), puts
+# its rendezvous on 127.0.0.1, which the remote rank cannot reach ("HTTP GET request failed too many
+# times"); seen under `nightshift run-mpijob` (bench/RESULTS.md, issue 9).
+DEFAULT_NETWORK_INTERFACES = "eth0"
+NETWORK_INTERFACES = r"[A-Za-z0-9_.:@-]{1,15}(,[A-Za-z0-9_.:@-]{1,15})*"
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class MPIJobConfig:
     )
     worker_command: Sequence[str] = DEFAULT_WORKER_COMMAND
     ssh_auth_mount_path: str = DEFAULT_SSH_AUTH_MOUNT_PATH
+    network_interfaces: str | None = DEFAULT_NETWORK_INTERFACES
     queue_name: str | None = None
     priority_class: str | None = None
 
@@ -123,6 +130,9 @@ class MPIJobConfig:
             )
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace or ""):
             raise InvalidJobConfig(f"namespace must be a DNS label, got {self.namespace!r}")
+        if self.network_interfaces is not None and not re.fullmatch(NETWORK_INTERFACES, self.network_interfaces):
+            raise InvalidJobConfig(f"network_interfaces must be interface names separated by commas (e.g. 'eth0' "
+                                   f"or 'eth0,net1'), got {self.network_interfaces!r}")
         for what, value in (("queue", self.queue_name), ("priority", self.priority_class)):
             if value is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?", value):
                 raise InvalidJobConfig(f"{what} must be a Kueue object name (a DNS subdomain of at most 63 "
@@ -280,6 +290,8 @@ def launcher_command(config: MPIJobConfig) -> list[str]:
     itself, so the container env (MLFLOW_TRACKING_URI, NIGHTSHIFT_HOME, ...) needs no forwarding list.
     """
     argv = ["horovodrun", "--gloo", "-np", str(config.total_processes), "--hostfile", MPI_HOSTFILE]
+    if config.network_interfaces:
+        argv += ["--network-interfaces", config.network_interfaces]
     return [*argv, *config.command]
 
 

@@ -161,6 +161,15 @@ def test_pods_mount_the_shared_claim_at_nightshift_home_and_log_to_the_tracking_
     assert {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.internal:5000"} in launcher["env"]
 
 
+def test_the_cluster_config_names_the_interfaces_horovodrun_uses() -> None:
+    launcher = containers(operator().build_manifest(TaskIdentity("d", "train", "r1", 1)))[0]
+    assert launcher["command"][6:8] == ["--network-interfaces", "eth0"]
+    launcher = containers(operator(network_interfaces="net1").build_manifest(TaskIdentity("d", "train", "r1", 1)))[0]
+    assert launcher["command"][6:8] == ["--network-interfaces", "net1"]
+    launcher = containers(operator(network_interfaces=None).build_manifest(TaskIdentity("d", "train", "r1", 1)))[0]
+    assert "--network-interfaces" not in launcher["command"]
+
+
 def test_a_path_the_pods_cannot_see_is_refused_before_submitting() -> None:
     op = operator(command=[*COMMAND, "--extra=/home/airflow/data.csv"])
     with pytest.raises(errors.InvalidJobConfig, match=r"cannot see /home/airflow/data.csv.*under a volume mount"):

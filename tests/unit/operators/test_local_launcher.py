@@ -36,6 +36,15 @@ def test_a_tracking_uri_with_a_password_is_refused() -> None:
     assert "hunter2" not in str(raised.value)
 
 
+def test_an_allowlisted_variable_holding_a_url_with_a_password_stays_behind(caplog: pytest.LogCaptureFixture) -> None:
+    env = child_environment({"NIGHTSHIFT_EVENTS_REDIS_URL": "redis://:hunter2@10.0.0.5:6379/0",
+                             "NIGHTSHIFT_REDIS_URL": "redis://127.0.0.1:6379/0",
+                             "NIGHTSHIFT_NOTE": "see https://bob:pw@host/x", "PATH": "/usr/bin"})
+    assert env["NIGHTSHIFT_REDIS_URL"] == "redis://127.0.0.1:6379/0" and env["PATH"] == "/usr/bin"
+    assert "NIGHTSHIFT_EVENTS_REDIS_URL" not in env and "NIGHTSHIFT_NOTE" not in env
+    assert "NIGHTSHIFT_EVENTS_REDIS_URL" in caplog.text and "hunter2" not in caplog.text
+
+
 def test_cpu_jobs_need_a_core_per_worker() -> None:
     assert check_local_capacity(2, 0, cores=2) == 2
     with pytest.raises(InvalidJobConfig, match="has 2 cores for 3 workers; ask for at most 2 workers"):

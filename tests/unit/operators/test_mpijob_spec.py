@@ -85,7 +85,8 @@ def test_gpu_job_shape() -> None:
     lc = launcher["template"]["spec"]["containers"][0]
     assert GPU_RESOURCE not in str(lc["resources"])
     # horovodrun (Gloo) starts one rank per GPU over the operator's hostfile, then the entrypoint unchanged.
-    assert lc["command"] == ["horovodrun", "--gloo", "-np", "32", "--hostfile", "/etc/mpi/hostfile", *COMMAND]
+    assert lc["command"] == ["horovodrun", "--gloo", "-np", "32", "--hostfile", "/etc/mpi/hostfile",
+                             "--network-interfaces", "eth0", *COMMAND]
     assert lc["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
@@ -95,6 +96,17 @@ def test_cpu_job_runs_one_rank_per_worker_and_asks_no_gpu() -> None:
     command = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("-np") + 1] == "3"
     assert GPU_RESOURCE not in str(manifest)
+
+
+@pytest.mark.parametrize(("interfaces", "expected"), [("net1", ["--network-interfaces", "net1"]),
+                                                      ("eth0,net1", ["--network-interfaces", "eth0,net1"]),
+                                                      (None, [])])
+def test_the_launcher_pins_horovodrun_to_the_pod_interfaces(interfaces: str | None, expected: list[str]) -> None:
+    # A single worker host: horovodrun would otherwise count its loopback as common and may rendezvous there.
+    manifest = build_mpijob(config(num_workers=1, network_interfaces=interfaces), IDENTITY)
+    command = manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    assert command[6:6 + len(expected)] == expected
+    assert command[6 + len(expected):] == COMMAND
 
 
 def test_everything_config_reaches_both_pod_templates() -> None:
@@ -183,6 +195,8 @@ def test_pool_slots_and_command_splitting() -> None:
         ({"env": {"BAD NAME": "x"}}, "env"),
         ({"env": {"N": 3}}, "env"),
         ({"image_pull_policy": "Maybe"}, "image_pull_policy"),
+        ({"network_interfaces": "eth0; rm -rf /"}, "network_interfaces"),
+        ({"network_interfaces": ""}, "network_interfaces"),
     ],
 )
 def test_invalid_config_names_the_field(overrides: dict[str, Any], field: str) -> None:
