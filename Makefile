@@ -10,9 +10,10 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
 # Debian packages some integration tests need, as command:package: sshd (emulated hosts), redis-server
-# (stream scoring), ip (network namespaces), chromium and chromedriver (the browser test). Installed when
-# missing and running as root; otherwise those tests skip with a reason.
-SYSTEM_PACKAGES := sshd:openssh-server redis-server:redis-server ip:iproute2 chromium:chromium \
+# (stream scoring), ip (network namespaces), nft (packet loss between emulated hosts), chromium and
+# chromedriver (the browser tests). Installed when missing and running as root; otherwise those tests
+# skip with a reason.
+SYSTEM_PACKAGES := sshd:openssh-server redis-server:redis-server ip:iproute2 nft:nftables chromium:chromium \
 	chromedriver:chromium-driver
 
 .PHONY: setup system-packages demo test test-fast airflow bench lint clean

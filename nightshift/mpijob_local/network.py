@@ -13,8 +13,10 @@ Names: `nsmj<PID>-sw` (the switch, bridge `br0`), `nsmj<PID>-l` (launcher), `nsm
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -80,12 +82,37 @@ class LinkShape:
         return bool(self.rate or self.delay_ms or self.loss_pct)
 
 
+@functools.cache
 def netem_available() -> bool:
     """Whether this kernel has the netem qdisc (CONFIG_NET_SCH_NETEM): tried on the loopback of a throwaway
     network namespace, so nothing of this machine's own network is touched."""
     done = subprocess.run(["unshare", "--net", "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
                           capture_output=True, text=True, check=False, timeout=30)
     return done.returncode == 0
+
+
+@functools.cache
+def nft_available() -> bool:
+    """Whether nftables' `nft` is installed and the kernel takes a table (tried in a throwaway namespace):
+    random loss without netem."""
+    if shutil.which("nft") is None:
+        return False
+    done = subprocess.run(["unshare", "--net", "nft", "add", "table", "inet", "probe"],
+                          capture_output=True, text=True, check=False, timeout=30)
+    return done.returncode == 0
+
+
+def nft_loss_rules(loss_pct: float) -> str:
+    """An nftables table for a pod's namespace dropping `loss_pct` percent of the packets that arrive on its
+    `eth0` at random (numgen, in millionths): netem's `loss` on the way into the host, for kernels without
+    netem. It goes with the namespace."""
+    threshold = round(loss_pct * 10_000)
+    return (f"table inet nightshift_link {{\n"
+            f"  chain into_host {{\n"
+            f"    type filter hook input priority 0; policy accept;\n"
+            f"    iifname \"{POD_IFACE}\" numgen random mod 1000000 < {threshold} drop\n"
+            f"  }}\n"
+            f"}}\n")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -173,7 +200,8 @@ class Network:
         return ip
 
     def shape(self, namespace: str, slot: int, shape: LinkShape) -> None:
-        """Rate on both ends of the host's veth (a full-duplex link); delay and loss into the host."""
+        """Rate on both ends of the host's veth (a full-duplex link); delay and loss into the host (netem on
+        the switch side; loss alone on a kernel without netem: an nftables rule inside the pod)."""
         veth = host_veth(slot)
         if shape.rate:
             bits = parse_rate(shape.rate)
@@ -181,7 +209,12 @@ class Network:
             tbf = ["tbf", "rate", shape.rate, "burst", str(burst), "latency", "50ms"]
             _tc(self.switch, "qdisc", "add", "dev", veth, "root", "handle", "1:", *tbf)
             _tc(namespace, "qdisc", "add", "dev", POD_IFACE, "root", "handle", "1:", *tbf)
-        if shape.delay_ms or shape.loss_pct:
+        if shape.loss_pct and not shape.delay_ms and not netem_available():
+            done = subprocess.run(["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=nft_loss_rules(
+                shape.loss_pct), capture_output=True, text=True, check=False, timeout=30)
+            if done.returncode != 0:
+                raise HostNotSuitable(f"nft could not add the loss rule in {namespace}: {done.stderr.strip()}")
+        elif shape.delay_ms or shape.loss_pct:
             netem = ["netem", "limit", "100000"]
             if shape.delay_ms:
                 netem += ["delay", f"{shape.delay_ms}ms"]

@@ -152,9 +152,12 @@ def preflight(job: LocalJob, options: RunOptions, pod_path: str) -> None:
     for tool, package in needed.items():
         if shutil.which(tool) is None:
             raise HostNotSuitable(f"`{tool}` not found: install {package} (apt-get install -y {package})")
-    if (options.link.delay_ms or options.link.loss_pct) and not network.netem_available():
-        raise HostNotSuitable("--link-delay and --link-loss need the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), "
-                              "which this kernel lacks; --link-rate (tbf) works without it")
+    if options.link.delay_ms and not network.netem_available():
+        raise HostNotSuitable("--link-delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this "
+                              "kernel lacks; --link-rate (tbf) and --link-loss (nftables) work without it")
+    if options.link.loss_pct and not network.netem_available() and not network.nft_available():
+        raise HostNotSuitable("--link-loss needs the kernel's netem qdisc or nftables: this kernel has no netem; "
+                              "install nftables (apt-get install -y nftables)")
     for pod in job.pods:
         program = pod.argv[0]
         found = program if "/" in program else shutil.which(program, path=pod_path)

@@ -434,6 +434,64 @@ def test_link_delay_is_refused_on_a_kernel_without_netem(site: Site, links_befor
     proc = site.run_mpijob(site.write(_job("delayed", ["true"], workers=1), "delayed"), "--link-delay", "40")
     code, out, err = finish(proc, timeout=60)
     assert code == 2 and out == ""
-    assert err.strip() == ("nightshift run-mpijob: --link-delay and --link-loss need the kernel's netem qdisc "
-                           "(CONFIG_NET_SCH_NETEM), which this kernel lacks; --link-rate (tbf) works without it")
+    assert err.strip() == ("nightshift run-mpijob: --link-delay needs the kernel's netem qdisc "
+                           "(CONFIG_NET_SCH_NETEM), which this kernel lacks; --link-rate (tbf) and --link-loss "
+                           "(nftables) work without it")
     assert_nothing_left(proc.pid, links_before)
+
+
+def _loss_available() -> bool:
+    if MISSING:
+        return False
+    from nightshift.mpijob_local.network import nft_available
+
+    return NETEM or nft_available()
+
+
+lossy = pytest.mark.skipif(not _loss_available(), reason="--link-loss needs netem or nftables' nft "
+                                                          "(apt-get install -y nftables)")
+
+# In the launcher: a UDP receiver started on the worker over ssh counts what arrives of 2000 datagrams.
+COUNT_DATAGRAMS = r"""
+import shlex, socket, subprocess, sys, time
+receiver = ("import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('0.0.0.0', 9999)); "
+            "s.settimeout(3); print('ready', flush=True); n = 0\n"
+            "try:\n    while True: s.recv(64); n += 1\nexcept socket.timeout: print('got', n)")
+proc = subprocess.Popen(["ssh", "lossy-worker-0", shlex.join([sys.executable, "-c", receiver])],
+                        stdout=subprocess.PIPE, text=True)
+assert proc.stdout.readline().strip() == "ready"
+out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(2000):
+    out.sendto(b"x" * 32, ("lossy-worker-0", 9999))
+    if i % 50 == 49:
+        time.sleep(0.005)  # no burst outruns the receiver's buffer: what is missing, the link dropped
+print("received", proc.communicate(timeout=60)[0].split()[-1])
+"""
+
+
+@lossy
+def test_link_loss_drops_that_share_of_the_packets_into_every_host(site: Site, links_before: set[str]) -> None:
+    """--link-loss 20: about 400 of 2000 datagrams to a worker are lost (binomial sd 18; bounds at 11 sd)."""
+    job = _job("lossy", ["python", "-c", COUNT_DATAGRAMS], workers=1)
+    proc = site.run_mpijob(site.write(job, "lossy"), "--link-loss", "20")
+    code, out, err = finish(proc, timeout=180)
+    assert code == 0, err[-3000:]
+    received = int(out.split("received ")[1].split()[0])
+    assert 1400 <= received <= 1800, out
+    assert_nothing_left(proc.pid, links_before)
+
+
+@lossy
+def test_training_over_a_lossy_link_completes_or_stops_at_its_timeout(site: Site, links_before: set[str]) -> None:
+    """5% loss into every host: TCP retransmits under Gloo; the job ends by itself or at --timeout, never hangs."""
+    job = without_mlflow(site.plan("lossy-train", {**CONF, "epochs": 1}))
+    proc = site.run_mpijob(site.write(job, "lossy-train"), "--link-loss", "5", timeout=300)  # --timeout 240
+    code, _, err = finish(proc, timeout=360)
+    if code == 0:
+        summary = json.loads((site.workspace("lossy-train") / "model" / "metrics.json").read_text())
+        assert summary["world_size"] == 2
+    else:
+        assert code == 124, err[-3000:]
+        assert "did not finish within 240s" in err.strip().splitlines()[-1]
+    assert_nothing_left(proc.pid, links_before, str(site.workspace("lossy-train")))
+    print(f"5% loss: exit {code}")
