@@ -208,8 +208,12 @@ def test_streamed_labels_equal_in_process_scoring(world: dict[str, Any], tmp_pat
         add_inputs(client, frame, ids)
         proc = start_consumer(world, srv.url_without_password, "c1", tmp_path / "logs", "--stop-after", str(len(frame)),
                               "--batch-rows", "64", password_file=pw_file)
-        ps = subprocess.run(["ps", "-o", "args=", "-p", str(proc.pid)], capture_output=True, text=True).stdout
-        assert proc.wait(timeout=300) == 0, (tmp_path / "logs" / "c1.err").read_text()[-3000:]
+        try:
+            ps = subprocess.run(["ps", "-o", "args=", "-p", str(proc.pid)], capture_output=True, text=True).stdout
+            assert proc.wait(timeout=300) == 0, (tmp_path / "logs" / "c1.err").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                stop(proc, signal.SIGKILL)
         outs = assert_exactly_once(client, ids)
         client.close()
     summary = json.loads((tmp_path / "logs" / "c1.out").read_text())
