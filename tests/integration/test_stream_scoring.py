@@ -305,9 +305,12 @@ def test_sigterm_finishes_the_batch_and_exits_zero(world: dict[str, Any], server
     frame = features(world)
     ids = list(range(3000))
     proc = start_consumer(world, server.url, "c1", tmp_path / "logs", "--batch-rows", "128")
-    add_inputs(client, frame, ids, chunk=500)
-    wait_for(lambda: client.xlen("out") > 200, 180, "first predictions", [proc], tmp_path / "logs")
-    assert stop(proc, signal.SIGTERM) == 0
+    try:
+        add_inputs(client, frame, ids, chunk=500)
+        wait_for(lambda: client.xlen("out") > 200, 180, "first predictions", [proc], tmp_path / "logs")
+    finally:
+        code = stop(proc, signal.SIGTERM)
+    assert code == 0
     summary = json.loads((tmp_path / "logs" / "c1.out").read_text())
     assert summary["stopped_by"] == "SIGTERM"
     # Everything it read was written and acknowledged: nothing of c1's pending, outputs = its inputs.
