@@ -202,8 +202,8 @@ def main() -> None:
     from nightshift.data.demo import write_demo_dataset
     from nightshift.registry import register
     from nightshift.stream.redis_io import connect
+    from nightshift.stream.redis_server import RedisServer
     from nightshift.tracking import log_training_run
-    from tests.integration.redis_helpers import RedisServer
     from tests.trained_model import write_trained_output
 
     n = int(os.environ.get("BENCH_STREAM_ROWS", "20000"))

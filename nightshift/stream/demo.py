@@ -9,10 +9,7 @@ the binary is missing, the demo says so and skips this part.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,52 +18,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-HOST = "127.0.0.1"
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
-def private_redis(data_dir: Path, timeout: float = 30.0) -> Iterator[str]:
+def private_redis(data_dir: Path) -> Iterator[str]:
     """A redis-server of our own in `data_dir` (AOF on); yields its URL; stopped by PID afterwards."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise FileNotFoundError("redis-server is not installed (Debian: apt-get install redis-server)")
-    import redis
+    from nightshift.stream.redis_server import RedisServer
 
-    data_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    config = data_dir / "redis.conf"
-    config.write_text(f"bind {HOST}\nport {port}\ndir {data_dir}\nappendonly yes\nsave ''\n"
-                      f"logfile {data_dir / 'redis.log'}\n")
-    proc = subprocess.Popen([binary, str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    url = f"redis://{HOST}:{port}/0"
+    server = RedisServer(data_dir)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if redis.Redis.from_url(url, socket_connect_timeout=1).ping():
-                    break
-            except redis.RedisError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start (see {data_dir / 'redis.log'})")
-            time.sleep(0.1)
-        yield url
+        server.start()
+        yield server.url
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        server.stop()
 
 
 def stream_demo(nightshift_home: Path, data_dir: Path, model_name: str = "nightshift-digits",
