@@ -15,7 +15,7 @@ from nightly_tasks import steps
 from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator
 from nightly_tasks.events import retrain_schedule
 
-from operators.horovod import ClusterConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
+from operators.horovod import ClusterConfig, ExecutionConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
 
 DAG_ID = "nightly_retrain"
 # Users change the schedule here or with NIGHTSHIFT_RETRAIN_CRON ("none": manual and UI triggers only).
@@ -30,6 +30,9 @@ DATASET_ASSET = Asset("nightshift://datasets/digits", group="nightshift")
 CHAMPION_ASSET = Asset(f"nightshift://models/{steps.MODEL_NAME}/champion", group="nightshift")
 # The training parameters check_changes resolved when the run started (steps.resolve_training).
 TRAINING = "ti.xcom_pull(task_ids='check_changes', key='training')"
+STAGED = "ti.xcom_pull(task_ids='stage_dataset')"
+# What check_changes compared with the last success: the dataset version, the code version, the parameters.
+FINGERPRINT = "ti.xcom_pull(task_ids='check_changes', key='fingerprint')"
 
 DOC_MD = """
 ### nightly_retrain
@@ -63,6 +66,7 @@ say which values came from where (and best.json's study and trial). A malformed 
 | `gpus` | total GPUs, packed into the fewest equal workers of at most one node (0: workers x GPUs per worker) |
 | `queue` | Kueue LocalQueue for the MPIJob (default `NIGHTSHIFT_KUEUE_QUEUE`; empty: no Kueue) |
 | `priority` | Kueue WorkloadPriorityClass of the MPIJob |
+| `queue_timeout` | seconds the MPIJob may wait for Kueue admission before `train` fails saying why (empty: no limit) |
 | `backend` | `local` (horovodrun on the worker machine), `kubernetes` (an MPIJob), or `auto` |
 | `min_improvement` | how much test accuracy the new model must gain over the champion to be promoted |
 | `require_approval` | wait for a person to approve in the UI (Required actions) before deploying |
@@ -114,6 +118,12 @@ PARAMS = {
                       title="Kueue priority",
                       description="A Kueue WorkloadPriorityClass, e.g. nightly-low or interactive-high "
                                   "(default NIGHTSHIFT_KUEUE_PRIORITY)."),
+    # A job Kueue never admits fails the try with Kueue's reason instead of holding the run for hours.
+    # At least 1: 0 would fail every job Kueue did not admit at once; empty is the way to ask for no limit.
+    "queue_timeout": Param(7200, type=["null", "integer"], minimum=1, maximum=86400, title="Kueue queue timeout",
+                           description="Seconds (1 to 86400) the MPIJob may wait in the Kueue queue (since it was "
+                                       "last suspended) before train fails with the reason it waited. Empty: no "
+                                       "limit."),
     # Scheduled runs take the default: a cluster deployment sets NIGHTSHIFT_BACKEND=kubernetes.
     "backend": Param(os.environ.get("NIGHTSHIFT_BACKEND", "local"), type="string",
                      enum=["local", "kubernetes", "auto"], title="Backend",
@@ -207,10 +217,12 @@ with DAG(
                 "--tag", "nightshift.run_key={{ dag.dag_id }}/{{ run_id }}",
                 "--tag", "nightshift.dag_run_id={{ run_id }}",
                 "--tag", "nightshift.dataset_version={{ ti.xcom_pull(task_ids='stage_dataset')['hash'] }}",
-                # The code this run is pinned to (the git DAG bundle's commit, see nightshift.ledger.code_version).
-                "--tag", "nightshift.code_version={{ (ti.xcom_pull(task_ids='check_changes', key='fingerprint')"
-                         " or {}).get('code_version', 'unknown') }}",
+                # The code this run is pinned to (the git DAG bundle's commit, see nightshift.ledger.code_version):
+                # part of the checkpoints' resume key, with the data's content hash and the parameters.
+                "--code-version", "{{ " + FINGERPRINT + "['code_version'] }}",
+                "--tag", "nightshift.code_version={{ " + FINGERPRINT + "['code_version'] }}",
                 "--tag", "nightshift.training_defaults={{ " + TRAINING + "['summary'] }}",
+                "--tag", "nightshift.training_options={{ " + TRAINING + " | tojson }}",
             ],
         ),
         cluster=ClusterConfig(
@@ -218,7 +230,15 @@ with DAG(
             kueue_queue="{{ params.queue or '' }}",
             kueue_priority="{{ params.priority or '' }}",
         ),
-        tracking=TrackingConfig(mlflow_experiment=steps.EXPERIMENT, mlflow_run_key="{{ dag.dag_id }}/{{ run_id }}"),
+        execution=ExecutionConfig(queue_timeout="{{ params.queue_timeout }}"),
+        # The result is the run that trained on this try's data and code with these options, never one a stale
+        # try logged under the same run key (nightshift.tracking.find_training_run).
+        tracking=TrackingConfig(mlflow_experiment=steps.EXPERIMENT, mlflow_run_key="{{ dag.dag_id }}/{{ run_id }}",
+                                mlflow_expect_tags={
+                                    "nightshift.dataset_version": "{{ " + STAGED + "['hash'] }}",
+                                    "nightshift.code_version": "{{ " + FINGERPRINT + "['code_version'] }}",
+                                    "nightshift.training_options": "{{ " + TRAINING + " | tojson }}",
+                                }),
         execution_timeout=timedelta(hours=6),
         retry_delay=timedelta(minutes=1),
     )

@@ -23,12 +23,22 @@ class DataValidationFailed(NightshiftError):
     exit_code = 1
 
 
+class DatasetPushFailed(NightshiftError):
+    """The DVC remote did not take every object of a dataset version (full, read-only, unreachable)."""
+
+    exit_code = 1
+
+
 class CheckpointCorrupt(NightshiftError):
     """A checkpoint file is truncated, unreadable or not a Nightshift checkpoint."""
 
 
 class CheckpointMismatch(NightshiftError):
     """A checkpoint was written for a different model or configuration."""
+
+
+class CodeVersionUnknown(NightshiftError):
+    """Which code is running cannot be told (a git checkout whose git fails, and no commit given)."""
 
 
 class DeviceUnavailable(NightshiftError):

@@ -1,7 +1,8 @@
-"""The "new data" event: `nightshift publish-data DIR` announces a data source on a Redis pub/sub channel.
+"""The "new data" event: `nightshift publish-data DIR` appends one entry to a Redis stream.
 
-Airflow listens there (the `nightly_retrain` DAG's AssetWatcher, run by the triggerer) and starts a run on
-that data. The message is one JSON object:
+Airflow reads it there (the `nightly_retrain` DAG's AssetWatcher, a consumer group on the stream run by the
+triggerer: operators/event_triggers.py) and starts a run on that data. The entry has one field, `data`, holding
+one JSON object:
 
     {"kind": "nightshift.new-data", "version": 1, "source": "/abs/dir", "published_at": "...Z",
      "files": [{"name": "test.parquet", "bytes": 1234, "sha256": "..."}, ...], "fingerprint": "sha256:..."}
@@ -9,10 +10,13 @@ that data. The message is one JSON object:
 Configuration (environment):
 - `NIGHTSHIFT_EVENTS_REDIS_URL`: the Redis the events go through (`redis://[:password@]host:port[/db]`).
   A password belongs here, never on a command line.
-- `NIGHTSHIFT_EVENTS_CHANNEL`: the channel (default `nightshift.new-data`).
+- `NIGHTSHIFT_EVENTS_STREAM`: the stream's key (default `nightshift.new-data`).
+- `NIGHTSHIFT_EVENTS_RETENTION`: about how many entries the stream keeps (default 10000; `XADD MAXLEN ~`).
 
-Redis pub/sub keeps nothing: a message nobody is subscribed to is gone. `publish` therefore fails when no
-one heard it, so the caller knows to start Airflow's triggerer and publish again.
+A stream keeps its entries: an event published while nobody reads (Airflow stopped, the triggerer restarting)
+waits in the stream, and the consumer group delivers it when the triggerer reads again. Only an entry trimmed
+by the retention before any triggerer read it is lost; `publish` says how many entries the group has not yet
+acknowledged, so a backlog shows.
 """
 
 from __future__ import annotations
@@ -24,15 +28,20 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from nightshift.errors import BadEvent, EventNotHeard, EventsUnavailable, UsageError
+from nightshift.errors import BadEvent, EventsUnavailable, UsageError
+from nightshift.redaction import carries_secret, redact
 
 KIND = "nightshift.new-data"
 VERSION = 1
-DEFAULT_CHANNEL = "nightshift.new-data"
+DEFAULT_STREAM = "nightshift.new-data"
+# The consumer group Airflow's watcher reads with (dags/nightly_tasks/events.py; a test keeps them equal).
+CONSUMER_GROUP = "airflow-new-data"
+DEFAULT_RETENTION = 10_000
 URL_ENV = "NIGHTSHIFT_EVENTS_REDIS_URL"
-CHANNEL_ENV = "NIGHTSHIFT_EVENTS_CHANNEL"
+STREAM_ENV = "NIGHTSHIFT_EVENTS_STREAM"
+RETENTION_ENV = "NIGHTSHIFT_EVENTS_RETENTION"
 # The files a data source must hold (nightshift.datasets.SPLITS, which imports torch; a test keeps them equal).
 SPLIT_FILES = ("train.parquet", "validation.parquet", "test.parquet")
 CONNECT_TIMEOUT_S = 5.0
@@ -45,7 +54,7 @@ def redis_url(given: str | None = None) -> str:
     """The Redis URL to publish to: `given` (a command-line value, which must not carry a password), else
     NIGHTSHIFT_EVENTS_REDIS_URL."""
     if given:
-        if urlsplit(given).password:
+        if carries_secret(given):
             raise UsageError(f"--redis {redact(given)} has a password in it, which would show in the process "
                              f"list; put the URL in {URL_ENV} instead")
         url = given
@@ -60,22 +69,25 @@ def redis_url(given: str | None = None) -> str:
     return url
 
 
-def channel(given: str | None = None) -> str:
-    name = (given if given is not None else os.environ.get(CHANNEL_ENV, "")).strip() or DEFAULT_CHANNEL
+def stream(given: str | None = None) -> str:
+    """The stream's key: `given` (--stream), else NIGHTSHIFT_EVENTS_STREAM, else nightshift.new-data."""
+    name = (given if given is not None else os.environ.get(STREAM_ENV, "")).strip() or DEFAULT_STREAM
     if any(c in name for c in "*?[]") or any(c.isspace() for c in name):
-        raise UsageError(f"channel {name!r} has spaces or glob characters (*?[]); use a plain name such as "
-                         f"{DEFAULT_CHANNEL}")
+        raise UsageError(f"stream {name!r} has spaces or glob characters (*?[]); use a plain name such as "
+                         f"{DEFAULT_STREAM}")
     return name
 
 
-def redact(url: str) -> str:
-    """`url` without its password (for messages and logs)."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))
+def retention() -> int:
+    text = os.environ.get(RETENTION_ENV, "").strip() or str(DEFAULT_RETENTION)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 100:
+        raise UsageError(f"{RETENTION_ENV}={text!r} is not a whole number of entries of at least 100 "
+                         f"(default {DEFAULT_RETENTION})")
+    return value
 
 
 # --- the event --------------------------------------------------------------------------------------------
@@ -150,20 +162,24 @@ def changes_since(event: dict[str, Any]) -> list[str]:
 # --- publishing -------------------------------------------------------------------------------------------
 
 
-def publish(source: str | Path, *, url: str | None = None, channel_name: str | None = None) -> dict[str, Any]:
-    """Publish one new-data event for `source`; returns the event, the channel and how many subscribers got it.
+def publish(source: str | Path, *, url: str | None = None, stream_name: str | None = None) -> dict[str, Any]:
+    """Append one new-data event for `source` to the stream; returns the event, the stream, the entry's id and
+    how many entries Airflow's consumer group has not acknowledged yet (`waiting`, this one included; None when
+    no triggerer has read the stream yet: the event is kept and read once one does).
 
     UsageError: the directory is not an allowed data source (or not a data source); EventsUnavailable: Redis
-    does not answer; EventNotHeard: nobody subscribes to the channel, so the event was dropped.
+    does not answer or refuses the entry.
     """
     import redis
 
     url = redis_url(url)
-    name = channel(channel_name)
+    name = stream(stream_name)
+    keep = retention()
     event = new_data_event(source)
     client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=CONNECT_TIMEOUT_S)
     try:
-        receivers = int(client.publish(name, json.dumps(event, sort_keys=True)))
+        entry_id = client.xadd(name, {"data": json.dumps(event, sort_keys=True)}, maxlen=keep, approximate=True)
+        waiting = unacknowledged(client, name)
     except redis.AuthenticationError as err:
         raise EventsUnavailable(f"Redis at {redact(url)} refused the credentials ({err}); fix the password in "
                                 f"{URL_ENV}") from err
@@ -171,28 +187,37 @@ def publish(source: str | Path, *, url: str | None = None, channel_name: str | N
         raise EventsUnavailable(f"Redis at {redact(url)} does not answer ({err}); start it, or point {URL_ENV} "
                                 f"(or --redis) at one that runs") from err
     except redis.RedisError as err:
-        raise EventsUnavailable(f"Redis at {redact(url)} refused PUBLISH {name}: {err}") from err
+        raise EventsUnavailable(f"Redis at {redact(url)} refused XADD {name}: {err}") from err
     finally:
         client.close()
-    if receivers == 0:
-        raise EventNotHeard(f"nobody subscribes to channel {name} on {redact(url)}, so the event for "
-                            f"{event['source']} was dropped (pub/sub keeps no messages); start Airflow with "
-                            f"{URL_ENV} set to this Redis (its triggerer listens there), then publish again")
-    return {"channel": name, "redis": redact(url), "receivers": receivers, "event": event}
+    entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return {"stream": name, "id": entry, "redis": redact(url), "waiting": waiting, "event": event}
+
+
+def unacknowledged(client: Any, name: str) -> int | None:
+    """Entries of `name` that Airflow's consumer group has not acknowledged (delivered or not), or None when the
+    group does not exist yet."""
+    for group in client.xinfo_groups(name):
+        group_name = group.get("name")
+        if (group_name.decode() if isinstance(group_name, bytes) else group_name) == CONSUMER_GROUP:
+            lag = group.get("lag")  # None when Redis cannot tell (entries were trimmed or deleted)
+            return int(group.get("pending") or 0) + (int(lag) if lag is not None else 0)
+    return None
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "publish-data", help="announce a new data source: nightly_retrain starts a run on it",
-        description="Publish one 'new data' event for DIR on a Redis pub/sub channel, where the nightly_retrain "
-                    "DAG's AssetWatcher listens. DIR must lie under the data roots (NIGHTSHIFT_DATA_ROOTS).")
+        description="Append one 'new data' event for DIR to a Redis stream, which the nightly_retrain DAG's "
+                    "AssetWatcher reads with a consumer group; the event is kept until Airflow has recorded it. "
+                    "DIR must lie under the data roots (NIGHTSHIFT_DATA_ROOTS).")
     parser.add_argument("dir", help="the data source: a directory with train/validation/test.parquet")
     parser.add_argument("--redis", default=None, metavar="URL",
                         help=f"Redis URL without a password (default: {URL_ENV})")
-    parser.add_argument("--channel", default=None, metavar="NAME",
-                        help=f"pub/sub channel (default: {CHANNEL_ENV} or {DEFAULT_CHANNEL})")
+    parser.add_argument("--stream", default=None, metavar="KEY",
+                        help=f"the stream's key (default: {STREAM_ENV} or {DEFAULT_STREAM})")
     parser.set_defaults(func=_publish_data)
 
 
 def _publish_data(args: argparse.Namespace) -> dict[str, Any]:
-    return publish(args.dir, url=args.redis, channel_name=args.channel)
+    return publish(args.dir, url=args.redis, stream_name=args.stream)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,3 +38,17 @@ def atomic_write_bytes(path: str | Path, payload: bytes) -> Path:
 def atomic_write_json(path: str | Path, payload: Any) -> Path:
     """`atomic_write_bytes` of `payload` as indented, key-sorted JSON with a final newline."""
     return atomic_write_bytes(path, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode())
+
+
+_SAFE = re.compile(r"[A-Za-z0-9_.=@+-]{1,120}")
+
+
+def safe_name(text: str) -> str:
+    """`text` as one path component, injectively: a name of safe characters (not `.` or `..`, at most 120)
+    is kept as it is; any other gets its unsafe characters replaced by `_` and `~` plus a hash of the whole
+    text appended. `~` is never kept, so a kept name never equals a hashed one, and two texts that differ
+    only in what was replaced (run ids `a:b` and `a_b`, `.` and `_`) never share a directory."""
+    if _SAFE.fullmatch(text) and text not in (".", ".."):
+        return text
+    cleaned = re.sub(r"[^A-Za-z0-9_.=@+-]", "_", text)[:80].strip(".") or "_"
+    return f"{cleaned}~{hashlib.sha256(text.encode()).hexdigest()[:16]}"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nightshift import settings
+from nightshift.errors import CodeVersionUnknown
 
 LEDGER_NAME = "runs.jsonl"
 # Code that shapes a trained model; a change here means a retrain even on the same data.
@@ -76,6 +77,26 @@ def _repo_root() -> Path | None:
     return Path(spec.origin).resolve().parents[1]
 
 
+def source_digest(root: Path | None = None, paths: tuple[str, ...] = CODE_PATHS) -> str:
+    """A hash of the Python sources under `paths` of `root` (default: where `nightshift` is imported from):
+    a code version that needs no git, for installed packages and images built without NIGHTSHIFT_GIT_COMMIT."""
+    root = root if root is not None else _repo_root()
+    digest = hashlib.sha256()
+    found = 0
+    for top in paths:
+        base = (root / top) if root is not None else Path(top)
+        for path in sorted(base.rglob("*.py")) if base.is_dir() else ():
+            if "__pycache__" in path.parts:
+                continue
+            digest.update(str(path.relative_to(base.parent)).encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+            found += 1
+    if not found:
+        raise CodeVersionUnknown(f"no Python sources under {', '.join(paths)} in {root}: cannot tell which code "
+                                 f"runs; set NIGHTSHIFT_GIT_COMMIT to the commit this code was built from")
+    return f"src.{digest.hexdigest()[:16]}"
+
+
 def code_version(bundle_version: str | None = None) -> str:
     """The code that trains, in this order of preference:
 
@@ -83,31 +104,43 @@ def code_version(bundle_version: str | None = None) -> str:
       the DAG run, which pins every task of the run to that commit); the task passes it in;
     - `NIGHTSHIFT_GIT_COMMIT`: the commit an image was built from;
     - git HEAD of the checkout `nightshift` is imported from, plus a hash of uncommitted changes
-      (uncommitted edits of tracked files under CODE_PATHS count as a different code version).
+      (uncommitted edits of tracked files under CODE_PATHS count as a different code version);
+    - where `nightshift` is not imported from a git checkout (an installed package): a hash of its sources.
+
+    Never "unknown": two different codes must never compare equal, so a checkout whose git fails raises
+    CodeVersionUnknown instead of guessing.
     """
     if bundle_version and bundle_version.strip():
         return bundle_version.strip()
-    if os.environ.get("NIGHTSHIFT_GIT_COMMIT"):
-        return os.environ["NIGHTSHIFT_GIT_COMMIT"]
+    if os.environ.get("NIGHTSHIFT_GIT_COMMIT", "").strip():
+        return os.environ["NIGHTSHIFT_GIT_COMMIT"].strip()
     root = _repo_root()
-    if root is None:
-        return "unknown"
+    if root is None or not (root / ".git").exists():
+        return source_digest(root)
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=30, check=True).stdout.strip()
         diff = subprocess.run(["git", "-C", str(root), "diff", "HEAD", "--", *CODE_PATHS],
                               capture_output=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    except subprocess.CalledProcessError as err:
+        stderr = (err.stderr if isinstance(err.stderr, str) else (err.stderr or b"").decode(errors="replace"))
+        raise CodeVersionUnknown(f"git in {root} failed ({stderr.strip() or err}): cannot tell which code runs; "
+                                 f"fix the checkout or set NIGHTSHIFT_GIT_COMMIT") from err
+    except (OSError, subprocess.SubprocessError) as err:
+        raise CodeVersionUnknown(f"git in {root} could not run ({err}): cannot tell which code runs; install git "
+                                 f"or set NIGHTSHIFT_GIT_COMMIT") from err
+    if not head:
+        raise CodeVersionUnknown(f"git in {root} printed no HEAD commit; set NIGHTSHIFT_GIT_COMMIT")
     if diff:
         return f"{head}+dirty.{hashlib.sha256(diff).hexdigest()[:12]}"
     return head
 
 
-def fingerprint(dataset_hash: str, params: dict[str, Any]) -> dict[str, Any]:
-    """What a training run depends on: the dataset version, the code and the training parameters."""
+def fingerprint(dataset_hash: str, params: dict[str, Any], bundle_version: str | None = None) -> dict[str, Any]:
+    """What a training run depends on: the dataset version, the code (`code_version(bundle_version)`: a run
+    pinned to a DAG bundle's commit needs no git here) and the training parameters."""
     training = {k: params.get(k) for k in ("epochs", "learning_rate", "batch_size", "workers")}
-    return {"dataset_version": dataset_hash, "code_version": code_version(), "training": training}
+    return {"dataset_version": dataset_hash, "code_version": code_version(bundle_version), "training": training}
 
 
 def unchanged_since(previous: dict[str, Any] | None, current: dict[str, Any]) -> bool:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +45,11 @@ from nightshift.served_model import (  # noqa: F401  (re-exported)
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
+log = logging.getLogger(__name__)
+
 RUN_KEY_TAG = "nightshift.run_key"
+# The digest of what the output was trained with (TrainConfig.train_key): data and code versions, parameters.
+TRAIN_KEY_TAG = "nightshift.train_key"
 MODEL_URI_TAG = "nightshift.model_uri"
 COMPLETE_TAG = "nightshift.complete"
 MODEL_ARTIFACT = "model"
@@ -266,10 +272,18 @@ def stage_code(dest: Path, ship: list[str]) -> list[str]:
     return [str(package), *(str(_copy_module_source(top, dest)) for top in ship)]
 
 
-def _find_run(mlflow_client: MlflowClient, experiment_id: str, run_key: str) -> Any:
-    runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
-                                     max_results=10)
-    return runs
+def _find_run(mlflow_client: MlflowClient, experiment_id: str, run_key: str,
+              include_superseded: bool = False) -> list[Any]:
+    """Runs tagged with `run_key` (and, with `include_superseded`, those whose key was renamed
+    `<run_key>#superseded-<run id>`), newest first."""
+    quoted = run_key
+    if not include_superseded:
+        return list(mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{quoted}'",
+                                              max_results=10, order_by=["attributes.start_time DESC"]))
+    runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` LIKE '{quoted}%'",
+                                     max_results=200, order_by=["attributes.start_time DESC"])
+    return [run for run in runs if run.data.tags.get(RUN_KEY_TAG) == run_key
+            or str(run.data.tags.get(RUN_KEY_TAG, "")).startswith(f"{run_key}#superseded-")]
 
 
 def _write_record(out_dir: Path, record: dict[str, Any]) -> None:
@@ -283,8 +297,12 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
                      tags: dict[str, str] | None = None) -> str:
     """Log a finished training output directory as one MLflow run; return its run_id.
 
-    With `tags["nightshift.run_key"]`, a complete run with that key is returned as is, and an incomplete
-    one (a crash mid-logging) is deleted and logged again, so a retried task ends with exactly one run.
+    With `tags["nightshift.run_key"]`, a complete run with that key *and the same train key* (the digest of
+    the data version, code version and training parameters the output was trained with, `model.json`) is
+    returned as is, and an incomplete one (a crash mid-logging) is deleted and logged again, so a retried
+    task ends with exactly one run. A complete run with that key but another train key (a DAG run cleared
+    after its data changed) is never handed back: its run key tag is renamed `<key>#superseded-<run id>`
+    (the run and any model version made from it stay) and this output is logged as a new run.
     """
     import mlflow
     from mlflow.models import infer_signature
@@ -299,15 +317,25 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
     if not (out / MODEL_FILE).is_file():
         raise TrackingError(f"{out / MODEL_FILE} is missing: is {out} a finished training output?")
     tags = dict(tags or {})
+    train_key = str(spec.get("train_key") or "")
+    if train_key:
+        tags[TRAIN_KEY_TAG] = train_key
     mlflow_client = client()
     experiment_id = ensure_experiment(experiment)
     run_key = tags.get(RUN_KEY_TAG)
     if run_key:
         for run in _find_run(mlflow_client, experiment_id, run_key):
-            if run.data.tags.get(COMPLETE_TAG) == "true":
+            if run.data.tags.get(COMPLETE_TAG) != "true":
+                mlflow_client.delete_run(run.info.run_id)
+            elif train_key and run.data.tags.get(TRAIN_KEY_TAG) == train_key:
                 _write_record(out, _record(run.info.run_id, experiment_id, run.data.tags[MODEL_URI_TAG]))
                 return str(run.info.run_id)
-            mlflow_client.delete_run(run.info.run_id)
+            else:
+                superseded = f"{run_key}#superseded-{run.info.run_id}"
+                mlflow_client.set_tag(run.info.run_id, RUN_KEY_TAG, superseded)
+                log.warning("MLflow run %s has run key %s but was trained on other data, code or parameters "
+                            "(train key %s, now %s): not reusing it; its run key is now %s", run.info.run_id,
+                            run_key, run.data.tags.get(TRAIN_KEY_TAG, "none"), train_key or "none", superseded)
 
     features = feature_spec(spec["dataset"], spec.get("input_shape"))
     classifier = TorchTableClassifier(out)
@@ -361,22 +389,41 @@ def _record(run_id: str, experiment_id: str, model_uri: str) -> dict[str, Any]:
             "tracking_uri": tracking_uri()}
 
 
-def find_training_run(experiment: str, run_key: str) -> dict[str, Any]:
+def find_training_run(experiment: str, run_key: str, expect: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The complete training run tagged `nightshift.run_key=run_key`: id, experiment, model URI, metrics.
 
     This is how a training job's result comes back to Airflow: through the tracking server, never through
-    files on the Airflow worker's disk (the job may have run on other machines).
+    files on the Airflow worker's disk (the job may have run on other machines). With `expect` (tags such as
+    the dataset and code version the task trained for) only a run carrying every one of them is taken: the
+    run holding the key if it matches, else the newest matching run that another output superseded (a stale
+    try that logged last renames the current run's key; it must not hand back its own model).
     """
     mlflow_client = client()
     found = mlflow_client.get_experiment_by_name(experiment)
     where = f"experiment {experiment!r} at {tracking_uri()}"
     if found is None:
         raise TrackingError(f"no {where}")
-    runs = [run for run in _find_run(mlflow_client, str(found.experiment_id), run_key)
-            if run.data.tags.get(COMPLETE_TAG) == "true"]
-    if not runs:
+    superseded = f"{run_key}#superseded-"
+    candidates = [run for run in _find_run(mlflow_client, str(found.experiment_id), run_key,
+                                           include_superseded=bool(expect))
+                  if run.data.tags.get(COMPLETE_TAG) == "true"]
+    holder = [run for run in candidates if run.data.tags.get(RUN_KEY_TAG) == run_key]
+    if expect:
+        wanted = {k: str(v) for k, v in expect.items()}
+        matching = [run for run in candidates if all(run.data.tags.get(k) == v for k, v in wanted.items())
+                    and (run.data.tags.get(RUN_KEY_TAG) == run_key
+                         or str(run.data.tags.get(RUN_KEY_TAG, "")).startswith(superseded))]
+        matching.sort(key=lambda run: (run.data.tags.get(RUN_KEY_TAG) == run_key, run.info.start_time or 0),
+                      reverse=True)
+        if not matching:
+            there = ", ".join(f"{k}={holder[0].data.tags.get(k)!r}" for k in wanted) if holder else "no complete run"
+            raise TrackingError(f"no complete run tagged {RUN_KEY_TAG}={run_key!r} with "
+                                f"{', '.join(f'{k}={v!r}' for k, v in wanted.items())} in {where} ({there} holds the "
+                                f"key); the training job did not log a model for this data and code: retry the task")
+        holder = matching
+    if not holder:
         raise TrackingError(f"no complete run tagged {RUN_KEY_TAG}={run_key!r} in {where}")
-    run = runs[0]
+    run = holder[0]
     return {"run_id": str(run.info.run_id), "experiment_id": str(found.experiment_id),
             "model_uri": run.data.tags[MODEL_URI_TAG], "metrics": dict(run.data.metrics)}
 

@@ -45,6 +45,22 @@ class MPIJobDeleted(MPIJobFailed):
     """The MPIJob disappeared (404) while the task was waiting for it."""
 
 
+class MPIJobDeactivated(MPIJobFailed):
+    """Kueue deactivated the MPIJob's Workload (spec.active=false): it will not be admitted again by itself."""
+
+
+class MPIJobCleanupFailed(HorovodJobError):
+    """An earlier try's MPIJob (or its pods) was still there after cleanup_timeout: the new try did not submit."""
+
+
+class KubernetesApiError(HorovodJobError):
+    """The Kubernetes API refused a request for a reason retrying does not fix (403, 400, 422...)."""
+
+
+class KubernetesApiUnavailable(KubernetesApiError):
+    """The Kubernetes API kept failing (5xx, 429, connection lost) for longer than api_retry_seconds."""
+
+
 class MPIJobConflict(HorovodJobError):
     """An MPIJob with the same name exists but belongs to another task try."""
 
@@ -59,3 +75,7 @@ class HorovodRunTimeout(HorovodJobError):
 
 class TrainingResultMissing(HorovodJobError):
     """The job succeeded but its MLflow run is not on the tracking server (the pods could not log to it)."""
+
+
+class TaskInterrupted(HorovodJobError):
+    """The task was killed (its on_kill ran) while it prepared, submitted or followed its MPIJob."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
+from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from operators.errors import InvalidJobConfig, MPIJobFailed, MPIJobStartupFailure, TrainingResultMissing
+from operators.errors import (
+    InvalidJobConfig,
+    KubernetesApiError,
+    KubernetesApiUnavailable,
+    MPIJobCleanupFailed,
+    MPIJobFailed,
+    MPIJobStartupFailure,
+    TrainingResultMissing,
+)
 from operators.horovod_config import (
     CONFIG_TYPES,
     SETTING_GROUPS,
@@ -32,9 +41,11 @@ from operators.horovod_config import (
 )
 from operators.mpijob_spec import (
     GPU_RESOURCE,
+    INSTANCE_ENV,
     MPIJobConfig,
     TaskIdentity,
     build_mpijob,
+    check_instance,
     check_no_credentials,
     checkpoint_subdir,
     job_name,
@@ -54,6 +65,8 @@ if TYPE_CHECKING:
 
 GPU_POOL = "gpu"
 SHARED_VOLUME = "nightshift-shared"
+# On the last try, how long a job the task lost track of is tried to be deleted (the API was failing).
+LAST_TRY_DELETE_SECONDS = 60.0
 # The operator's settings, by concern (operators.horovod_config): its keyword argument -> the config's type.
 CONFIG_ARGUMENTS: dict[str, type[Any]] = dict(CONFIG_TYPES)
 
@@ -115,6 +128,7 @@ class HorovodKubernetesOperator(BaseOperator):
         self.job_name: str | None = None
         self._job_namespace: str | None = None
         self._local: LocalHorovodLauncher | None = None
+        self._killed = False  # on_kill ran: whatever this try still does, it submits nothing more
 
     def _use(self, **configs: Any) -> None:
         """Hold these configs, and their templated fields as the attributes Airflow renders."""
@@ -131,17 +145,21 @@ class HorovodKubernetesOperator(BaseOperator):
 
         return KubernetesHook(conn_id=self.cluster.kubernetes_conn_id)
 
-    def make_launcher(self, namespace: str) -> MPIJobLauncher:
+    def make_launcher(self, namespace: str, *, api_retry_seconds: float | None = None) -> MPIJobLauncher:
         from operators.mpijob_launcher import MPIJobLauncher
 
+        retry = self.execution.api_retry_seconds
         return MPIJobLauncher(
             self.hook.custom_object_client,
             self.hook.core_v1_client,
             namespace,
             poll_interval=self.execution.poll_interval,
             startup_timeout=self.execution.startup_timeout,
-            queue_timeout=self.execution.queue_timeout,
+            queue_timeout=self.execution.queue_timeout,  # type: ignore[arg-type]  # settled: a float or None
+            api_retry_seconds=retry if api_retry_seconds is None else min(retry, api_retry_seconds),
+            api_retry_backoff=self.execution.api_retry_backoff,
             logger=self.log,
+            interrupted=lambda: self._killed,
         )
 
     # -- pure derivations --------------------------------------------------------------------------
@@ -252,8 +270,12 @@ class HorovodKubernetesOperator(BaseOperator):
 
     @staticmethod
     def identity_from(context: Context | Mapping[str, Any]) -> TaskIdentity:
+        """The task instance the job runs for, and the Airflow deployment (NIGHTSHIFT_INSTANCE) it belongs to."""
+        import os
+
         ti = context["ti"]
         return TaskIdentity(
+            instance=check_instance(os.environ.get(INSTANCE_ENV, "").strip()),
             dag_id=ti.dag_id,
             task_id=ti.task_id,
             run_id=ti.run_id,
@@ -331,6 +353,8 @@ class HorovodKubernetesOperator(BaseOperator):
 
     def dry_run(self) -> None:
         """Print the MPIJob this task would submit, as YAML, without a cluster or a task instance."""
+        import os
+
         import yaml
 
         identity = TaskIdentity(
@@ -338,6 +362,7 @@ class HorovodKubernetesOperator(BaseOperator):
             task_id=self.task_id,
             run_id="dry_run",
             try_number=1,
+            instance=check_instance(os.environ.get(INSTANCE_ENV, "").strip()),
         )
         print(yaml.safe_dump(self.build_manifest(identity), sort_keys=False))
 
@@ -350,7 +375,7 @@ class HorovodKubernetesOperator(BaseOperator):
         if backend == "local":
             result = self.execute_local(identity)
         else:
-            result = self.execute_kubernetes(identity)
+            result = self.execute_kubernetes(identity, context=context)
         return self.collect_results(context, result)
 
     def execute_local(self, identity: TaskIdentity) -> dict[str, Any]:
@@ -390,7 +415,8 @@ class HorovodKubernetesOperator(BaseOperator):
 
         configure()  # the task's process: its one MLflow use
         try:
-            run = find_training_run(str(experiment), str(run_key))
+            expect = {str(k): str(v) for k, v in (self.tracking.mlflow_expect_tags or {}).items()}
+            run = find_training_run(str(experiment), str(run_key), expect=expect or None)
         except TrackingError as err:
             raise TrainingResultMissing(f"the training job succeeded but its result is not in MLflow: {err}") from err
         context["ti"].xcom_push(key="mlflow_run_id", value=run["run_id"])
@@ -400,7 +426,8 @@ class HorovodKubernetesOperator(BaseOperator):
         return {**result, "mlflow_run_id": run["run_id"], "experiment_id": run["experiment_id"],
                 "model_uri": run["model_uri"], "metrics": run["metrics"]}
 
-    def execute_kubernetes(self, identity: TaskIdentity) -> dict[str, Any]:
+    def execute_kubernetes(self, identity: TaskIdentity, *, context: Context | Mapping[str, Any] | None = None
+                           ) -> dict[str, Any]:
         namespace = self.resolve_namespace()
         if self.job.gpus:
             self.pack(self.cluster_gpus_per_node(discover=True))
@@ -416,8 +443,14 @@ class HorovodKubernetesOperator(BaseOperator):
             "namespace": namespace,
             "checkpoint_dir": self.resolve_checkpoint_dir(identity, "kubernetes"),
         }
+        # An earlier try's job (a worker crash, a timeout) would share this try's checkpoints and MLflow run key.
+        launcher.delete_earlier_tries(body, timeout=self.execution.cleanup_timeout)
+        launcher.check_interrupted(f"submitting MPIJob {namespace}/{name}")
         submitted_at = time.time()
         launcher.submit(body)
+        if self._killed:  # on_kill ran while the job was being created: its delete may have come first
+            self._delete_quietly(launcher, name, "the task was killed while it was submitted")
+            launcher.check_interrupted(f"submitting MPIJob {namespace}/{name}")
         if self.execution.deferrable:
             from operators.triggers import MPIJobTrigger
 
@@ -429,13 +462,21 @@ class HorovodKubernetesOperator(BaseOperator):
                     kubernetes_conn_id=self.cluster.kubernetes_conn_id,
                     poll_interval=self.execution.poll_interval,
                     startup_timeout=self.execution.startup_timeout,
-                    queue_timeout=self.execution.queue_timeout,
+                    queue_timeout=self.execution.queue_timeout,  # type: ignore[arg-type]
+                    api_retry_seconds=self.execution.api_retry_seconds,
+                    api_retry_backoff=self.execution.api_retry_backoff,
                 ),
                 method_name="execute_complete",
                 kwargs={"result": result},
+                timeout=self.deferral_timeout(context),
             )
         try:
             launcher.wait(name)
+        except KubernetesApiError:
+            # The API, not the job, failed: the job may be running well. It is left for the next try to
+            # delete before it submits; on the last try there is none, so it is deleted (if the API lets us).
+            self._lost_track(context, namespace, name)
+            raise
         except BaseException as err:
             # A job that ended badly follows the policy; one still running (timeout, kill) is deleted.
             self._cleanup(launcher, name, succeeded=False, error=err, force=not isinstance(err, MPIJobFailed))
@@ -462,10 +503,89 @@ class HorovodKubernetesOperator(BaseOperator):
             self._cleanup(launcher, name, succeeded=True)
             return self.collect_results(
                 context, dict(result or {"backend": "kubernetes", "name": name, "namespace": namespace}))
-        error = error_for(event.get("error_kind"), str(event.get("message") or f"MPIJob {name} failed"))
-        # "error": the trigger lost track of the job; do not leave it running unobserved.
-        self._cleanup(launcher, name, succeeded=False, error=error, force=status != "failed")
-        raise error
+        message = str(event.get("message") or f"MPIJob {namespace}/{name} failed")
+        if status == "failed":
+            error = error_for(event.get("error_kind"), message)
+            self._cleanup(launcher, name, succeeded=False, error=error)
+            raise error
+        # "error": the trigger lost sight of the API, not of a failed job.
+        self._lost_track(context, namespace, name)
+        if event.get("error_kind") == "KubernetesApiError":
+            raise KubernetesApiError(message)
+        raise KubernetesApiUnavailable(message)
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
+        """As BaseOperator's, and when the deferral timed out (execution_timeout passed while the trigger
+        waited), delete the job first: a timed-out task leaves nothing running. When the trigger itself
+        failed (TaskDeferralError) on the last try, delete it too: no next try would."""
+        from airflow.sdk.exceptions import TaskDeferralError, TaskDeferralTimeout
+
+        try:
+            return super().resume_execution(next_method, next_kwargs, context)
+        except TaskDeferralTimeout as timeout:
+            name, namespace = self._job_of(context)
+            self.log.error("Timed out while MPIJob %s/%s was followed by the triggerer: deleting it", namespace, name)
+            try:
+                self.make_launcher(namespace).delete(name)
+            except Exception as err:
+                raise MPIJobCleanupFailed(
+                    f"the task timed out and MPIJob {namespace}/{name} could not be deleted ({err}); it may still "
+                    f"run: delete it (kubectl delete mpijob -n {namespace} {name}) or let the next try do it"
+                ) from timeout
+            raise
+        except TaskDeferralError:
+            name, namespace = self._job_of(context)
+            self._lost_track(context, namespace, name)
+            raise
+
+    def _job_of(self, context: Context | Mapping[str, Any]) -> tuple[str, str]:
+        """This try's job (name, namespace), in a fresh process: the deferral's kwargs are gone."""
+        self.settle()
+        name, namespace = job_name(self.identity_from(context)), self.resolve_namespace()
+        self.job_name, self._job_namespace = name, namespace
+        return name, namespace
+
+    def deferral_timeout(self, context: Context | Mapping[str, Any] | None) -> timedelta | None:
+        """What is left of execution_timeout (from the try's start_date): Airflow applies only the deferral's
+        own timeout while a task is deferred, never execution_timeout."""
+        if self.execution_timeout is None:
+            return None
+        ti = (context or {}).get("ti")
+        started = getattr(ti, "start_date", None)
+        used = timedelta(0)
+        if isinstance(started, datetime):
+            started = started if started.tzinfo else started.replace(tzinfo=UTC)
+            used = max(timedelta(0), datetime.now(UTC) - started)
+        return max(self.execution_timeout - used, timedelta(seconds=1))
+
+    @staticmethod
+    def no_retry_left(context: Context | Mapping[str, Any] | None) -> bool:
+        """This try is the last (try_number > max_tries); False when the task instance does not say."""
+        ti = (context or {}).get("ti")
+        max_tries = getattr(ti, "max_tries", None)
+        if ti is None or max_tries is None:
+            return False
+        return int(getattr(ti, "try_number", 1) or 1) > int(max_tries)
+
+    def _lost_track(self, context: Context | Mapping[str, Any] | None, namespace: str, name: str) -> None:
+        """The API (or the trigger), not the job, failed. With a retry left the job is left as it is (the next
+        try deletes it before submitting, or follows nothing twice); on the last try it is deleted, if the
+        API lets us: nothing else would ever stop it."""
+        if not self.no_retry_left(context):
+            self.log.error("Lost track of MPIJob %s/%s; it is left as it is (the next try deletes it before "
+                           "submitting)", namespace, name)
+            return
+        self.log.error("Lost track of MPIJob %s/%s on the last try: deleting it (no next try would)", namespace, name)
+        self._delete_quietly(self.make_launcher(namespace, api_retry_seconds=LAST_TRY_DELETE_SECONDS), name,
+                             "no retry is left")
+
+    def _delete_quietly(self, launcher: MPIJobLauncher, name: str, why: str) -> None:
+        """Best effort: delete the job, logging (not raising) a failure: the error being raised matters more."""
+        try:
+            launcher.delete(name)
+        except Exception as err:
+            self.log.error("Could not delete MPIJob %s/%s (%s): %s; delete it by hand (kubectl delete mpijob -n "
+                           "%s %s)", launcher.namespace, name, why, err, launcher.namespace, name)
 
     def _cleanup(
         self,
@@ -490,11 +610,17 @@ class HorovodKubernetesOperator(BaseOperator):
             self.log.info("Keeping failed MPIJob %s for inspection (cleanup=%r)", name, cleanup)
 
     def on_kill(self) -> None:
+        # Airflow's SIGTERM handler calls this and returns: execute goes on, and must submit nothing more.
+        self._killed = True
         if self._local is not None:
             self._local.kill()
         if self.job_name is not None:
-            namespace = self._job_namespace or self.resolve_namespace()
-            self.make_launcher(namespace).delete(self.job_name)
+            # Runs inside a signal handler: an exception here would surface wherever execute happened to be.
+            try:
+                namespace = self._job_namespace or self.resolve_namespace()
+                self._delete_quietly(self.make_launcher(namespace), self.job_name, "the task was killed")
+            except Exception as err:
+                self.log.error("on_kill could not delete MPIJob %s: %s", self.job_name, err)
 
 
 def _spec_value(value: Any) -> Any:

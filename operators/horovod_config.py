@@ -88,6 +88,30 @@ def optional_number(minimum: float) -> Settle:
     return check
 
 
+def optional_seconds(minimum: float) -> Settle:
+    """A number of seconds or None, given as a number or as its rendered template ("7200"; "None" or blank
+    for a Param left empty)."""
+
+    def check(name: str, value: object) -> float | None:
+        if isinstance(value, str):
+            text = value.strip()
+            if text in {"", "None"}:
+                return None
+            try:
+                value = float(text)
+            except ValueError:
+                raise InvalidJobConfig(f"{name} must be a number of seconds >= {minimum:g} (or empty for no "
+                                       f"limit), got {value!r}") from None
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            raise InvalidJobConfig(f"{name} must be a number of seconds >= {minimum:g} (or empty for no limit), "
+                                   f"got {value!r}")
+        return float(value)
+
+    return check
+
+
 def number(minimum: float) -> Settle:
     def check(name: str, value: object) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
@@ -228,7 +252,19 @@ class ExecutionConfig(_Settings):
     :param poll_interval: seconds between status polls.
     :param startup_timeout: seconds the job may take to start running before it is failed and deleted.
     :param queue_timeout: seconds the job may wait in the Kueue queue (since it was last suspended) before the
-        task fails with the reason it waited; None: no limit but the task's execution_timeout.
+        task fails with the reason it waited; None: no limit but the task's execution_timeout. A template
+        (e.g. ``"{{ params.queue_timeout }}"``; a rendered "None" or blank is no limit). A Workload Kueue
+        deactivated (spec.active false) fails the task at once, whatever this is. 0 fails a job as soon as it is
+        seen queued (nightly_retrain's Param takes at least 1).
+    :param api_retry_seconds: how long transient Kubernetes API failures (429, 5xx, a connection refused or
+        cut) are retried with backoff before the task fails (a launcher log stream that keeps breaking only
+        stops being copied); a job is deleted when it failed or the task is cancelled or timed out, and
+        because the API was unreachable only on the last try (`try_number > max_tries`: no next try would).
+        `api_retry_backoff`: the first wait between retries (seconds; it doubles, up to 30 s, or the server's
+        Retry-After).
+    :param cleanup_timeout: a new try first deletes its task's earlier tries' MPIJobs (same dag, run, task)
+        and waits this many seconds at most for them and their pods to be gone; past it the try fails
+        without submitting (they would share its checkpoints and MLflow run key), whatever `cleanup` is.
     :param timeout: local backend only: seconds before the horovodrun process tree is killed.
     :param cleanup: delete the MPIJob when the task ends "always", "on_success" (keep failed jobs for
         inspection; ttl_seconds_after_finished removes them) or "never". Jobs that never started
@@ -240,7 +276,11 @@ class ExecutionConfig(_Settings):
     deferrable: bool = field(default_factory=_default_deferrable, metadata=meta(settle=boolean))
     poll_interval: float = field(default=10.0, metadata=meta(settle=number(0)))
     startup_timeout: float = field(default=600.0, metadata=meta(settle=number(0)))
-    queue_timeout: float | None = field(default=None, metadata=meta(settle=optional_number(0)))
+    queue_timeout: float | str | None = field(default=None, metadata=meta(templated=True,
+                                                                          settle=optional_seconds(0)))
+    api_retry_seconds: float = field(default=300.0, metadata=meta(settle=number(0)))
+    api_retry_backoff: float = field(default=1.0, metadata=meta(settle=number(0)))
+    cleanup_timeout: float = field(default=300.0, metadata=meta(settle=number(0)))
     timeout: float | None = field(default=None, metadata=meta(settle=optional_number(0)))
     cleanup: CleanupPolicy | str = field(default="on_success", metadata=meta(settle=one_of(CLEANUP_POLICIES)))
     clean_pod_policy: str = "Running"
@@ -258,6 +298,10 @@ class TrackingConfig(_Settings):
 
     mlflow_experiment: str | None = None
     mlflow_run_key: str | None = field(default=None, metadata=meta(templated=True))
+    # Tags the run must carry (e.g. the dataset and code version this try trained for): a run logged under the
+    # same key by a stale try, on other data, is never taken as this task's result.
+    mlflow_expect_tags: Mapping[str, str] | None = field(default=None,
+                                                          metadata=meta(templated=True, renderer="json"))
 
 
 CONFIG_TYPES: dict[str, type[_Settings]] = {

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import shutil
 import signal
 import subprocess
@@ -44,21 +43,22 @@ ENV_ALLOWLIST = frozenset({
     "CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
 })
 ENV_ALLOWED_PREFIXES = ("LC_", "NIGHTSHIFT_", "HOROVOD_", "GLOO_", "NCCL_")
-# Never passed on, whatever the prefix: names that say they hold a secret.
-SECRET_NAME_PARTS = ("SECRET", "PASSWORD", "PASSWD", "TOKEN", "CREDENTIAL", "PRIVATE", "API_KEY", "ACCESS_KEY")
-
-
-# A value with a URL that carries a password (scheme://user:password@host), whatever the variable's name.
-CREDENTIAL_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
 
 
 def looks_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(part in upper for part in SECRET_NAME_PARTS)
+    """Never passed on, whatever the prefix: a name that says it holds a secret (*SECRET*, *PASSWORD*, a word
+    TOKEN/PAT/JWT/CREDS/HMAC/BEARER/PW, *_KEY, ...; whole words, so MAX_TOKENS and NCCL_IB_PKEY pass)."""
+    from nightshift.redaction import secret_name
+
+    return secret_name(name)
 
 
 def carries_credentials(value: str) -> bool:
-    return CREDENTIAL_URL.search(value) is not None
+    """A value holding a password, whatever the variable's name: a URL's userinfo, a query parameter
+    (?password=, ?X-Amz-Signature=) or a key=value DSN (password=, Pwd=)."""
+    from nightshift.redaction import carries_secret
+
+    return carries_secret(value)
 
 
 def child_environment(source: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -72,7 +72,7 @@ def child_environment(source: Mapping[str, str], extra: Mapping[str, str] | None
         check_no_credentials("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
     # e.g. NIGHTSHIFT_EVENTS_REDIS_URL=redis://:password@host: the ranks need no such URL; say which, not what.
     for name in sorted(name for name, value in env.items() if carries_credentials(value)):
-        log.warning("not passing %s to the ranks: its value holds a URL with a password", name)
+        log.warning("not passing %s to the ranks: its value holds a password (in a URL or a DSN)", name)
         del env[name]
     return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
 

@@ -33,6 +33,11 @@ MAX_WORKERS = 256
 # Labels the MPI Operator (v2) puts on the pods it creates for a job.
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 JOB_ROLE_LABEL = "training.kubeflow.org/job-role"
+# The Airflow deployment a job belongs to (NIGHTSHIFT_INSTANCE): two deployments sharing a namespace never
+# delete, or reattach to, each other's jobs. Absent for the unnamed (default) deployment.
+INSTANCE_LABEL = "nightshift.io/instance"
+INSTANCE_ENV = "NIGHTSHIFT_INSTANCE"
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 LAUNCHER_CONTAINER = "launcher"
 WORKER_CONTAINER = "worker"
 
@@ -69,6 +74,20 @@ class TaskIdentity:
     run_id: str
     try_number: int = 1
     map_index: int = -1
+    # The Airflow deployment (NIGHTSHIFT_INSTANCE; "" for the unnamed one): in the labels and the job's name.
+    instance: str = ""
+
+    def __post_init__(self) -> None:
+        check_instance(self.instance)
+
+
+def check_instance(instance: str) -> str:
+    """`instance` if it is a valid label value (<= 63 of [A-Za-z0-9_.-], alphanumeric at both ends)."""
+    if len(instance) > MAX_LABEL_LEN or not LABEL_VALUE.fullmatch(instance):
+        raise InvalidJobConfig(f"{INSTANCE_ENV} must be a Kubernetes label value (at most {MAX_LABEL_LEN} letters, "
+                               f"digits, '-', '_' or '.', starting and ending with a letter or digit), got "
+                               f"{instance!r}")
+    return instance
 
 
 @dataclass(frozen=True)
@@ -133,8 +152,13 @@ class MPIJobConfig:
         if self.network_interfaces is not None and not re.fullmatch(NETWORK_INTERFACES, self.network_interfaces):
             raise InvalidJobConfig(f"network_interfaces must be interface names separated by commas (e.g. 'eth0' "
                                    f"or 'eth0,net1'), got {self.network_interfaces!r}")
+        # Both are optional in Kueue: a blank one (a Param left empty) means none, so no label.
+        for attribute in ("queue_name", "priority_class"):
+            value = getattr(self, attribute)
+            if isinstance(value, str) and not value.strip():
+                object.__setattr__(self, attribute, None)
         for what, value in (("queue", self.queue_name), ("priority", self.priority_class)):
-            if value is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?", value):
+            if value is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?", str(value)):
                 raise InvalidJobConfig(f"{what} must be a Kueue object name (a DNS subdomain of at most 63 "
                                        f"characters), got {value!r}")
         for key, value in self.env.items():
@@ -218,7 +242,17 @@ def task_labels(identity: TaskIdentity) -> dict[str, str]:
     }
     if identity.map_index >= 0:
         labels["map_index"] = str(identity.map_index)
+    if identity.instance:
+        labels[INSTANCE_LABEL] = identity.instance
     return labels
+
+
+def earlier_tries_selector(labels: Mapping[str, str]) -> str:
+    """The label selector of every job (and pod) of this task instance, whatever the try, in this deployment."""
+    selector = ",".join(f"{key}={labels[key]}" for key in ("dag_id", "run_id", "task_id"))
+    selector += f",map_index={labels['map_index']}" if "map_index" in labels else ",!map_index"
+    instance = labels.get(INSTANCE_LABEL)
+    return selector + (f",{INSTANCE_LABEL}={instance}" if instance else f",!{INSTANCE_LABEL}")
 
 
 def job_name(identity: TaskIdentity) -> str:
@@ -228,6 +262,8 @@ def job_name(identity: TaskIdentity) -> str:
     number is spelled out so a retry creates a new job and `kubectl get mpijobs` shows which try is which.
     """
     key = f"{identity.dag_id}\x00{identity.run_id}\x00{identity.task_id}\x00{identity.map_index}"
+    if identity.instance:  # the unnamed deployment keeps the names it always had
+        key += f"\x00{identity.instance}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:8]
     suffix = f"-{digest}-try{identity.try_number}"
     slug = re.sub(r"[^a-z0-9]+", "-", identity.task_id.lower()).strip("-")
@@ -239,13 +275,9 @@ def job_name(identity: TaskIdentity) -> str:
 
 def checkpoint_subdir(dag_id: str, run_id: str, task_id: str) -> str:
     """The checkpoint directory of a task relative to a root: dag/run/task, never the try number."""
-    parts = []
-    for part in (dag_id, run_id, task_id):
-        cleaned = re.sub(r"[^A-Za-z0-9_.+=@-]", "_", part)
-        if cleaned in {"", ".", ".."}:
-            cleaned = cleaned.replace(".", "_") or "_"
-        parts.append(cleaned)
-    return "/".join(parts)
+    from nightshift.fsutil import safe_name
+
+    return "/".join(safe_name(part) for part in (dag_id, run_id, task_id))
 
 
 def with_checkpoint_dir(command: Sequence[str], checkpoint_dir: str | None) -> list[str]:

@@ -33,6 +33,7 @@ UNSCHEDULABLE_KIND = "MPIJobUnschedulable"
 STARTUP_TIMEOUT_KIND = "MPIJobStartupTimeout"
 DELETED_KIND = "MPIJobDeleted"
 QUEUE_TIMEOUT_KIND = "MPIJobQueueTimeout"
+DEACTIVATED_KIND = "MPIJobDeactivated"
 QUEUED = "Queued"
 
 # Kueue Workload (v1beta2) condition types.
@@ -41,6 +42,9 @@ WL_ADMITTED = "Admitted"
 WL_EVICTED = "Evicted"
 WL_PREEMPTED = "Preempted"
 WL_REQUEUED = "Requeued"
+# Kueue's Evicted reason when spec.active turns false (WorkloadEvictedByDeactivation); newer releases spell
+# the cause after it (e.g. "DeactivatedDueToRequeuingLimitExceeded"), hence the prefixes.
+DEACTIVATION_REASONS = ("InactiveWorkload", "Deactivated")
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,10 @@ def workload_reason(workload: Mapping[str, Any] | None) -> str:
     name = (workload.get("metadata") or {}).get("name", "?")
     queue = (workload.get("spec") or {}).get("queueName", "?")
     evicted = _condition(workload, WL_EVICTED)
+    if (evicted and evicted.get("status") == "True" and (workload.get("spec") or {}).get("active") is True
+            and str(evicted.get("reason") or "").startswith(DEACTIVATION_REASONS)):
+        return (f"Workload {name} was reactivated and waits in LocalQueue {queue} for quota to be readmitted "
+                f"(Kueue keeps its Evicted condition, {evicted.get('reason')}, until then)")
     if evicted and evicted.get("status") == "True":
         return (f"Workload {name} was evicted ({evicted.get('reason', '?')}: {evicted.get('message', '')}); "
                 f"waiting in LocalQueue {queue} to be readmitted, then it resumes from its last checkpoint")
@@ -209,6 +217,33 @@ def workload_reason(workload: Mapping[str, Any] | None) -> str:
     if reserved and reserved.get("status") == "False" and reserved.get("message"):
         return f"Workload {name} in LocalQueue {queue} is pending: {reserved['message']}"
     return f"Workload {name} in LocalQueue {queue} is pending admission"
+
+
+def deactivation(workload: Mapping[str, Any] | None) -> str | None:
+    """Why Kueue will never admit the job again by itself (its Workload inactive), in one line, or None.
+
+    `spec.active` decides, as Kueue's own `IsActive` does: false (set by a person, or by Kueue once
+    `waitForPodsReady`'s requeuing backoffLimitCount is reached) keeps the Workload pending until someone
+    sets it true again. Kueue keeps the Evicted condition (reason InactiveWorkload...) after that, until the
+    Workload gets quota again, so a reactivated Workload waiting for quota is not inactive. The Evicted
+    reason is read only when `spec.active` is absent (a Workload read without its spec's defaults).
+    """
+    if workload is None:
+        return None
+    evicted = _condition(workload, WL_EVICTED) or {}
+    by_deactivation = (evicted.get("status") == "True"
+                       and str(evicted.get("reason") or "").startswith(DEACTIVATION_REASONS))
+    active = (workload.get("spec") or {}).get("active")
+    if active is True or (active is None and not by_deactivation):
+        return None
+    meta = workload.get("metadata") or {}
+    name, namespace = meta.get("name", "?"), meta.get("namespace") or "<namespace>"
+    reason = evicted.get("reason") if by_deactivation else "InactiveWorkload"
+    message = (evicted.get("message") if by_deactivation else "") or "spec.active is false"
+    state = "false" if active is False else "unset"
+    return (f"its Kueue Workload {name} is deactivated ({reason}: {message}): spec.active is {state}, so Kueue "
+            f"admits it again only once someone sets it true; reactivate it (kubectl patch workload -n {namespace} "
+            f"{name} --type merge -p '{{\"spec\":{{\"active\":true}}}}') or clear the task to submit a new job")
 
 
 def explain_failure(name: str, mpijob: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
@@ -250,6 +285,9 @@ def evaluate(
     if current == FAILED:
         kind, message = explain_failure(name, mpijob, pods)
         return Verdict(current, done=True, error_kind=kind, message=message)
+    if inactive := deactivation(workload):
+        return Verdict(QUEUED if suspended(mpijob) else current, done=True, error_kind=DEACTIVATED_KIND,
+                       message=f"MPIJob {name} was stopped: {inactive}")
     now = time.time() if now is None else now
     if suspended(mpijob):
         waited = now - queued_since(mpijob, now)

@@ -24,6 +24,7 @@ TRAIN_TASK = "train"
 PLAN_RUN_ID = "manual__plan"
 # What stage_dataset would return; the hash is known only once the data has been versioned.
 DATASET_VERSION_PLACEHOLDER = "md5:dataset-version"
+CODE_VERSION_PLACEHOLDER = "code-version"  # the git commit check_changes records at run time
 
 
 class PlanError(ValueError):
@@ -77,6 +78,8 @@ class _StagedTI:
     def xcom_pull(self, task_ids: str | None = None, key: str = "return_value", **_: Any) -> Any:
         if task_ids == "check_changes" and key == "training":
             return self.training
+        if task_ids == "check_changes" and key == "fingerprint":
+            return {"code_version": CODE_VERSION_PLACEHOLDER}
         if task_ids != "stage_dataset" or key != "return_value":
             return None
         from nightly_tasks.steps import workspace_for

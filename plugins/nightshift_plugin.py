@@ -15,7 +15,10 @@
 Every endpoint is behind Airflow's auth manager, as the REST API is: a request without a valid token
 (the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read
 `nightly_retrain`'s runs gets 403 (run parameters, failure reasons and sample data values are the DAG's);
-the search pages ask for read access to `model_search`'s runs instead.
+the search pages ask for read access to `model_search`'s runs instead. `limit` (lineage, searches) is
+1..1000, else 422. `/nightshift/openapi.json` asks for a login too; FastAPI's `/docs` and `/redoc` pages
+(scripts from a CDN) are off. Pages are served with a Content-Security-Policy: GX Data Docs run no script
+(their CDN scripts and styles are blocked, see DATA_DOCS_CSP), the lineage and search index pages neither.
 Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.0.0.1:5000; `make airflow`
 starts one there and sets it).
 """
@@ -41,6 +44,17 @@ DAG_ID = "nightly_retrain"
 SEARCH_DAG_ID = "model_search"
 PREFIX = "/nightshift"
 RECENT = 50
+MAX_LIMIT = 1000  # the most records or reports one request may ask for (`limit`: 1..MAX_LIMIT, else 422)
+
+# Every page is served in the Airflow UI's origin, where the `_token` cookie authenticates API calls: no page
+# of this plugin may run a script that is not its own or fetch anything from elsewhere.
+# GX Data Docs pages load jQuery, Bootstrap and vega from CDNs (unpinned, no integrity) and inline scripts
+# that need them; served here they run no script at all, and load only what lies beside them (GX's own
+# static styles, fonts and images). Our suites' pages draw no chart; what is lost is Bootstrap's styling and
+# interactivity (sorting, "show failed only"); the results are plain HTML and read the same.
+DATA_DOCS_CSP = ("default-src 'none'; script-src 'none'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+                 "font-src 'self' data:; frame-ancestors 'self'; base-uri 'none'; form-action 'none'")
+PAGE_CSP = "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'self'; base-uri 'none'; form-action 'none'"
 
 
 def _mlflow_ui() -> str:
@@ -149,8 +163,10 @@ def search_index_html(pages: list[Path]) -> str:
 
 
 def lineage_records(limit: int = RECENT) -> list[dict[str, Any]]:
-    """The newest `limit` records of the run ledger, newest first; a run refused by the data gate gets the
-    Data Docs page of its failing split (the `data_docs` XCom of `validate_data`) as `data_docs`."""
+    """The newest `limit` (1..MAX_LIMIT) records of the run ledger, newest first; a run refused by the data gate
+    gets the Data Docs page of its failing split (the `data_docs` XCom of `validate_data`) as `data_docs`."""
+    if not 1 <= limit <= MAX_LIMIT:  # 0 would read the whole ledger, a negative number drop its newest records
+        raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {limit}")
     records = list(reversed(read_records(DAG_ID, newest=limit)))
     for record in records:
         if record.get("failed_task") == "validate_data" and not record.get("data_docs") and record.get("run_id"):
@@ -262,22 +278,35 @@ def _require_dag_runs_read(dag_id: str = DAG_ID) -> Any:
 
 
 def create_app() -> Any:
-    from fastapi import APIRouter, Depends, FastAPI, HTTPException
+    from airflow.api_fastapi.core_api.security import get_user
+    from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
-    app = FastAPI(title="Nightshift", description="nightly_retrain lineage and GX Data Docs; model search reports")
+    from nightshift.search.report_html import CSP as REPORT_CSP
+
+    # FastAPI's own /openapi.json, /docs and /redoc answer without a login, and the two pages load Swagger UI
+    # and ReDoc from a CDN: off. The description is served below, to a logged-in user only.
+    app = FastAPI(title="Nightshift", description="nightly_retrain lineage and GX Data Docs; model search reports",
+                  openapi_url=None, docs_url=None, redoc_url=None)
+    page_headers = {"Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff"}
+    docs_headers = {"Content-Security-Policy": DATA_DOCS_CSP, "X-Content-Type-Options": "nosniff"}
+    limit_query = Query(RECENT, ge=1, le=MAX_LIMIT, description=f"how many, newest first (1..{MAX_LIMIT})")
     nightly = APIRouter(dependencies=[Depends(_require_dag_runs_read(DAG_ID))])
     search = APIRouter(dependencies=[Depends(_require_dag_runs_read(SEARCH_DAG_ID))])
 
     # Return annotations are left out: with postponed evaluation FastAPI would have to resolve names
     # imported inside this function, and /openapi.json answered 500 when it could not.
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(get_user)])
+    def openapi():  # type: ignore[no-untyped-def]
+        return JSONResponse(app.openapi())
+
     @nightly.get("/lineage", response_class=HTMLResponse)
-    def lineage_page(limit: int = RECENT):  # type: ignore[no-untyped-def]
-        return HTMLResponse(lineage_html(lineage_records(limit)))
+    def lineage_page(limit: int = limit_query):  # type: ignore[no-untyped-def]
+        return HTMLResponse(lineage_html(lineage_records(limit)), headers=page_headers)
 
     @nightly.get("/lineage.json")
-    def lineage_json(limit: int = RECENT):  # type: ignore[no-untyped-def]
-        return JSONResponse(lineage_records(limit))
+    def lineage_json(limit: int = limit_query):  # type: ignore[no-untyped-def]
+        return JSONResponse(lineage_records(limit), headers={"X-Content-Type-Options": "nosniff"})
 
     @nightly.get("/data-docs/{path:path}")
     def data_docs(path: str):  # type: ignore[no-untyped-def]
@@ -285,11 +314,11 @@ def create_app() -> Any:
         target = (root / path).resolve()
         if root not in target.parents or not target.is_file():
             raise HTTPException(status_code=404, detail="no such Data Docs page")
-        return FileResponse(target)
+        return FileResponse(target, headers=docs_headers)
 
     @search.get("/search/", response_class=HTMLResponse)
-    def search_index(limit: int = RECENT):  # type: ignore[no-untyped-def]
-        return HTMLResponse(search_index_html(search_reports(limit)))
+    def search_index(limit: int = limit_query):  # type: ignore[no-untyped-def]
+        return HTMLResponse(search_index_html(search_reports(limit)), headers=page_headers)
 
     @search.get("/search/{path:path}")
     def search_report(path: str):  # type: ignore[no-untyped-def]
@@ -298,7 +327,9 @@ def create_app() -> Any:
         if target.name != REPORT_NAME or root not in target.parents or not target.is_file():
             raise HTTPException(status_code=404, detail="no such search report: a model search writes "
                                                         "search/<study>/report.html when it finishes")
-        return FileResponse(target, media_type="text/html")
+        # The page's own policy (inlined plotly.js, no request of any kind), also as a header.
+        return FileResponse(target, media_type="text/html",
+                            headers={"Content-Security-Policy": REPORT_CSP, "X-Content-Type-Options": "nosniff"})
 
     app.include_router(nightly)
     app.include_router(search)

@@ -2,8 +2,8 @@
 # `make airflow`: Airflow with this repository's DAGs and plugins, bound to 127.0.0.1.
 #   scripts/airflow.sh standalone        # scheduler, dag-processor, triggerer, API server + UI, and the MLflow UI
 #   scripts/airflow.sh dags list         # any other airflow command, in the same environment
-# State: NIGHTSHIFT_HOME (default ~/.nightshift); Airflow's home (SQLite DB, logs, generated admin
-# password) in $NIGHTSHIFT_HOME/airflow-home unless AIRFLOW_HOME is set. AIRFLOW_PORT (default 8080): not
+# State: NIGHTSHIFT_HOME (default ~/.nightshift); Airflow's home (logs, generated admin password, SQLite DB
+# when not on PostgreSQL) in $NIGHTSHIFT_HOME/airflow-home unless AIRFLOW_HOME is set. AIRFLOW_PORT (default 8080): not
 # one of Airflow's own log-server ports ([logging] worker_log_server_port, trigger_log_server_port).
 # DAGs from $REPO/dags unless AIRFLOW__CORE__DAGS_FOLDER is set. Every component imports the cluster
 # policy in $REPO/config/airflow_local_settings.py (gpu pool slots from the run's params).
@@ -11,7 +11,8 @@
 # (default 5000; `none`: do not start it) for the plugin's "MLflow run" and "Model version" links, and
 # stops it when Airflow exits. With NIGHTSHIFT_MLFLOW_UI_URL set, or an http(s) MLFLOW_TRACKING_URI, the
 # links go there and no UI is started.
-# Metadata database (NIGHTSHIFT_AIRFLOW_DB=auto|postgres|sqlite, default auto): see "Metadata database" below.
+# Metadata database (NIGHTSHIFT_AIRFLOW_DB=auto|postgres|sqlite, default auto; the same as `make demo`'s for the same
+# NIGHTSHIFT_HOME): see "Metadata database" below.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -72,126 +73,73 @@ listening() {  # something accepts connections on 127.0.0.1:$1
 }
 
 # --- Metadata database --------------------------------------------------------------------------------
-# NIGHTSHIFT_AIRFLOW_DB picks Airflow's metadata database:
-#   auto (default)  postgres when the PostgreSQL server at NIGHTSHIFT_POSTGRES_URL answers, else sqlite
-#   postgres        database NIGHTSHIFT_AIRFLOW_PG_DB on NIGHTSHIFT_POSTGRES_URL (default
-#                   postgresql://postgres@127.0.0.1:5432), with the LocalExecutor unless
-#                   AIRFLOW__CORE__EXECUTOR says otherwise; `standalone` creates the database when it is missing
-#                   and, unless it is make airflow's own nightshift_airflow, drops it when it stops
-#                   (NIGHTSHIFT_AIRFLOW_PG_KEEP=1 keeps it, =0 drops it); a
-#                   database that was there before (kept, or another Airflow's) is used and left alone. The
-#                   default name is nightshift_airflow for the default AIRFLOW_HOME and
-#                   nightshift_airflow_<sha1 of AIRFLOW_HOME, 8 hex> for another: a database belongs to one
-#                   AIRFLOW_HOME (its Fernet key, logs, passwords), and two homes never share one by accident
-#   sqlite          $AIRFLOW_HOME/airflow.db (what `make demo` uses, through its own environment)
+# Every command runs on the metadata database nightshift.settings.airflow_database() chooses for this
+# AIRFLOW_HOME, the one `make demo` chooses too (NIGHTSHIFT_AIRFLOW_DB=auto|postgres|sqlite, default auto):
+#   auto (default)  PostgreSQL when the server at NIGHTSHIFT_POSTGRES_URL (default postgresql://postgres@127.0.0.1:5432)
+#                   answers; SQLite $AIRFLOW_HOME/airflow.db when it does not (said so), or when this home already
+#                   has a SQLite history and no PostgreSQL database (said so). A home whose history is on
+#                   PostgreSQL refuses to start a second one on SQLite while the server is down.
+#   postgres        PostgreSQL; a one-line error when the server does not answer.
+#   sqlite          $AIRFLOW_HOME/airflow.db.
+# The PostgreSQL database is NIGHTSHIFT_AIRFLOW_PG_DB, default nightshift_airflow for the default AIRFLOW_HOME and
+# nightshift_airflow_<sha1 of AIRFLOW_HOME, 8 hex> for another (a database belongs to one AIRFLOW_HOME: its Fernet
+# key, logs, passwords). Any command makes it when missing (two at once are fine), with the LocalExecutor unless
+# AIRFLOW__CORE__EXECUTOR says otherwise. `standalone` drops a database it made itself when it stops, unless it is
+# make airflow's own nightshift_airflow (NIGHTSHIFT_AIRFLOW_PG_KEEP=1 keeps it, =0 drops it); a database that was
+# there before (kept, made by another command or `make demo`, or another Airflow's) is used and left alone.
 # An AIRFLOW__DATABASE__SQL_ALCHEMY_CONN set by the caller wins over all of these; nothing is created or dropped.
-USER_SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-}"
-export NIGHTSHIFT_POSTGRES_URL="${NIGHTSHIFT_POSTGRES_URL:-postgresql://postgres@127.0.0.1:5432}"
-if [[ -n "${NIGHTSHIFT_AIRFLOW_PG_DB:-}" ]]; then
-    AIRFLOW_PG_DB="$NIGHTSHIFT_AIRFLOW_PG_DB"
-elif [[ "$AIRFLOW_HOME" == "$HOME/.nightshift/airflow-home" ]]; then
-    AIRFLOW_PG_DB="nightshift_airflow"
-else
-    AIRFLOW_PG_DB="nightshift_airflow_$(printf '%s' "$AIRFLOW_HOME" | sha1sum | cut -c1-8)"
-fi
-# `make airflow`'s own database (the default AIRFLOW_HOME) keeps its run history between starts; a database
-# made for another home (tests, throwaway homes) is dropped when its standalone stops.
-AIRFLOW_PG_KEEP_DEFAULT=0
-[[ "$AIRFLOW_PG_DB" == nightshift_airflow ]] && AIRFLOW_PG_KEEP_DEFAULT=1
-AIRFLOW_DB_KIND=""          # postgres or sqlite, once choose_database has run
-AIRFLOW_PG_DROP=""          # the database this standalone created, dropped when it stops
+AIRFLOW_DB_KIND=""          # postgres, sqlite or given, once choose_database has run
+AIRFLOW_PG_DB=""            # the PostgreSQL database
+AIRFLOW_PG_CREATED=0        # 1: this command made it
+AIRFLOW_DB_NOTE=""          # what it is (and why, when it is not the obvious choice)
+AIRFLOW_PG_DROP=""          # the database this standalone made, dropped when it stops
 
-# pg_admin probe | check | url DB | create DB | drop DB, against the server of NIGHTSHIFT_POSTGRES_URL (a libpq
-# URL, read from the environment so that a password in it never reaches a command line) with psycopg 3, the
-# project's PostgreSQL driver. probe is silent; create prints "created" when it made the database.
-pg_admin() {
-    python - "$@" <<'EOF'
-import os
-import sys
-
-import psycopg
-from psycopg import sql
-from sqlalchemy.engine import make_url
-
-action, name = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
-server = os.environ["NIGHTSHIFT_POSTGRES_URL"]
-if action == "url":  # Airflow's URL names psycopg 3, whatever SQLAlchemy's default driver for postgresql://
-    print(make_url(server).set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False))
-    sys.exit(0)
-try:
-    conn = psycopg.connect(server, dbname="postgres", connect_timeout=3, autocommit=True)
-except psycopg.OperationalError as err:
-    if action != "probe":
-        print(f"scripts/airflow.sh: PostgreSQL at {make_url(server)!r} does not answer: "
-              f"{str(err).strip().splitlines()[0]}", file=sys.stderr)
-    sys.exit(1)
-with conn:
-    if action in ("create", "drop"):
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
-        if action == "create" and not exists:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-            print("created")
-        elif action == "drop" and exists:
-            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
-EOF
-}
-
-# Sets AIRFLOW__DATABASE__SQL_ALCHEMY_CONN (and the LocalExecutor on PostgreSQL); creates nothing.
+# Sets AIRFLOW__DATABASE__SQL_ALCHEMY_CONN (and the LocalExecutor on PostgreSQL), making the PostgreSQL database
+# when missing; says so in one line when it made one or fell back to SQLite. A refusal (one line) exits 2.
 choose_database() {
-    if [[ -n "$USER_SQL_ALCHEMY_CONN" ]]; then
-        export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="$USER_SQL_ALCHEMY_CONN"
-        AIRFLOW_DB_KIND="given"
-        return 0
-    fi
-    local kind="${NIGHTSHIFT_AIRFLOW_DB:-auto}"
-    case "$kind" in
-        auto) if pg_admin probe; then kind=postgres; else kind=sqlite; fi ;;
-        postgres) pg_admin check || refuse "NIGHTSHIFT_AIRFLOW_DB=postgres but PostgreSQL does not answer" \
-            "(NIGHTSHIFT_POSTGRES_URL, see above); start it, or use NIGHTSHIFT_AIRFLOW_DB=sqlite" ;;
-        sqlite) ;;
-        *) refuse "NIGHTSHIFT_AIRFLOW_DB=$kind is not one of auto, postgres, sqlite" ;;
-    esac
-    AIRFLOW_DB_KIND="$kind"
-    if [[ "$kind" == postgres ]]; then
-        [[ "$AIRFLOW_PG_DB" =~ ^[A-Za-z_][A-Za-z0-9_]{0,62}$ ]] \
-            || refuse "NIGHTSHIFT_AIRFLOW_PG_DB=$AIRFLOW_PG_DB is not a plain PostgreSQL database name"
-        AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="$(pg_admin url "$AIRFLOW_PG_DB")"
-        export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN
+    local out noteworthy url
+    out="$(python -c 'from nightshift import settings; settings.airflow_database_for_shell()')" || exit 2
+    { read -r AIRFLOW_DB_KIND AIRFLOW_PG_DB AIRFLOW_PG_CREATED noteworthy; read -r url; read -r AIRFLOW_DB_NOTE; } \
+        <<<"$out"
+    export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="$url"
+    if [[ "$AIRFLOW_DB_KIND" == postgres ]]; then
         export AIRFLOW__CORE__EXECUTOR="${AIRFLOW__CORE__EXECUTOR:-LocalExecutor}"
         # The LocalExecutor keeps one worker process per parallel slot (32 by default, ~150 MB each): size it
         # to this machine's cores unless told otherwise.
         export AIRFLOW__CORE__PARALLELISM="${AIRFLOW__CORE__PARALLELISM:-$(( $(nproc) * 2 ))}"
-    else
-        export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="sqlite:///$AIRFLOW_HOME/airflow.db"
     fi
+    if [[ "${1:-}" != standalone && "$noteworthy" == 1 ]]; then
+        echo "Airflow database: $AIRFLOW_DB_NOTE" >&2
+    fi
+    return 0
 }
 
-# standalone: the PostgreSQL database exists before Airflow starts; say what Airflow runs on.
-prepare_database() {
-    case "$AIRFLOW_DB_KIND" in
-        postgres)
-            local made fate
-            made="$(pg_admin create "$AIRFLOW_PG_DB")" \
-                || refuse "cannot create PostgreSQL database $AIRFLOW_PG_DB (see above)"
-            if [[ "$made" != created ]]; then
-                fate="existing, left as it is"
-            elif [[ "${NIGHTSHIFT_AIRFLOW_PG_KEEP:-$AIRFLOW_PG_KEEP_DEFAULT}" == 1 ]]; then
-                fate="created, kept (NIGHTSHIFT_AIRFLOW_PG_KEEP=0 drops it when Airflow stops)"
-            else
-                fate="created, dropped when Airflow stops"
-                AIRFLOW_PG_DROP="$AIRFLOW_PG_DB"
-            fi
-            echo "Airflow database: PostgreSQL $AIRFLOW_PG_DB ($fate), $AIRFLOW__CORE__EXECUTOR" >&2 ;;
-        sqlite) echo "Airflow database: SQLite $AIRFLOW_HOME/airflow.db" >&2 ;;
-        *) echo "Airflow database: AIRFLOW__DATABASE__SQL_ALCHEMY_CONN as given" >&2 ;;
-    esac
+# standalone: say what Airflow runs on, and whether the database goes when it stops.
+announce_database() {
+    local fate="" keep_default=0
+    [[ "$AIRFLOW_PG_DB" == nightshift_airflow ]] && keep_default=1
+    if [[ "$AIRFLOW_DB_KIND" == postgres ]]; then
+        if [[ "$AIRFLOW_PG_CREATED" != 1 ]]; then
+            fate=" (existing, left as it is)"
+        elif [[ "${NIGHTSHIFT_AIRFLOW_PG_KEEP:-$keep_default}" == 1 ]]; then
+            fate=": created, kept (NIGHTSHIFT_AIRFLOW_PG_KEEP=0 drops it when Airflow stops)"
+        else
+            fate=": created, dropped when Airflow stops"
+            AIRFLOW_PG_DROP="$AIRFLOW_PG_DB"
+        fi
+        fate="$fate, $AIRFLOW__CORE__EXECUTOR"
+    fi
+    echo "Airflow database: ${AIRFLOW_DB_NOTE% (created)}$fate" >&2
 }
 
 drop_database() {
     [[ -n "$AIRFLOW_PG_DROP" ]] || return 0
     local name="$AIRFLOW_PG_DROP"
     AIRFLOW_PG_DROP=""
-    pg_admin drop "$name" || echo "scripts/airflow.sh: could not drop PostgreSQL database $name" >&2
+    python -c 'import sys
+from nightshift import settings
+settings.drop_airflow_pg_database(sys.argv[1])' "$name" \
+        || echo "scripts/airflow.sh: could not drop PostgreSQL database $name" >&2
 }
 # --- end of metadata database ------------------------------------------------------------------------
 
@@ -315,11 +263,11 @@ mkdir -p "$AIRFLOW_HOME"
 case "${1:-}" in
     standalone)
         check_ports
-        choose_database
         trap 'stop_mlflow_ui; drop_database' EXIT
         trap 'exit 130' INT
         trap 'exit 143' TERM
-        prepare_database
+        choose_database standalone
+        announce_database
         airflow db migrate >/dev/null
         airflow pools set gpu "${NIGHTSHIFT_GPU_SLOTS:-16}" "Horovod training slots (GPUs, or CPU jobs)" >/dev/null
         start_mlflow_ui

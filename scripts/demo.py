@@ -1,7 +1,10 @@
 """`make demo`: the demo data, then `airflow dags test nightly_retrain` twice, with a summary of each run.
 
-State goes to NIGHTSHIFT_HOME (default ~/.nightshift); Airflow's own home (SQLite metadata DB, logs) to
-NIGHTSHIFT_HOME/airflow-home unless AIRFLOW_HOME is set. The DAGs and plugins come from this repository.
+State goes to NIGHTSHIFT_HOME (default ~/.nightshift); Airflow's own home (logs) to NIGHTSHIFT_HOME/airflow-home
+unless AIRFLOW_HOME is set. Airflow's metadata database is the one `make airflow` (scripts/airflow.sh) uses for
+the same home, chosen by nightshift.settings.airflow_database(): PostgreSQL when it answers at
+NIGHTSHIFT_POSTGRES_URL, else SQLite in AIRFLOW_HOME (said so), so that the UI shows the demo's runs.
+The DAGs and plugins come from this repository.
 Run 1 trains with the local backend (2 Horovod workers) and deploys; run 2 forces a retrain on the same
 data and shows the gate refusing to promote a model that is not better. Then the test rows are streamed
 through a private redis-server and `nightshift score-stream` (skipped, saying why, without redis-server).
@@ -23,7 +26,10 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from nightshift.settings import AirflowDatabase
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -38,8 +44,10 @@ def nightshift_home() -> Path:
     return Path(os.environ.get("NIGHTSHIFT_HOME", Path.home() / ".nightshift")).expanduser()
 
 
-def airflow_env(nightshift: Path, airflow_home: Path | None = None) -> dict[str, str]:
-    """The environment every Airflow command of this project runs in: SQLite, repo dags/plugins, no examples."""
+def airflow_env(nightshift: Path, airflow_home: Path | None = None,
+                database: AirflowDatabase | None = None) -> dict[str, str]:
+    """The environment every Airflow command of this project runs in: repo dags/plugins, no examples, and the
+    metadata database `database` (default: SQLite in `airflow_home`, a throwaway home's for tests)."""
     airflow_home = airflow_home or Path(os.environ.get("AIRFLOW_HOME") or nightshift / "airflow-home")
     env = dict(os.environ)
     env.update({
@@ -48,7 +56,7 @@ def airflow_env(nightshift: Path, airflow_home: Path | None = None) -> dict[str,
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database.url if database else f"sqlite:///{airflow_home / 'airflow.db'}",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(airflow_home / "logs"),
         "PATH": os.pathsep.join([str(BIN), env.get("PATH", "")]),
@@ -58,6 +66,17 @@ def airflow_env(nightshift: Path, airflow_home: Path | None = None) -> dict[str,
         "DO_NOT_TRACK": "true",
     })
     return env
+
+
+def demo_env(nightshift: Path) -> tuple[dict[str, str], AirflowDatabase]:
+    """`make demo`'s environment, on the metadata database scripts/airflow.sh uses for the same home (made when
+    missing); NightshiftError (one line) when there is none to be had."""
+    from nightshift import settings
+
+    os.environ["NIGHTSHIFT_HOME"] = str(nightshift)  # settings (and the children) read it from here
+    airflow_home = settings.airflow_home()
+    database = settings.airflow_database(airflow_home)
+    return airflow_env(nightshift, airflow_home, database), database
 
 
 def airflow(env: dict[str, str], *args: str, check: bool = True, capture: bool = True,
@@ -94,13 +113,30 @@ class DagTestRun(NamedTuple):
     log: Path
 
 
-def _metadata_db(env: dict[str, str]) -> Path | None:
+def _metadata_db(env: dict[str, str]) -> Path | str | None:
+    """Airflow's metadata DB as the progress lines read it: a SQLite file, a libpq URL for PostgreSQL, or None
+    (another database: no progress lines)."""
     conn = env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "")
-    return Path(conn.removeprefix("sqlite:///")) if conn.startswith("sqlite:///") else None
+    if conn.startswith("sqlite:///"):
+        return Path(conn.removeprefix("sqlite:///"))
+    if conn.startswith(("postgresql:", "postgresql+")):
+        from sqlalchemy.engine import make_url
+
+        return make_url(conn).set(drivername="postgresql").render_as_string(hide_password=False)
+    return None
 
 
-def _query(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    """A read-only query of Airflow's SQLite DB; [] while it is locked or not there yet."""
+def _query(db: Path | str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """A read-only query (`?` placeholders) of Airflow's metadata DB; [] while it is locked or not there yet."""
+    if isinstance(db, str):
+        import psycopg
+
+        try:
+            with psycopg.connect(db, connect_timeout=5) as conn:
+                conn.read_only = True
+                return conn.execute(sql.replace("?", "%s"), args).fetchall()
+        except psycopg.Error:
+            return []
     try:
         with sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True, timeout=2) as conn:
             return conn.execute(sql, args).fetchall()
@@ -108,13 +144,16 @@ def _query(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         return []
 
 
-def _seconds(start: str | None, end: str | None) -> float | None:
+def _seconds(start: str | datetime | None, end: str | datetime | None) -> float | None:
     # From the start and end dates: Airflow 3.3.0 computes `duration` wrongly on SQLite (fixed in 3.3.1).
+    # SQLite gives them as text, PostgreSQL as datetimes.
     if not start or not end:
         return None
     try:
-        return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
-    except ValueError:
+        start = start if isinstance(start, datetime) else datetime.fromisoformat(start)
+        end = end if isinstance(end, datetime) else datetime.fromisoformat(end)
+        return (end - start).total_seconds()
+    except (ValueError, TypeError):
         return None
 
 
@@ -130,7 +169,7 @@ class TaskProgress(threading.Thread):
     Reads Airflow's own metadata DB (read-only) rather than its log, whose format changes between versions.
     """
 
-    def __init__(self, db: Path, after_run_row: int, emit: Callable[[str], None]) -> None:
+    def __init__(self, db: Path | str, after_run_row: int, emit: Callable[[str], None]) -> None:
         super().__init__(daemon=True)
         self.db, self.after_run_row, self.emit = db, after_run_row, emit
         self.lines: list[str] = []
@@ -259,10 +298,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also stream Airflow's full log to the terminal (it always goes to a file)")
     args = parser.parse_args(argv)
 
+    from nightshift.errors import NightshiftError
+
     nightshift = nightshift_home()
-    env = airflow_env(nightshift)
-    os.environ["NIGHTSHIFT_HOME"] = str(nightshift)
-    print(f"NIGHTSHIFT_HOME={nightshift}\nAIRFLOW_HOME={env['AIRFLOW_HOME']}", flush=True)
+    try:
+        env, database = demo_env(nightshift)
+    except NightshiftError as err:
+        print(f"scripts/demo.py: {err}", file=sys.stderr)
+        return 2
+    print(f"NIGHTSHIFT_HOME={nightshift}\nAIRFLOW_HOME={env['AIRFLOW_HOME']}\nAirflow database: {database.note} "
+          "(the one `make airflow` uses for this home)", flush=True)
     data = nightshift / "demo-data" / "digits"
     subprocess.run([str(BIN / "nightshift"), "demo-data", str(data)], env=env, check=True,
                    stdout=subprocess.DEVNULL)

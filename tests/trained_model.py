@@ -6,6 +6,7 @@ Layout (what `python -m nightshift.train --out DIR` writes): `model.pt` (state_d
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def write_trained_output(out: Path, data_dir: Path, *, epochs: int = 3, steps_pe
         "model": "digits_cnn", "model_kwargs": kwargs, "dataset": "digits",
         "input_shape": list(train.input_shape), "num_classes": train.num_classes,
         "params": {"epochs": epochs, "lr": lr, "batch_size": 64, "seed": seed},
+        # What the trainer records (TrainConfig.train_key): here a digest of this function's arguments.
+        "train_key": hashlib.sha256(json.dumps([str(data_dir), epochs, steps_per_epoch, seed, hidden, lr])
+                                    .encode()).hexdigest()[:16],
     }))
     (out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (out / "metrics.json").write_text(json.dumps({"val_loss": lines[-1]["val_loss"],

@@ -1,20 +1,22 @@
 """`nightly_retrain` also starts when new data lands: the "new data" Asset, its AssetWatcher and the schedule.
 
-`nightshift publish-data DIR` publishes one JSON event on a Redis pub/sub channel. Airflow's triggerer runs
-the common-messaging `MessageQueueTrigger` (scheme `redis+pubsub`, the Redis provider's trigger) on that
-channel; each message becomes an event of the Asset `nightshift://events/new-data` (extra: `{"from_trigger":
-true, "payload": {"channel", "data": <the event's JSON>}}`), and the DAG runs on the cron or on that Asset,
-whichever comes first (`AssetOrTimeSchedule`). `validate_data` of a run the event started reads the data
-source from the event, confined to the data roots like the `data_source` Param.
+`nightshift publish-data DIR` appends one JSON event to a Redis stream. Airflow's triggerer runs the watcher's
+trigger, operators.event_triggers.RedisStreamTrigger, which reads the stream with the consumer group
+`airflow-new-data` and acknowledges an entry only after the triggerer stored its asset event, so an event
+published in a burst, or while the triggerer is down, is recorded when it reads again (at least once: see that
+module). Each entry becomes an event of the Asset `nightshift://events/new-data` (extra: `{"from_trigger":
+true, "payload": {"type": "stream", "stream", "id": <the entry's id>, "data": <the event's JSON>}}`), and the
+DAG runs on the cron or on that Asset, whichever comes first (`AssetOrTimeSchedule`). `validate_data` of a run
+the event started reads the data source from the event, confined to the data roots like the `data_source` Param.
 
 Turned on by configuration, read when the DAG file is parsed:
 - `NIGHTSHIFT_EVENTS_REDIS_URL`: the Redis; scripts/airflow.sh turns it into the Airflow connection
   `nightshift_events` (AIRFLOW_CONN_NIGHTSHIFT_EVENTS) that the triggerer connects with;
 - or `NIGHTSHIFT_EVENTS_CONN_ID`: an Airflow connection (type redis) defined elsewhere (a secrets backend);
-- `NIGHTSHIFT_EVENTS_CHANNEL` (default `nightshift.new-data`), `NIGHTSHIFT_EVENTS_POLL_S` (default 1):
-  how long the trigger sleeps between looks at the subscription (messages wait in the socket meanwhile).
-With neither the URL nor the connection id, the DAG keeps its time schedule alone, and the messaging
-provider is not even imported.
+- `NIGHTSHIFT_EVENTS_STREAM` (default `nightshift.new-data`), `NIGHTSHIFT_EVENTS_POLL_S` (default 1): how long
+  one read of the stream waits for new entries.
+With neither the URL nor the connection id, the DAG keeps its time schedule alone, and the trigger module is
+not even imported.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ log = logging.getLogger(__name__)
 NEW_DATA_URI = "nightshift://events/new-data"
 URL_ENV = "NIGHTSHIFT_EVENTS_REDIS_URL"
 CONN_ENV = "NIGHTSHIFT_EVENTS_CONN_ID"
-CHANNEL_ENV = "NIGHTSHIFT_EVENTS_CHANNEL"
+STREAM_ENV = "NIGHTSHIFT_EVENTS_STREAM"
 POLL_ENV = "NIGHTSHIFT_EVENTS_POLL_S"
 DEFAULT_CONN_ID = "nightshift_events"
-# nightshift.events.DEFAULT_CHANNEL (not imported: the DAG file must not import nightshift); a test keeps them equal.
-DEFAULT_CHANNEL = "nightshift.new-data"
+# nightshift.events.DEFAULT_STREAM and CONSUMER_GROUP (not imported: the DAG file must not import nightshift); a
+# test keeps them equal.
+DEFAULT_STREAM = "nightshift.new-data"
+CONSUMER_GROUP = "airflow-new-data"
 WATCHER_NAME = "nightshift_new_data"
 
 # The Asset as a key (name and URI): what a run's triggering events are looked up by.
@@ -45,7 +49,7 @@ NEW_DATA = Asset(NEW_DATA_URI, group="nightshift")
 
 
 class EventsMisconfigured(ValueError):
-    """An events setting (poll interval, channel) cannot be used; the DAG fails to import with this message."""
+    """An events setting (poll interval, stream) cannot be used; the DAG fails to import with this message."""
 
 
 def events_connection() -> str | None:
@@ -56,11 +60,11 @@ def events_connection() -> str | None:
     return DEFAULT_CONN_ID if os.environ.get(URL_ENV, "").strip() else None
 
 
-def events_channel() -> str:
-    name = os.environ.get(CHANNEL_ENV, "").strip() or DEFAULT_CHANNEL
+def events_stream() -> str:
+    name = os.environ.get(STREAM_ENV, "").strip() or DEFAULT_STREAM
     if any(c in name for c in "*?[]") or any(c.isspace() for c in name):
-        raise EventsMisconfigured(f"{CHANNEL_ENV}={name!r} has spaces or glob characters (*?[]); use a plain "
-                                  f"channel name such as {DEFAULT_CHANNEL}")
+        raise EventsMisconfigured(f"{STREAM_ENV}={name!r} has spaces or glob characters (*?[]); use a plain "
+                                  f"stream name such as {DEFAULT_STREAM}")
     return name
 
 
@@ -76,13 +80,14 @@ def poll_interval() -> float:
 
 
 def new_data_asset(conn_id: str) -> Asset:
-    """The new-data Asset with its watcher: a MessageQueueTrigger on the Redis channel of connection `conn_id`."""
-    # Imported here, only when events are on: the module loads Airflow's providers manager.
-    from airflow.providers.common.messaging.triggers.msg_queue import MessageQueueTrigger
+    """The new-data Asset with its watcher: a RedisStreamTrigger on the stream of connection `conn_id`."""
+    # Imported here, only when events are on.
     from airflow.sdk import AssetWatcher
 
-    trigger = MessageQueueTrigger(scheme="redis+pubsub", channels=[events_channel()], redis_conn_id=conn_id,
-                                  poll_interval=poll_interval())
+    from operators.event_triggers import RedisStreamTrigger
+
+    trigger = RedisStreamTrigger(stream=events_stream(), group=CONSUMER_GROUP, redis_conn_id=conn_id,
+                                 poll_interval=poll_interval())
     return Asset(NEW_DATA_URI, group="nightshift", watchers=[AssetWatcher(name=WATCHER_NAME, trigger=trigger)])
 
 

@@ -7,7 +7,6 @@ top, so the DAG file that imports this module parses fast.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +40,23 @@ def resolve_data_source(data_source: str) -> Path:
 
 
 def workspace_for(dag_id: str, run_id: str) -> Path:
+    """The run's workspace: one directory per (DAG, run), never shared by two runs (nightshift.fsutil.safe_name)."""
+    from nightshift.fsutil import safe_name
     from nightshift.settings import workspaces_dir
 
-    safe = re.sub(r"[^A-Za-z0-9_.=@-]", "_", run_id)
-    return workspaces_dir() / dag_id / safe
+    return workspaces_dir() / safe_name(dag_id) / safe_name(run_id)
 
 
 def stage(validated: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
     from nightshift.data.stage import stage_dataset
+    from nightshift.settings import data_roots, home
 
     workspace = workspace_for(dag_id, run_id)
-    version = dict(stage_dataset(validated["path"], workspace, validated=validated.get("fingerprint")))
+    # Confined again, under the staging lock: the gate ran earlier (a retry may come hours later) and a split
+    # may have been relinked out of the roots since. The demo dataset is what the gate serves for no source.
+    roots = [*data_roots(), home() / DEMO_DATASET]
+    version = dict(stage_dataset(validated["path"], workspace, validated=validated.get("fingerprint"),
+                                 roots=roots))
     log.info("Dataset version %s (%d rows) staged in %s", version["hash"], version["rows"], version["path"])
     return {**version, "workspace": str(workspace)}
 
@@ -95,14 +100,12 @@ def check_changes(staged: dict[str, Any], params: dict[str, Any], dag_id: str, r
     resolved = resolve_training(params)
     options = resolved["options"]
     current = lineage.fingerprint(staged["hash"], {**params, "learning_rate": options["lr"],
-                                                   "batch_size": options["batch_size"]})
+                                                   "batch_size": options["batch_size"]}, bundle_version(ti))
     # Options the fingerprint has no field for count where they differ from the trainer's defaults, so a run
     # without them compares equal to the runs before them.
     current["training"].update({k: options[k] for k in ("momentum", "model", "model_kwargs")
                                 if options[k] != resolved["builtin"][k]})
     current["training_source"] = {k: resolved[k] for k in ("summary", "sources", "best", "not_applied")}
-    if pinned := bundle_version(ti):
-        current["code_version"] = lineage.code_version(pinned)
     previous = lineage.last_successful(dag_id, exclude_run_id=run_id)
     ti.xcom_push(key="fingerprint", value=current)
     ti.xcom_push(key="previous_run", value=previous)

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import pandas as pd
 
 from nightshift import settings
+from nightshift.data.files import open_regular, read_regular
 from nightshift.errors import DataError, DataValidationFailed, UsageError
 
 if TYPE_CHECKING:
@@ -125,11 +127,20 @@ def suite_fingerprint(suite: str = SUITE) -> str:
 def fingerprint(path: str | Path, suite: str = SUITE) -> str:
     """What a validation result is about: the suite (its JSON and the custom expectations' code) and every
     data file's name and bytes. Staging trusts a passed gate only for the same fingerprint."""
+    digests = {}
+    for file in parquet_files(path):
+        fd = open_regular(file)
+        with open(fd, "rb") as handle:
+            digests[file.name] = hashlib.file_digest(handle, "sha256").digest()
+    return fingerprint_of(digests, suite)
+
+
+def fingerprint_of(digests: Mapping[str, bytes], suite: str = SUITE) -> str:
+    """`fingerprint` from each data file's name and SHA-256 digest, for bytes the caller has already read."""
     digest = hashlib.sha256()
     _add_suite(digest, suite)
-    for file in parquet_files(path):
-        with file.open("rb") as handle:
-            digest.update(file.name.encode() + b"\0" + hashlib.file_digest(handle, "sha256").digest())
+    for name in sorted(digests):
+        digest.update(name.encode() + b"\0" + digests[name])
     return f"sha256:{digest.hexdigest()}"
 
 
@@ -149,16 +160,39 @@ def parquet_files(path: str | Path) -> list[Path]:
 def read_table(path: str | Path) -> pd.DataFrame:
     """Read one Parquet file as a pandas DataFrame, turning every kind of unreadable file into DataError."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"{path} does not exist or is not a file")
-    if path.stat().st_size == 0:
+    return parse_table(path, read_regular(path))
+
+
+def parse_table(path: str | Path, data: bytes) -> pd.DataFrame:
+    """The Parquet file `path` whose bytes are `data` (already read) as a DataFrame; DataError when unreadable."""
+    import pyarrow as pa
+
+    if not data:
         raise DataError(f"{path} is empty (0 bytes), not a Parquet file")
     try:
-        return pd.read_parquet(path)
+        return pd.read_parquet(pa.BufferReader(data))
     except Exception as err:  # pyarrow raises several unrelated types for truncated or foreign files
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"{path} is not a readable Parquet file (truncated or not Parquet): {reason}") \
             from err
+
+
+def read_tables(path: str | Path, suite: str = SUITE) -> tuple[str, list[tuple[Path, pd.DataFrame]]]:
+    """Each Parquet file of `path` as a DataFrame, and the `fingerprint` of exactly the bytes parsed.
+
+    Each file is read once: its bytes are hashed and parsed from the same buffer, so a file rewritten while
+    it is read cannot pass validation under another content's fingerprint.
+    """
+    digests: dict[str, bytes] = {}
+    frames: list[tuple[Path, pd.DataFrame]] = []
+    for file in parquet_files(path):
+        data = read_regular(file)
+        digests[file.name] = hashlib.sha256(data).digest()
+        frames.append((file, parse_table(file, data)))
+        del data
+    return fingerprint_of(digests, suite), frames
 
 
 def quiet_gx_logging() -> None:

@@ -1,10 +1,20 @@
 """The `kserve` target: a KServe `InferenceService` (serving.kserve.io/v1beta1, MLflow format).
 
-The first deployment creates the service; a later one patches the predictor's `storageUri` with
-`canaryTrafficPercent` so the new revision takes a share of the traffic beside the rolled-out one, waits
-for Ready, optionally smoke-tests it, then promotes it (the canary field removed: 100 % to the new
-revision) and moves `@champion`. On failure the previous predictor spec is restored (KServe keeps the
-previously rolled-out revision serving meanwhile) or a service this call created is deleted.
+The first deployment creates the service; a later one runs the new model as a canary beside the serving
+one, waits for it to be Ready, optionally smoke-tests it, then promotes it and moves `@champion`. What a
+canary is depends on the service's deployment mode (`status.deploymentMode`, else its annotation
+`serving.kserve.io/deploymentMode`, else NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE; legacy names Serverless and
+RawDeployment are read as Knative and Standard):
+- Knative: the predictor's `storageUri` is patched with `canaryTrafficPercent`, so the new revision takes
+  that share of the traffic beside the rolled-out one; promoting removes the field (100 % to it).
+- Standard (raw Deployments, which ignore `canaryTrafficPercent` and would roll out to everyone at once):
+  `spec.canary` gets one entry, a predictor named `v<version>` with the new `storageUri` and
+  `trafficPercent`, run as its own Deployment beside the stable one (KServe >= 0.20; the split needs its
+  Gateway API routes); promoting makes it the stable predictor (name and `storageUri`) and drops
+  `spec.canary`.
+- any other mode (ModelMesh) has no canary: refused before anything changes.
+On failure the previous predictor spec is restored and the canary removed (the previous model kept
+serving meanwhile), or a service this call created is deleted.
 
 The predictor names the ServingRuntime `nightshift-mlserver-torch` (`deploy/kserve/servingruntime.yaml`:
 MLServer with its MLflow runtime and torch, built from `images/serving/Dockerfile`); KServe's stock
@@ -17,6 +27,10 @@ URLs, or `pvc://<claim>/<path>`. A local store (`file://`, the embedded default)
 refused before anything is created, unless `NIGHTSHIFT_KSERVE_STORAGE_MAP` rewrites its prefix (e.g.
 `file:///nightshift/=pvc://nightshift-workspace/`, `mlflow-artifacts:/=s3://bucket/mlartifacts/`).
 
+NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE (Standard or Knative: the cluster's `deploy.defaultDeploymentMode` in
+KServe's `inferenceservice-config` ConfigMap) is written on the services this target creates, and is the
+mode of an existing service whose status and annotations do not say.
+
 `api` is anything with the four methods of kubernetes' `CustomObjectsApi` used here (the cncf
 provider's `KubernetesHook().custom_object_client` in Airflow); errors carry an HTTP `status`.
 Patches are JSON merge patches, as the real client sends for dict bodies: `None` removes a field.
@@ -25,12 +39,14 @@ Patches are JSON merge patches, as the real client sends for dict bodies: `None`
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from nightshift import registry, tracking
 from nightshift.errors import DeploymentFailed, UsageError
@@ -39,10 +55,21 @@ GROUP = "serving.kserve.io"
 VERSION = "v1beta1"
 PLURAL = "inferenceservices"
 VERSION_ANNOTATION = "nightshift.io/model-version"
+# Knative: the predictor (and version) a canary was started beside, written with the canary, removed with it.
+PREVIOUS_ANNOTATION = "nightshift.io/canary-previous"
 TERMINAL_REASONS = frozenset({"RevisionFailed", "ContainerCreationFailed", "RevisionMissing"})
+CONFLICT_RETRIES = 5  # a 409 from a status write (spec unchanged) is retried on the object read again
+ALIAS_TRIES = 3
 RUNTIME_ENV = "NIGHTSHIFT_KSERVE_RUNTIME"
 DEFAULT_RUNTIME = "nightshift-mlserver-torch"
 STORAGE_MAP_ENV = "NIGHTSHIFT_KSERVE_STORAGE_MAP"
+MODE_ENV = "NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE"
+MODE_ANNOTATION = "serving.kserve.io/deploymentMode"
+CONTAINER_NAME = "kserve-container"  # KServe's predictor container (constants.InferenceServiceContainerName)
+KNATIVE, STANDARD = "Knative", "Standard"
+# KServe's names (pkg/constants: DeploymentModeType): the legacy ones still accepted, read as the current ones.
+MODES = {"Knative": KNATIVE, "Serverless": KNATIVE, "Standard": STANDARD, "RawDeployment": STANDARD,
+         "ModelMesh": "ModelMesh"}
 # What KServe's default storage initializer fetches as a directory (its ClusterStorageContainer's URI
 # formats), and pvc://, which the controller mounts instead. A generic http(s) URL is downloaded as one
 # file or archive, which an MLflow model directory is not.
@@ -64,13 +91,126 @@ def service_name(model_name: str) -> str:
     return name
 
 
+def _check_percent(canary_traffic_percent: int | None) -> None:
+    if canary_traffic_percent is not None and (isinstance(canary_traffic_percent, bool)
+                                               or not isinstance(canary_traffic_percent, int)
+                                               or not 0 <= canary_traffic_percent <= 100):
+        raise UsageError(f"canary_traffic_percent must be an integer within 0..100, got {canary_traffic_percent!r}")
+
+
+def parse_mode(value: str, *, where: str) -> str:
+    """A KServe deployment mode by its current name; an unknown one is a UsageError naming `where`."""
+    mode = MODES.get(value.strip())
+    if mode is None:
+        raise UsageError(f"{where} {value!r} is not a KServe deployment mode; use Standard or Knative (legacy "
+                         f"names RawDeployment, Serverless), as in the cluster's inferenceservice-config ConfigMap "
+                         f"(deploy.defaultDeploymentMode)")
+    return mode
+
+
+def configured_mode() -> str | None:
+    """NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE, checked; None when unset."""
+    value = os.environ.get(MODE_ENV, "").strip()
+    return parse_mode(value, where=MODE_ENV) if value else None
+
+
+def deployment_mode(isvc: dict[str, Any], configured: str | None) -> str:
+    """The mode `isvc` runs in: what the controller recorded in its status, else its annotation, else
+    `configured`; DeploymentFailed when none says."""
+    metadata = isvc.get("metadata") or {}
+    recorded = (isvc.get("status") or {}).get("deploymentMode")
+    annotated = (metadata.get("annotations") or {}).get(MODE_ANNOTATION)
+    for where, value in (("status.deploymentMode", recorded), (f"annotation {MODE_ANNOTATION}", annotated)):
+        if value:
+            mode = MODES.get(str(value))
+            if mode is None:
+                raise DeploymentFailed(f"InferenceService {metadata.get('namespace')}/{metadata.get('name')} has "
+                                       f"{where} {value!r}, a deployment mode this target does not know; it rolls "
+                                       f"out in Standard or Knative mode")
+            return mode
+    if configured:
+        return configured
+    raise DeploymentFailed(f"cannot tell the deployment mode of InferenceService {metadata.get('namespace')}/"
+                           f"{metadata.get('name')} (no status.deploymentMode, no {MODE_ANNOTATION} annotation): set "
+                           f"{MODE_ENV} to Standard or Knative, the cluster's deploy.defaultDeploymentMode in "
+                           f"KServe's inferenceservice-config ConfigMap")
+
+
+def canary_name(version: str, stable_name: str | None) -> str:
+    """The name of the Standard-mode canary predictor of `version` (a DNS label unlike the stable one's)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", f"v{version}".lower()).strip("-")
+    return f"{name}-b" if name == stable_name else name
+
+
+def canary_patch(mode: str, stable: dict[str, Any], uri: str, version: str, percent: int, *,
+                 previous_version: str | None = None) -> dict[str, Any]:
+    """The merge patch that starts `version` (at `uri`) as a canary beside the `stable` predictor (that of
+    `previous_version`). The version annotation is left alone: it names what serves, and changes with the
+    promotion."""
+    _check_percent(percent)
+    if mode == KNATIVE:
+        # The predictor spec is overwritten with the canary's: what to restore is recorded beside it, so that a
+        # re-run after an interrupted canary rolls back to the rolled-out model, not to the canary.
+        record = json.dumps({"version": previous_version, "predictor": stable}, sort_keys=True)
+        return {"metadata": {"annotations": {PREVIOUS_ANNOTATION: record}},
+                "spec": {"predictor": {"canaryTrafficPercent": percent, "model": {"storageUri": uri}}}}
+    # Standard: a whole predictor (KServe overlays it on the stable one); the annotation says Standard, which
+    # KServe's webhook requires of every spec.canary.
+    # The CRD wants the canary model's container name, which KServe's webhook forbids on the stable one.
+    model = {**copy.deepcopy(stable.get("model") or {}), "storageUri": uri, "name": CONTAINER_NAME}
+    predictor = {"name": canary_name(version, stable.get("name")), "model": model}
+    return {"metadata": {"annotations": {MODE_ANNOTATION: STANDARD}},
+            "spec": {"canary": [{"trafficPercent": percent, "predictor": predictor}]}}
+
+
+def promote_patch(mode: str, canary: dict[str, Any], version: str | None = None) -> dict[str, Any]:
+    """The merge patch that makes the canary the only model served (and, given `version`, names it in the
+    version annotation). `canary` is the `spec.canary` entry (Standard) or the patched predictor (Knative)."""
+    annotations: dict[str, str | None] = {VERSION_ANNOTATION: version} if version is not None else {}
+    if mode == KNATIVE:
+        body: dict[str, Any] = {"spec": {"predictor": {"canaryTrafficPercent": None}}}
+        annotations[PREVIOUS_ANNOTATION] = None
+    else:
+        predictor = canary["predictor"]
+        model = {key: value for key, value in predictor["model"].items() if key != "name"}
+        body = {"spec": {"predictor": {"name": predictor["name"], "model": model}, "canary": None}}
+    if annotations:
+        body["metadata"] = {"annotations": annotations}
+    return body
+
+
+def predictor_service(isvc_name: str, predictor_name: str | None) -> str:
+    """The Service (and Deployment) KServe's Standard mode makes for a predictor: `<isvc>-predictor` for the
+    unnamed stable one, `<isvc>-<name>-predictor` for a named one or a canary (KServe's naming,
+    constants.PredictorServiceName and its canary variant)."""
+    return f"{isvc_name}-{predictor_name}-predictor" if predictor_name else f"{isvc_name}-predictor"
+
+
+def canary_url(isvc: dict[str, Any]) -> str | None:
+    """Where a smoke check reaches the canary of `isvc` (the object deploy_kserve hands to `smoke`) on its own:
+    Standard mode, the canary's Service in the namespace (`http://<isvc>-<canary>-predictor.<ns>.svc`: behind a
+    plain Ingress the canary takes no live traffic); Knative, the predictor's `latest`-tagged URL (KServe tags
+    the canary revision), else the service's URL (the split traffic). None when it has no canary."""
+    metadata = isvc.get("metadata") or {}
+    spec = isvc.get("spec") or {}
+    status = isvc.get("status") or {}
+    if spec.get("canary"):
+        service = predictor_service(str(metadata.get("name")), spec["canary"][0]["predictor"]["name"])
+        return f"http://{service}.{metadata.get('namespace')}.svc"
+    if "canaryTrafficPercent" in (spec.get("predictor") or {}):
+        for target in ((status.get("components") or {}).get("predictor") or {}).get("traffic") or []:
+            if target.get("tag") == "latest" and target.get("url"):
+                return str(target["url"])
+        return status.get("url")
+    return None
+
+
 def inference_service(name: str, namespace: str, storage_uri: str, *, model_version: str,
                       canary_traffic_percent: int | None = None, service_account: str | None = None,
                       labels: dict[str, str] | None = None, resources: dict[str, Any] | None = None,
-                      runtime: str | None = None) -> dict[str, Any]:
+                      runtime: str | None = None, deployment_mode: str | None = None) -> dict[str, Any]:
     """The InferenceService manifest: an MLflow-format predictor (Open Inference Protocol v2)."""
-    if canary_traffic_percent is not None and not 0 <= canary_traffic_percent <= 100:
-        raise UsageError(f"canary_traffic_percent must be within 0..100, got {canary_traffic_percent}")
+    _check_percent(canary_traffic_percent)
     model: dict[str, Any] = {"modelFormat": {"name": "mlflow"}, "protocolVersion": "v2",
                              "storageUri": storage_uri}
     if runtime:
@@ -82,12 +222,15 @@ def inference_service(name: str, namespace: str, storage_uri: str, *, model_vers
         predictor["canaryTrafficPercent"] = canary_traffic_percent
     if service_account:
         predictor["serviceAccountName"] = service_account
+    annotations = {VERSION_ANNOTATION: model_version}
+    if deployment_mode:
+        annotations[MODE_ANNOTATION] = deployment_mode
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "InferenceService",
         "metadata": {"name": name, "namespace": namespace,
                      "labels": {"app.kubernetes.io/managed-by": "nightshift", **(labels or {})},
-                     "annotations": {VERSION_ANNOTATION: model_version}},
+                     "annotations": annotations},
         "spec": {"predictor": predictor},
     }
 
@@ -154,6 +297,27 @@ def default_runtime() -> str | None:
     return value or None
 
 
+class InferenceServiceChanged(DeploymentFailed):
+    """The InferenceService's spec changed under this rollout (another deploy): it stops and undoes nothing."""
+
+
+def _describe(obj: dict[str, Any]) -> str:
+    """What an InferenceService's spec runs, in a few words."""
+    spec = obj.get("spec") or {}
+    predictor = spec.get("predictor") or {}
+    text = f"storageUri {(predictor.get('model') or {}).get('storageUri')}"
+    if "canaryTrafficPercent" in predictor:
+        text += f" at canaryTrafficPercent {predictor['canaryTrafficPercent']}"
+    for entry in spec.get("canary") or []:
+        model = (entry.get("predictor") or {}).get("model") or {}
+        text += f", canary {model.get('storageUri')} at {entry.get('trafficPercent')} %"
+    return text
+
+
+def _condition_map(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c.get("type"): c for c in status.get("conditions") or []}
+
+
 @dataclass
 class InferenceServiceClient:
     """Get/create/patch/delete/wait for one InferenceService through a CustomObjectsApi-like `api`."""
@@ -187,11 +351,31 @@ class InferenceServiceClient:
                     return existing, False
             raise self._failed("creating", err) from err
 
-    def patch(self, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return dict(self.api.patch_namespaced_custom_object(*self._args(), self.name, body))
-        except Exception as err:
-            raise self._failed("patching", err) from err
+    def patch(self, body: dict[str, Any], based_on: dict[str, Any]) -> dict[str, Any]:
+        """Apply merge patch `body` to the object as read in `based_on`, guarded by its resourceVersion: the API
+        server answers 409 when anything wrote the object since. A conflict from a write that left the spec as
+        `based_on` has it (the controller's status) is retried on the object read again; a changed spec (another
+        rollout) raises InferenceServiceChanged and patches nothing."""
+        current = based_on
+        for _ in range(CONFLICT_RETRIES):
+            guarded = copy.deepcopy(body)
+            resource_version = (current.get("metadata") or {}).get("resourceVersion")
+            if resource_version is not None:
+                guarded.setdefault("metadata", {})["resourceVersion"] = resource_version
+            try:
+                return dict(self.api.patch_namespaced_custom_object(*self._args(), self.name, guarded))
+            except Exception as err:
+                if _status(err) != 409:
+                    raise self._failed("patching", err) from err
+                latest = self.get()
+                if latest is None:
+                    raise DeploymentFailed(f"InferenceService {self.namespace}/{self.name} was deleted during the "
+                                           f"rollout") from err
+                if latest.get("spec") != based_on.get("spec"):
+                    raise self._changed(latest) from err
+                current = latest
+        raise DeploymentFailed(f"patching InferenceService {self.namespace}/{self.name} kept conflicting with other "
+                               f"writes ({CONFLICT_RETRIES} tries)")
 
     def delete(self) -> None:
         try:
@@ -205,8 +389,23 @@ class InferenceServiceClient:
         return DeploymentFailed(f"{what} InferenceService {self.namespace}/{self.name} failed"
                                 f"{f' (HTTP {code})' if code else ''}: {getattr(err, 'reason', None) or err}")
 
-    def wait_ready(self, generation: int, timeout: float) -> dict[str, Any]:
-        """Wait until the service has observed `generation`, is Ready, and its latest revision is ready."""
+    def _changed(self, latest: dict[str, Any]) -> InferenceServiceChanged:
+        return InferenceServiceChanged(f"InferenceService {self.namespace}/{self.name} was changed by another "
+                                       f"rollout meanwhile (it now runs {_describe(latest)})")
+
+    def wait_ready(self, written: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Wait until the service serves the spec of `written` (the object a write of this rollout returned, or
+        the one read when nothing was written); the Ready object.
+
+        Knative: the service observed that generation, is Ready, and its latest revision is ready. Standard
+        (raw Deployments): generations say nothing there (status.observedGeneration is the stable Deployment's),
+        so the status must name the expected predictor's Service as the one available (its url is set only
+        while that Deployment is Available) and Ready, and each canary of the spec must be ready by name.
+        A spec other than `written`'s (another rollout) raises InferenceServiceChanged."""
+        spec = written.get("spec") or {}
+        generation = _generation(written)
+        stable = predictor_service(self.name, (spec.get("predictor") or {}).get("name"))
+        canaries = [entry["predictor"]["name"] for entry in spec.get("canary") or []]
         deadline = self.clock() + timeout
         last = "no status yet"
         while True:
@@ -214,31 +413,99 @@ class InferenceServiceClient:
             if obj is None:
                 raise DeploymentFailed(f"InferenceService {self.namespace}/{self.name} disappeared while "
                                        f"waiting for it to become Ready")
+            if (obj.get("spec") or {}) != spec:
+                raise self._changed(obj)
             status = obj.get("status") or {}
-            conditions = {c.get("type"): c for c in status.get("conditions") or []}
-            ready = conditions.get("Ready", {})
-            predictor = (status.get("components") or {}).get("predictor") or {}
-            observed = int(status.get("observedGeneration") or 0)
-            if observed >= generation:
+            conditions = _condition_map(status)
+            failing = [c for c in conditions.values()
+                       if c.get("status") == "False" and c.get("reason") in TERMINAL_REASONS]
+            if failing:
+                c = failing[0]
+                raise DeploymentFailed(f"InferenceService {self.namespace}/{self.name} failed: "
+                                       f"{c.get('type')} {c.get('reason')}: {c.get('message', '')}")
+            mode = MODES.get(str(status.get("deploymentMode") or ""))
+            if mode == STANDARD:
+                ready, last = self._standard_ready(status, conditions, stable, canaries)
+            elif mode is not None and int(status.get("observedGeneration") or 0) >= generation:
+                predictor = (status.get("components") or {}).get("predictor") or {}
                 created = predictor.get("latestCreatedRevision")
-                revision_ready = created is None or created == predictor.get("latestReadyRevision")
-                if ready.get("status") == "True" and revision_ready:
-                    return obj
-                failing = [c for c in conditions.values()
-                           if c.get("status") == "False" and c.get("reason") in TERMINAL_REASONS]
-                if failing:
-                    c = failing[0]
-                    raise DeploymentFailed(f"InferenceService {self.namespace}/{self.name} failed: "
-                                           f"{c.get('type')} {c.get('reason')}: {c.get('message', '')}")
-                last = f"Ready={ready.get('status', 'Unknown')} {ready.get('reason', '')}".strip()
+                ready = conditions.get("Ready", {}).get("status") == "True" and (
+                    created is None or created == predictor.get("latestReadyRevision"))
+                last = f"Ready={conditions.get('Ready', {}).get('status', 'Unknown')} " \
+                       f"{conditions.get('Ready', {}).get('reason', '')}".strip()
+                if conditions.get("Ready", {}).get("status") == "True" and not ready:
+                    last = f"revision {created} not ready"
+            else:
+                ready = False
+            if ready:
+                return obj
             if self.clock() >= deadline:
                 raise DeploymentFailed(f"InferenceService {self.namespace}/{self.name} not Ready within "
                                        f"{timeout:.0f}s (last: {last})")
             self.sleep(self.poll_interval)
 
+    @staticmethod
+    def _standard_ready(status: dict[str, Any], conditions: dict[str, dict[str, Any]], stable: str,
+                        canaries: list[str]) -> tuple[bool, str]:
+        url = str(((status.get("components") or {}).get("predictor") or {}).get("url") or "")
+        host = urlsplit(url).hostname or ""
+        if not (host == stable or host.startswith((f"{stable}.", f"{stable}-"))):
+            return False, f"predictor {stable} not available (status names {host or 'no available predictor'})"
+        ready = conditions.get("Ready", {})
+        if ready.get("status") != "True":
+            return False, f"Ready={ready.get('status', 'Unknown')} {ready.get('reason', '')}".strip()
+        statuses = {c.get("name"): c for c in status.get("canaryStatuses") or []}
+        for name in canaries:
+            if statuses.get(name, {}).get("ready") is not True \
+                    or conditions.get("CanaryPredictorReady", {}).get("status") != "True":
+                reason = conditions.get("CanaryPredictorReady", {}).get("reason", "no canary status yet")
+                return False, f"canary {name} not ready: {reason}"
+        return True, "Ready"
+
 
 def _generation(obj: dict[str, Any]) -> int:
     return int((obj.get("metadata") or {}).get("generation") or 1)
+
+
+def _previous(existing: dict[str, Any], mode: str) -> tuple[dict[str, Any], str | None]:
+    """The predictor that serves beside any canary, and its version: the stable predictor (Standard, whose
+    canary is apart in spec.canary); Knative, the predictor spec, or, while it carries canaryTrafficPercent (a
+    canary left by an interrupted or concurrent rollout), the rolled-out one recorded with that canary."""
+    metadata = existing.get("metadata") or {}
+    annotations = metadata.get("annotations") or {}
+    predictor = copy.deepcopy((existing.get("spec") or {}).get("predictor") or {})
+    version = annotations.get(VERSION_ANNOTATION)
+    if mode != KNATIVE or "canaryTrafficPercent" not in predictor:
+        return predictor, version
+    try:
+        record = json.loads(annotations[PREVIOUS_ANNOTATION])
+        return dict(record["predictor"]), record.get("version")
+    except (KeyError, TypeError, ValueError) as err:
+        raise DeploymentFailed(
+            f"InferenceService {metadata.get('namespace')}/{metadata.get('name')} runs a canary "
+            f"({_describe(existing)}) with no record ({PREVIOUS_ANNOTATION}) of the predictor it was rolled out "
+            f"beside, so a rollback could not restore it; finish or undo that rollout first (remove "
+            f"canaryTrafficPercent, or set the previous storageUri back)") from err
+
+
+def _promoted(obj: dict[str, Any] | None, mode: str, uri: str, entry: dict[str, Any] | None) -> bool:
+    """Whether `obj` holds the promotion of the canary (a promotion patch that failed may have landed)."""
+    spec = (obj or {}).get("spec") or {}
+    predictor = spec.get("predictor") or {}
+    if mode == KNATIVE:
+        return "canaryTrafficPercent" not in predictor and (predictor.get("model") or {}).get("storageUri") == uri
+    return not spec.get("canary") and entry is not None and predictor.get("name") == entry["predictor"]["name"]
+
+
+def _move_champion(model_name: str, version: str, sleep: Callable[[float], None], pause: float) -> None:
+    for attempt in range(1, ALIAS_TRIES + 1):
+        try:
+            registry.set_alias(model_name, registry.CHAMPION, version)
+            return
+        except Exception:
+            if attempt == ALIAS_TRIES:
+                raise
+            sleep(pause)
 
 
 def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | None = None,
@@ -252,10 +519,18 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
     `storage` overrides the storage URI read from the registry (e.g. an s3:// mirror of the artifacts);
     either must be one KServe can fetch (see `kserve_storage_uri`), else DeploymentFailed before any API
     call. `runtime` names the ServingRuntime (default: `default_runtime()`).
-    `smoke(isvc)` may check the canary (it gets the Ready object; raise to reject).
+    `smoke(isvc)` may check the canary: it gets the Ready object, and `canary_url(isvc)` says where the canary
+    answers on its own (raise to reject).
+    Every patch is guarded by the resourceVersion it was based on; a rollout whose service another rollout
+    changed meanwhile stops and undoes nothing. Before promotion a failure rolls back (the previous model kept
+    serving); once the promotion landed, nothing is undone (the previous predictor no longer runs): a failure
+    to become Ready or to move @champion is raised naming that state.
     Returns {"target": "kserve", "status": "created" | "promoted" | "already_serving", "model_name",
-    "version", "name", "namespace", "storage_uri", "url", "previous_version"}.
+    "version", "name", "namespace", "storage_uri", "url", "previous_version", "deployment_mode"} (the mode
+    is None for a service just created without NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE: the cluster's default).
     """
+    _check_percent(canary_traffic_percent)
+    configured = configured_mode()
     if version is None:
         selected = registry.version_by_alias(model_name, alias)
         if selected is None:
@@ -272,11 +547,12 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
     if existing is None:
         body = inference_service(isvc.name, namespace, uri, model_version=version,
                                  service_account=service_account,
-                                 runtime=default_runtime() if runtime is None else runtime)
+                                 runtime=default_runtime() if runtime is None else runtime,
+                                 deployment_mode=configured)
         obj, created = isvc.create(body)
         if created:
             try:
-                ready = isvc.wait_ready(_generation(obj), timeout)
+                ready = isvc.wait_ready(obj, timeout)
                 if smoke:
                     smoke(ready)
                 registry.set_alias(model_name, registry.CHAMPION, version)
@@ -285,43 +561,110 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
                 raise DeploymentFailed(f"{model_name} v{version} not deployed to KServe: {err}; the "
                                        f"InferenceService it created was deleted") from err
             return {**result, "status": "created", "url": (ready.get("status") or {}).get("url"),
-                    "previous_version": None}
+                    "previous_version": None, "deployment_mode": configured}
         existing = obj
 
-    old_predictor = copy.deepcopy((existing.get("spec") or {}).get("predictor") or {})
-    old_version = ((existing.get("metadata") or {}).get("annotations") or {}).get(VERSION_ANNOTATION)
-    old_uri = (old_predictor.get("model") or {}).get("storageUri")
-    if old_uri == uri and "canaryTrafficPercent" not in old_predictor:
-        ready = isvc.wait_ready(_generation(existing), timeout)
+    mode = deployment_mode(existing, configured)
+    if mode not in {KNATIVE, STANDARD}:
+        raise DeploymentFailed(f"deploy_target=kserve refused: InferenceService {namespace}/{isvc.name} runs in "
+                               f"deployment mode {mode}, which has no canary rollout (Knative: canaryTrafficPercent; "
+                               f"Standard: spec.canary); serve {model_name} from a Standard or Knative "
+                               f"InferenceService (another name), or use deploy_target=local")
+    result["deployment_mode"] = mode
+    old_predictor, old_version = _previous(existing, mode)
+    if (old_predictor.get("model") or {}).get("storageUri") == uri:
+        serving = _already_serving(isvc, existing, mode, old_predictor, version, timeout)
         registry.set_alias(model_name, registry.CHAMPION, version)
-        return {**result, "status": "already_serving", "url": (ready.get("status") or {}).get("url"),
-                "previous_version": old_version}
+        return {**result, **serving, "previous_version": old_version}
 
-    canary = {"metadata": {"annotations": {VERSION_ANNOTATION: version}},
-              "spec": {"predictor": {"canaryTrafficPercent": canary_traffic_percent,
-                                     "model": {"storageUri": uri}}}}
+    canary = canary_patch(mode, old_predictor, uri, version, canary_traffic_percent, previous_version=old_version)
+    entry = canary["spec"].get("canary", [None])[0]
     try:
-        patched = isvc.patch(canary)
-        ready = isvc.wait_ready(_generation(patched), timeout)
+        ours = isvc.patch(canary, existing)
+    except DeploymentFailed as err:
+        raise DeploymentFailed(f"{model_name} v{version} not deployed to KServe: starting its canary failed: {err}; "
+                               f"nothing was changed") from err
+    try:
+        ready = isvc.wait_ready(ours, timeout)
         if smoke:
             smoke(ready)
-        promoted = isvc.patch({"spec": {"predictor": {"canaryTrafficPercent": None}}})
-        ready = isvc.wait_ready(_generation(promoted), timeout)
-        registry.set_alias(model_name, registry.CHAMPION, version)
     except Exception as err:
-        rollback = _rollback(isvc, old_predictor, old_version)
+        rollback = _rollback(isvc, ours, old_predictor, old_version, mode, timeout)
         raise DeploymentFailed(f"{model_name} v{version} not promoted on KServe: {err}; {rollback}") from err
+    try:
+        promoted = isvc.patch(promote_patch(mode, entry or {}, version), ready)
+    except DeploymentFailed as err:
+        landed = None if isinstance(err, InferenceServiceChanged) else isvc.get()
+        if not _promoted(landed, mode, uri, entry):
+            rollback = ("this rollout undid nothing" if isinstance(err, InferenceServiceChanged)
+                        else _rollback(isvc, ours, old_predictor, old_version, mode, timeout))
+            raise DeploymentFailed(f"{model_name} v{version} not promoted on KServe: {err}; {rollback}") from err
+        assert landed is not None
+        promoted = landed
+    # The promotion landed: v<version> serves everyone and the previous predictor no longer runs (Standard:
+    # its Deployment is deleted). Undoing that would leave the service answering from nothing while the old
+    # model starts again, so from here a failure is reported, not rolled back.
+    where = f"InferenceService {namespace}/{isvc.name}"
+    try:
+        ready = isvc.wait_ready(promoted, timeout)
+    except DeploymentFailed as err:
+        raise DeploymentFailed(f"{model_name} v{version} was promoted on {where} after its canary passed, but: "
+                               f"{err}. Not rolled back (the previous predictor no longer runs); @champion still "
+                               f"names v{old_version}. To go back, deploy v{old_version} again (it runs as a "
+                               f"canary first)") from err
+    try:
+        _move_champion(model_name, version, sleep, poll_interval)
+    except Exception as err:
+        raise DeploymentFailed(f"{model_name} v{version} serves on {where} (promoted after its canary passed), but "
+                               f"moving @champion to it failed {ALIAS_TRIES} times: {err}. @champion still names "
+                               f"v{old_version}, which no longer serves; the promotion was kept (undoing it would "
+                               f"leave nothing serving while v{old_version} starts again). Deploy v{version} again "
+                               f"once the registry answers: it finds v{version} serving and moves @champion") from err
     return {**result, "status": "promoted", "url": (ready.get("status") or {}).get("url"),
             "previous_version": old_version}
 
 
-def _rollback(isvc: InferenceServiceClient, old_predictor: dict[str, Any], old_version: str | None) -> str:
-    """Put the previous predictor spec back (every field the canary patch touched), pinned at 100 %."""
+def _already_serving(isvc: InferenceServiceClient, existing: dict[str, Any], mode: str,
+                     serving: dict[str, Any], version: str, timeout: float) -> dict[str, Any]:
+    """The model already serves: remove a canary an interrupted rollout left beside it, make the version
+    annotation name it, wait until it is Ready."""
+    spec = existing.get("spec") or {}
+    annotations = (existing.get("metadata") or {}).get("annotations") or {}
+    body: dict[str, Any] = {}
+    if mode == STANDARD and spec.get("canary"):
+        body["spec"] = {"canary": None}
+    if mode == KNATIVE and "canaryTrafficPercent" in (spec.get("predictor") or {}):
+        body = _restore_body(serving, mode)
+    if annotations.get(VERSION_ANNOTATION) != version:
+        body.setdefault("metadata", {}).setdefault("annotations", {})[VERSION_ANNOTATION] = version
+    written = isvc.patch(body, existing) if body else existing
+    ready = isvc.wait_ready(written, timeout)
+    return {"status": "already_serving", "url": (ready.get("status") or {}).get("url")}
+
+
+def _restore_body(old_predictor: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The merge patch that leaves the previous predictor serving alone: Standard, spec.canary removed (the
+    stable predictor was never touched); Knative, the previous predictor spec put back (every field the canary
+    patch touched) with no canaryTrafficPercent."""
+    if mode != KNATIVE:
+        return {"spec": {"canary": None}}
     restore = copy.deepcopy(old_predictor)
     restore.setdefault("canaryTrafficPercent", None)
+    return {"metadata": {"annotations": {PREVIOUS_ANNOTATION: None}}, "spec": {"predictor": restore}}
+
+
+def _rollback(isvc: InferenceServiceClient, ours: dict[str, Any], old_predictor: dict[str, Any],
+              old_version: str | None, mode: str, timeout: float) -> str:
+    """Remove this rollout's canary, only while the service still holds it (the patch is guarded by `ours`, the
+    object the canary patch returned), and wait until the previous predictor is Ready alone."""
     try:
-        isvc.patch({"metadata": {"annotations": {VERSION_ANNOTATION: old_version}},
-                    "spec": {"predictor": restore}})
+        restored = isvc.patch(_restore_body(old_predictor, mode), ours)
+    except InferenceServiceChanged as err:
+        return f"not rolled back: {err}; that rollout's state was left alone"
     except DeploymentFailed as err:
-        return f"ROLLBACK FAILED ({err}): restore {isvc.namespace}/{isvc.name} by hand"
-    return f"rolled back to v{old_version}, whose revision kept serving; @champion did not move"
+        return f"ROLLBACK FAILED ({err}): remove the canary of {isvc.namespace}/{isvc.name} by hand"
+    try:
+        isvc.wait_ready(restored, timeout)
+    except DeploymentFailed as err:
+        return f"rolled back to v{old_version}, but: {err}; @champion did not move"
+    return f"rolled back to v{old_version}, which kept serving; @champion did not move"

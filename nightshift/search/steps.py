@@ -12,7 +12,6 @@ pruned trial into skipped tasks.
 from __future__ import annotations
 
 import fcntl
-import re
 import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,7 +69,9 @@ def resolve_data(data_source: str | None) -> Path:
 
 
 def default_study_name(dag_id: str, run_id: str) -> str:
-    return f"{dag_id}__{re.sub(r'[^A-Za-z0-9_.=@-]', '_', run_id)}"
+    from nightshift.fsutil import safe_name
+
+    return f"{dag_id}__{safe_name(run_id)}"
 
 
 def prepare(params: dict[str, Any], *, dag_id: str, run_id: str, storage: str | None) -> dict[str, Any]:

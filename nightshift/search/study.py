@@ -101,10 +101,9 @@ def default_storage() -> str:
 
 def study_dir(study: str) -> Path:
     """The folder of `study` under NIGHTSHIFT_HOME/search: its trials' outputs and its report page."""
-    name = study.replace("/", "_").replace("\x00", "_")
-    if not name.strip("."):  # "", "." or "..": never the search folder itself or its parent
-        name = "_" + name
-    return nightshift_settings.home() / "search" / name
+    from nightshift.fsutil import safe_name
+
+    return nightshift_settings.home() / "search" / safe_name(study)  # injective: never another study's folder
 
 
 def check_storage(url: str) -> str:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process we own. `url` holds the password when there is one: never print it."""
 
-    def __init__(self, data_dir: Path, *, password: str | None = None, appendfsync: str = "everysec") -> None:
+    def __init__(self, data_dir: Path, *, password: str | None = None, appendfsync: str = "everysec",
+                 extra_config: Sequence[str] = ()) -> None:
         if REDIS_SERVER is None:
             raise FileNotFoundError(MISSING)
         self.data_dir = data_dir
@@ -59,6 +61,7 @@ class RedisServer:
         ]
         if password:
             lines.append(f"requirepass {password}")
+        lines.extend(extra_config)  # e.g. "maxmemory 1mb", "replicaof 127.0.0.1 PORT"
         self.config_path.write_text("\n".join(lines) + "\n")
         self.config_path.chmod(0o600)
 

@@ -3,7 +3,9 @@ its own input validation (`TorchTableClassifier.validate`) deciding which rows a
 
 A batch is validated once as a whole (inside the pyfunc's predict); only when that fails is each row
 validated alone, so that the bad ones go to the dead-letter stream with the served model's own message
-and the others are still scored.
+and the others are still scored. When the rows that passed validation still cannot be scored, the fault is
+the model's or the machine's (out of memory, a broken version), not theirs: `score` raises ModelFailure
+and the consumer leaves them pending for a retry.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from nightshift.stream.errors import NoChampion
+from nightshift.stream.errors import ModelFailure, NoChampion
 from nightshift.stream.records import InputRow, Rejected
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,8 @@ class VersionScorer:
         return [int(v) for v in out[self.prediction_column].to_numpy()]
 
     def score(self, rows: list[InputRow]) -> Scored:
-        """Predicted labels for the rows the served model accepts; the others rejected with its reason."""
+        """Predicted labels for the rows the served model accepts; the others rejected with its reason.
+        Raises ModelFailure when the model fails on rows its validation accepted."""
         if not rows:
             return Scored([], [], [])
         complete = [r for r in rows if r.complete]
@@ -86,7 +89,10 @@ class VersionScorer:
             frame = pd.DataFrame([row.features])
             try:
                 self.classifier.validate(frame)
-            except Exception as err:
+            except MemoryError as err:
+                raise ModelFailure(f"{self.model_name} v{self.version}: out of memory validating one row",
+                                   rejected=rejected, valid=good) from err
+            except Exception as err:  # the served model's own verdict on this row
                 rejected.append(Rejected(row.entry_id, row.input_id, _message(err), row.raw_text))
                 continue
             if not row.complete:  # validate accepted a row with a column missing: cannot happen, but be explicit
@@ -98,9 +104,19 @@ class VersionScorer:
         try:
             labels = self.predict_labels(self._frame(good))
         except Exception as err:
-            reason = f"the model could not score it ({type(err).__name__}: {_message(err)[:300]})"
-            return Scored([], [], rejected + [Rejected(r.entry_id, r.input_id, reason, r.raw_text) for r in good])
+            raise ModelFailure(f"{self.model_name} v{self.version} failed on {len(good)} valid inputs "
+                               f"({type(err).__name__}: {_message(err)[:300]})", rejected=rejected,
+                               valid=good) from err
         return Scored(good, labels, rejected)
+
+    def predict_valid(self, rows: list[InputRow]) -> list[int]:
+        """Labels for rows validation already accepted (a batch being bisected after a failure); ModelFailure
+        when predict raises."""
+        try:
+            return self.predict_labels(self._frame(rows))
+        except Exception as err:
+            raise ModelFailure(f"{self.model_name} v{self.version} failed on {len(rows)} valid inputs "
+                               f"({type(err).__name__}: {_message(err)[:300]})") from err
 
 
 def champion_version(model_name: str) -> str:

@@ -25,7 +25,7 @@ RUN_RECORD = "mlflow_run.json"
 
 
 def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kwargs: dict[str, Any],
-                       dataset: str, params: dict[str, Any]) -> Path:
+                       dataset: str, params: dict[str, Any], train_key: str | None = None) -> Path:
     """Write the weights, then the description that makes them loadable; return the weights' path."""
     import io
 
@@ -42,6 +42,8 @@ def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kw
         "num_classes": model_kwargs.get("num_classes"),
         "params": params,
     }
+    if train_key:  # the digest of the resume key: data version, code version, parameters, world size, device
+        info["train_key"] = train_key
     atomic_write_json(out / MODEL_INFO, info)
     return out / MODEL_FILE
 

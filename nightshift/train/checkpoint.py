@@ -12,8 +12,9 @@ import hashlib
 import io
 import logging
 import re
+import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ FORMAT = "nightshift-checkpoint/1"
 REQUIRED_KEYS = ("format", "step", "epoch", "resume_key", "model", "optimizer", "scheduler", "rng")
 _NAME = re.compile(r"^ckpt-(?P<step>\d{10})-(?P<digest>[0-9a-f]{16})\.pt$")
 _HASH_PREFIX = 16
+SUPERSEDED = "superseded"  # checkpoints written for other training, set aside (CheckpointStore.set_aside)
+KEEP_SET_ASIDE = 3
 
 
 @dataclass(frozen=True, order=True)
@@ -88,6 +91,32 @@ class CheckpointStore:
         for old in self.files()[: -self.keep]:
             old.path.unlink(missing_ok=True)
 
+    def set_aside(self, paths: list[Path] | None = None) -> Path:
+        """Move `paths` (default: every checkpoint and half-written file of this directory) into
+        `superseded/<UTC time>/` and return that directory, keeping the newest KEEP_SET_ASIDE such folders.
+        Used for checkpoints written for other training: never resumed, but kept for a person to look at."""
+        from datetime import UTC, datetime
+
+        parent = self.directory / SUPERSEDED
+        aside = parent / datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        aside.mkdir(parents=True, exist_ok=False)
+        if paths is None:
+            paths = [p for p in self.directory.iterdir()
+                     if _NAME.match(p.name) or (p.name.startswith(".ckpt-") and p.name.endswith(".tmp"))]
+        for path in paths:
+            path.rename(aside / path.name)
+        for older in sorted(p for p in parent.iterdir() if p.is_dir())[:-KEEP_SET_ASIDE]:
+            shutil.rmtree(older, ignore_errors=True)
+        return aside
+
+    def valid_newest_first(self) -> Iterator[tuple[CheckpointFile, dict[str, Any]]]:
+        """Every checkpoint that loads, newest first, skipping (with a warning naming it) any that does not."""
+        for checkpoint in reversed(self.files()):
+            try:
+                yield checkpoint, self.load(checkpoint)
+            except CheckpointCorrupt as err:
+                log.warning("skipping checkpoint: %s", err)
+
     def remove_temporaries(self) -> None:
         """Delete half-written files a killed writer left behind."""
         if self.directory.is_dir():
@@ -117,12 +146,7 @@ class CheckpointStore:
 
     def latest_valid(self) -> tuple[CheckpointFile, dict[str, Any]] | None:
         """The newest checkpoint that loads, skipping (with a warning naming it) any that do not."""
-        for checkpoint in reversed(self.files()):
-            try:
-                return checkpoint, self.load(checkpoint)
-            except CheckpointCorrupt as err:
-                log.warning("skipping checkpoint: %s", err)
-        return None
+        return next(self.valid_newest_first(), None)
 
 
 def snapshot(value: Any) -> Any:

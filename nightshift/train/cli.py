@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"bf16/fp16: autocast (fp16 with loss scaling) ({d.precision})")
     parser.add_argument("--compression", choices=COMPRESSIONS, default=d.compression,
                         help=f"gradient compression for the allreduce ({d.compression})")
+    parser.add_argument("--code-version", default="",
+                        help="the code version this run trains with (part of the checkpoints' resume key); "
+                             "default: nightshift.ledger.code_version() (git commit, or a hash of the sources)")
     parser.add_argument("--mlflow-experiment", default=None, help="log the run to this MLflow experiment")
     parser.add_argument("--mlflow-run-name", default=None)
     parser.add_argument("--tag", dest="tags", type=_tag, action="append", default=[], help="KEY=VALUE MLflow tag")
@@ -70,7 +73,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr, momentum=args.momentum, seed=args.seed, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, log_every=args.log_every, threads=args.threads,
         device=args.device, precision=args.precision, compression=args.compression,
-        mlflow_experiment=args.mlflow_experiment, mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
+        code_version=args.code_version, mlflow_experiment=args.mlflow_experiment,
+        mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
         search_storage=args.search_storage, search_study=args.search_study, search_trial=args.search_trial,
     )
 
@@ -85,8 +89,18 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
     from nightshift.models import MODELS
 
     MODELS.get(config.model)  # fail on an unknown model before any process group exists
+    from nightshift.errors import DataError
+    from nightshift.train.config import data_digest
+
+    # The data's content hash, before and after reading it: the resume key and the MLflow run must name the
+    # bytes the model was trained on, so files that change while they are read fail the run, not mislabel it.
+    before = data_digest(config.data)
     train = load_split(config.dataset, config.data, "train")
     validation = load_split(config.dataset, config.data, "validation")
+    config = config.with_identity()
+    if config.data_version != before:
+        raise DataError(f"the files under --data {config.data} changed while the trainer read them ({before} "
+                        f"before, {config.data_version} after); stage the data again and re-run")
 
     import horovod.torch as hvd
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,14 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16")
 
 # Fields that must match between a checkpoint and the run resuming from it: anything else would
-# make the resumed run silently differ from the uninterrupted one. `device` enters the key resolved
-# ("cpu" or "cuda", never "auto"): CPU and GPU kernels round differently, so a checkpoint written on
-# one is refused on the other. The torch thread count is not in the key; see `threads_on_resume`.
-RESUME_FIELDS = ("model", "model_kwargs", "dataset", "batch_size", "lr", "momentum", "epochs", "seed",
-                 "device", "precision", "compression")
+# make the resumed run silently differ from the uninterrupted one, or hand back a model trained on
+# other data. `data_version` is the content hash of the data directory's files (never its path: a DAG
+# run cleared after its data was fixed reads new bytes from the same place) and `code_version` the code
+# that trains. `device` enters the key resolved ("cpu" or "cuda", never "auto"): CPU and GPU kernels
+# round differently. A checkpoint whose key differs is set aside and the run trains from step 0. The
+# torch thread count is not in the key; see `threads_conflict`.
+RESUME_FIELDS = ("model", "model_kwargs", "dataset", "data_version", "code_version", "trainer_code", "batch_size",
+                 "lr", "momentum", "epochs", "seed", "device", "precision", "compression")
 
 
 @dataclass
@@ -42,6 +46,13 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "fp32"
     compression: str = "none"
+    # Filled by `with_identity` before training (the content hash of `data`, `nightshift.ledger.code_version`)
+    # unless given (`--code-version`: the DAG run's code version, which every try of the run shares).
+    data_version: str = ""
+    code_version: str = ""
+    # Always recomputed by `with_identity`: a hash of the `nightshift` sources this process trains with (on
+    # Kubernetes the trainer image's, which `--code-version`, the Airflow side's commit, does not describe).
+    trainer_code: str = ""
     mlflow_experiment: str | None = None
     mlflow_run_name: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
@@ -79,6 +90,19 @@ class TrainConfig:
         if self.search_trial is not None and (not isinstance(self.search_trial, int) or self.search_trial < 0):
             raise UsageError(f"--search-trial must be a trial number >= 0, got {self.search_trial!r}")
 
+    def with_identity(self) -> TrainConfig:
+        """This config with `data_version` (always recomputed from the bytes) and `code_version` resolved."""
+        from nightshift.ledger import code_version, source_digest
+
+        return replace(self, data_version=data_digest(self.data), code_version=self.code_version or code_version(),
+                       trainer_code=source_digest(paths=("nightshift",)))
+
+    def train_key(self, world_size: int, device: str) -> str:
+        """A short digest of the resume key: what an MLflow run records, so that a run trained on other
+        data, code or parameters is never reused in its place."""
+        blob = json.dumps(self.resume_key(world_size, device), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
     def resume_key(self, world_size: int, device: str) -> dict[str, Any]:
         """What a checkpoint must agree with for a resume to be exact, on `device` ("cpu" or "cuda")."""
         if device not in ("cpu", "cuda"):
@@ -113,3 +137,37 @@ class TrainConfig:
         for key in ("search_storage", "search_study", "search_trial"):  # where to report, not how to train
             del out[key]
         return out
+
+
+def data_digest(data: str | Path) -> str:
+    """The content hash of a data directory: every regular file below it, symlinked directories followed
+    (hidden names skipped), by relative path, size and bytes. The same files give the same digest wherever
+    they lie."""
+    root = Path(data)
+    if not root.exists():
+        raise UsageError(f"--data {root} does not exist")
+    if not root.is_dir():
+        raise UsageError(f"--data {root} is not a directory")
+    files: list[tuple[str, Path]] = []
+    seen: set[tuple[int, int]] = set()
+    for here, dirs, names in os.walk(root, followlinks=True):
+        info = os.stat(here)
+        if (info.st_dev, info.st_ino) in seen:  # a link loop: that directory was walked already
+            dirs[:] = []
+            continue
+        seen.add((info.st_dev, info.st_ino))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            path = Path(here) / name
+            if not name.startswith(".") and path.is_file():
+                files.append((path.relative_to(root).as_posix(), path))
+    if not files:
+        raise UsageError(f"--data {root} holds no files")
+    digest = hashlib.sha256()
+    for relative, path in sorted(files):
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            digest.update(f"{relative}\0{size}\0".encode())
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"

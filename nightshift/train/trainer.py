@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -166,22 +167,40 @@ class Trainer:
         self.checkpoint_seconds += time.perf_counter() - started
 
     def _find_checkpoint(self) -> dict[str, Any]:
-        """Rank 0's verdict on the checkpoint directory, to be broadcast to every rank."""
+        """Rank 0's verdict on the checkpoint directory, to be broadcast to every rank.
+
+        The newest valid checkpoint whose resume key matches is resumed. A checkpoint written for other
+        training (other data bytes, code, parameters, world size, device or an explicit thread count: a DAG
+        run cleared after its data or best.json changed, or a stale writer) is never resumed: such
+        checkpoints are set aside, saying so, and a run with no matching one trains from step 0."""
         self.store.remove_temporaries()
-        found = self.store.latest_valid()
-        if found is None:
-            return {}
-        checkpoint, state = found
         expected = self.config.resume_key(self.size, self.device.type)
-        diff = sorted(k for k in expected if state["resume_key"].get(k) != expected[k])
-        details = [f"{k}: {state['resume_key'].get(k)!r} there, {expected[k]!r} here" for k in diff]
-        threads = self.config.threads_conflict(list(state.get("threads", [])))
-        if threads:
-            details.append(threads)
-        if details:
-            return {"error": f"{checkpoint.path} was written by a different configuration ({', '.join(details)}); "
-                             f"resume with the same arguments or use a new --checkpoint-dir"}
-        return {"state": state, "path": str(checkpoint.path)}
+        mismatched: list[tuple[Path, list[str]]] = []
+        chosen: dict[str, Any] = {}
+        for checkpoint, state in self.store.valid_newest_first():
+            saved = state["resume_key"] if isinstance(state.get("resume_key"), dict) else {}
+            diff = sorted(k for k in set(expected) | set(saved) if saved.get(k) != expected.get(k))
+            details = [f"{k}: {_short(saved.get(k))} there, {_short(expected.get(k))} here" for k in diff]
+            threads = self.config.threads_conflict(list(state.get("threads", [])))
+            if threads:
+                details.append(threads)
+            if details:
+                mismatched.append((checkpoint.path, details))
+            else:
+                chosen = {"state": state, "path": str(checkpoint.path)}
+                break
+        if mismatched:
+            try:
+                aside = self.store.set_aside([path for path, _ in mismatched])
+            except OSError as err:
+                return {"error": f"cannot set aside the checkpoints in {self.config.checkpoint_dir} that were "
+                                 f"written for other training ({err}); free the disk or use a new --checkpoint-dir"}
+            path, details = mismatched[0]
+            log.warning("not resuming: %s was written for other training (%s); moved %d such checkpoint(s) to %s%s",
+                        path, ", ".join(details), len(mismatched), aside,
+                        "" if chosen else " and training from step 0")
+            chosen["set_aside"] = str(aside)
+        return chosen
 
     def resume(self) -> None:
         # broadcast_object names its collective after the object's type unless told: rank 0's dict
@@ -211,7 +230,7 @@ class Trainer:
             if self.is_chief:
                 log.info("resumed from checkpoint %s at step %d/%d (epoch %d)", verdict["path"], self.step,
                          self.total_steps, self.step // self.steps_per_epoch + 1)
-        elif self.is_chief:
+        elif self.is_chief and "set_aside" not in verdict:
             log.info("no checkpoint in %s: starting from step 0", self.config.checkpoint_dir)
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.is_chief:
@@ -393,16 +412,26 @@ class Trainer:
             "compression": self.config.compression,
             "seconds": seconds,
             "checkpoint_seconds": self.checkpoint_seconds,
+            "data_version": self.config.data_version,
+            "code_version": self.config.code_version,
+            "train_key": self.config.train_key(self.size, self.device.type),
         }
         if self.stopped_at_epoch is not None:  # stopped early by the per-epoch hook
             summary["stopped_at_epoch"] = self.stopped_at_epoch
         save_trained_model(self.config.out, self.model, model_name=self.config.model,
                            model_kwargs=self.model_kwargs, dataset=self.config.dataset,
-                           params=self.config.params())
+                           params=self.config.params(),
+                           train_key=self.config.train_key(self.size, self.device.type))
         atomic_write_json(self.config.out / METRICS_SUMMARY, summary)
         outcome = {k: v for k, v in summary.items() if k not in ("seconds", "checkpoint_seconds")}
         log.info("training done: %s", json.dumps(outcome, sort_keys=True))
         return summary
+
+
+def _short(value: Any) -> str:
+    """A resume-key value for a log line: long digests cut to a readable prefix."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "...'"
 
 
 def _on_device(split: Split, device: torch.device) -> Split:

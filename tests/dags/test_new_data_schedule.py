@@ -18,14 +18,14 @@ from tests.dags.conftest import REPO, run_json
 from tests.dags.test_dag_integrity import HEAVY
 
 DAGS = REPO / "dags"
-AWAIT_MESSAGE = "airflow.providers.redis.triggers.redis_await_message.AwaitMessageTrigger"
+STREAM_TRIGGER = "operators.event_triggers.RedisStreamTrigger"
 
 SCHEDULE = """
 import json, runpy, sys
 sys.path.insert(0, {dags!r})
 ns = runpy.run_path({dag_file!r}, run_name="dag_under_test")
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in {heavy!r})
-messaging = "airflow.providers.common.messaging.triggers.msg_queue" in sys.modules
+messaging = "operators.event_triggers" in sys.modules
 dag = ns["dag"]
 tt = dag.timetable
 cond = getattr(tt, "asset_condition", None)
@@ -36,7 +36,7 @@ serialized = json.dumps(DagSerialization.to_dict(dag), default=str)
 cron = getattr(tt, "timetable", tt)
 print(json.dumps({{"timetable": type(tt).__name__, "cron": getattr(cron, "expression", None),
                   "watchers": watchers, "messaging_imported": messaging, "heavy": loaded,
-                  "serialized_watcher": {await_message!r} in serialized}}))
+                  "serialized_watcher": {stream_trigger!r} in serialized}}))
 """
 
 
@@ -44,7 +44,7 @@ def _schedule(env: dict[str, str], **settings: str) -> dict[str, Any]:
     env = {k: v for k, v in env.items() if not k.startswith(("NIGHTSHIFT_EVENTS_", "NIGHTSHIFT_RETRAIN_CRON"))}
     env.update(settings)
     code = SCHEDULE.format(dags=str(DAGS), dag_file=str(DAGS / "nightly_retrain.py"), heavy=HEAVY,
-                           await_message=AWAIT_MESSAGE)
+                           stream_trigger=STREAM_TRIGGER)
     return dict(run_json(code, env))
 
 
@@ -52,7 +52,7 @@ def test_without_events_the_dag_keeps_its_cron_alone(airflow_env: dict[str, str]
     out = _schedule(airflow_env)
     assert out["timetable"] == "CronTriggerTimetable" and out["cron"] == "0 2 * * *"
     assert out["watchers"] == [] and not out["serialized_watcher"]
-    assert not out["messaging_imported"], "the messaging provider was imported with events off"
+    assert not out["messaging_imported"], "the event trigger was imported with events off"
     assert out["heavy"] == []
 
 
@@ -61,8 +61,9 @@ def test_with_a_redis_url_the_cron_or_the_new_data_asset_starts_a_run(airflow_en
     assert out["timetable"] == "AssetOrTimeSchedule" and out["cron"] == "0 2 * * *"
     assert out["watchers"] == [{
         "asset": "nightshift://events/new-data", "name": "nightshift_new_data",
-        "trigger": [AWAIT_MESSAGE, {"channels": ["nightshift.new-data"], "redis_conn_id": "nightshift_events",
-                                    "poll_interval": 1.0}],
+        "trigger": [STREAM_TRIGGER, {"stream": "nightshift.new-data", "group": "airflow-new-data",
+                                     "consumer": "airflow-triggerer", "redis_conn_id": "nightshift_events",
+                                     "poll_interval": 1.0}],
     }]
     assert out["serialized_watcher"], "the watcher is not in the serialized DAG the scheduler reads"
     assert out["heavy"] == []  # still no torch, GX, MLflow, nightshift at parse time
@@ -70,16 +71,17 @@ def test_with_a_redis_url_the_cron_or_the_new_data_asset_starts_a_run(airflow_en
 
 def test_without_a_cron_the_event_alone_and_a_connection_of_ones_own(airflow_env: dict[str, str]) -> None:
     out = _schedule(airflow_env, NIGHTSHIFT_RETRAIN_CRON="none", NIGHTSHIFT_EVENTS_CONN_ID="team_redis",
-                    NIGHTSHIFT_EVENTS_CHANNEL="team.landed", NIGHTSHIFT_EVENTS_POLL_S="0.5")
+                    NIGHTSHIFT_EVENTS_STREAM="team.landed", NIGHTSHIFT_EVENTS_POLL_S="0.5")
     assert out["timetable"] == "AssetTriggeredTimetable" and out["cron"] is None
-    assert out["watchers"][0]["trigger"] == [AWAIT_MESSAGE, {"channels": ["team.landed"],
-                                                             "redis_conn_id": "team_redis", "poll_interval": 0.5}]
+    assert out["watchers"][0]["trigger"] == [STREAM_TRIGGER, {"stream": "team.landed", "group": "airflow-new-data",
+                                                              "consumer": "airflow-triggerer",
+                                                              "redis_conn_id": "team_redis", "poll_interval": 0.5}]
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("NIGHTSHIFT_EVENTS_POLL_S", "soon", "NIGHTSHIFT_EVENTS_POLL_S='soon' is not a number of seconds"),
     ("NIGHTSHIFT_EVENTS_POLL_S", "0", "NIGHTSHIFT_EVENTS_POLL_S='0' is not a number of seconds"),
-    ("NIGHTSHIFT_EVENTS_CHANNEL", "new-*", "glob characters"),
+    ("NIGHTSHIFT_EVENTS_STREAM", "new-*", "glob characters"),
 ])
 def test_a_bad_events_setting_fails_the_import_naming_it(airflow_env: dict[str, str], name: str, value: str,
                                                          message: str) -> None:
@@ -104,7 +106,7 @@ def event(data, minutes, uri=NEW_DATA_URI):
     return AssetEventDagRunReferenceResult(
         asset={{"name": uri, "uri": uri, "extra": {{}}}}, source_aliases=[],
         timestamp=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=minutes),
-        extra={{"from_trigger": True, "payload": {{"type": "message", "channel": "c", "pattern": None, "data": data}}}})
+        extra={{"from_trigger": True, "payload": {{"type": "stream", "stream": "s", "id": "1-0", "data": data}}}})
 
 def source(*events):
     try:

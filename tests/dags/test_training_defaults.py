@@ -111,3 +111,10 @@ def test_the_param_defaults_are_empty_so_best_json_can_fill_them() -> None:
         values.update(learning_rate=0.1, batch_size=8, momentum=0.5, model_kwargs=model_kwargs)
         dag.params.update(values)
         dag.params.validate()  # explicit values pass the Params' schemas
+
+
+def test_two_runs_never_share_a_workspace(nightshift_home: Any) -> None:
+    steps = _steps()
+    a, b = steps.workspace_for(DAG_ID, "a:b"), steps.workspace_for(DAG_ID, "a_b")
+    assert a != b and a.parent == b.parent
+    assert steps.workspace_for(DAG_ID, ".").parent == a.parent  # run id "." is not the DAG's own directory

@@ -12,7 +12,7 @@ Skips the test (with the reason) where `redis-server` is not installed.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,12 +27,12 @@ SKIP_REASON = f"{MISSING}; the stream tests need a real one"
 
 @contextmanager
 def redis_server(data_dir: Path, *, password: str | None = None, appendfsync: str = "everysec",
-                 ) -> Iterator[RedisServer]:
+                 extra_config: Sequence[str] = ()) -> Iterator[RedisServer]:
     """A started RedisServer in `data_dir` (created; the caller removes it, e.g. a tmp_path), stopped after.
     Skips the calling test where redis-server is missing."""
     if REDIS_SERVER is None:
         pytest.skip(SKIP_REASON)
-    server = RedisServer(data_dir, password=password, appendfsync=appendfsync)
+    server = RedisServer(data_dir, password=password, appendfsync=appendfsync, extra_config=extra_config)
     try:
         server.start()
         yield server

@@ -144,3 +144,65 @@ def test_second_run_on_unchanged_data_skips_training(demo: dict[str, Any]) -> No
     assert registered_versions(demo["home"]) == ["1"]
     ledger = Path(demo["home"]) / "airflow" / "nightly_retrain" / "runs.jsonl"
     assert len(ledger.read_text().splitlines()) == 2
+
+
+# `airflow dags test` names each run after the time it starts; Airflow's DAG.test with a fixed run_after gives
+# the run the same id again, deleting the earlier run as clearing it would, and runs every task anew.
+SAME_RUN_AGAIN = """
+import json, sys
+from datetime import datetime
+sys.path.insert(0, sys.argv[1])
+from nightly_retrain import dag
+when = datetime.fromisoformat(sys.argv[2])
+run = dag.test(run_after=when, logical_date=when, run_conf=json.loads(sys.argv[3]))
+print("RUN_ID", run.run_id, run.state)
+"""
+
+
+def run_same_run(demo: dict[str, Any], conf: dict[str, Any], when: str, log: Path) -> tuple[int, dict[str, Any]]:
+    import json
+    import subprocess
+    import sys
+
+    from tests.integration.airflow_helpers import REPO
+
+    before = len(demo["module"].ledger(demo["home"]))
+    with log.open("w") as out:
+        code = subprocess.run([sys.executable, "-c", SAME_RUN_AGAIN, str(REPO / "dags"), when, json.dumps(conf)],
+                              env=demo["env"], stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
+    records = demo["module"].ledger(demo["home"])[before:]
+    return code, records[-1] if records else {}
+
+
+def test_a_run_cleared_after_its_data_was_fixed_trains_on_the_fixed_data(demo: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 20.1 end to end: the same DAG run (same run id, so the same workspace, checkpoint directory and
+    MLflow run key) run again after its data changed in place must train on the new bytes, not hand back the
+    first model under the new dataset version."""
+    import pandas as pd
+    from mlflow import MlflowClient
+
+    data = demo["home"] / "data" / "cleared"
+    data.mkdir(parents=True)
+    demo_data = demo["home"] / "demo-data" / "digits"
+    for split in ("train", "validation", "test"):
+        (data / f"{split}.parquet").write_bytes((demo_data / f"{split}.parquet").read_bytes())
+    conf = {"epochs": 1, "workers": 1, "backend": "local", "data_source": str(data), "force": True}
+    when = "2026-01-01T00:00:00+00:00"
+    code, one = run_same_run(demo, conf, when, tmp_path / "first.log")
+    assert code == 0 and one.get("status") == "success", (tmp_path / "first.log").read_text()[-3000:]
+    frame = pd.read_parquet(data / "train.parquet")
+    frame.iloc[: len(frame) * 4 // 5].to_parquet(data / "train.parquet")  # the data is fixed in place
+    code, two = run_same_run(demo, conf, when, tmp_path / "again.log")
+    log = (tmp_path / "again.log").read_text()
+    assert code == 0 and two.get("status") == "success", log[-3000:]
+    assert two["run_id"] == one["run_id"]  # the same DAG run, run again
+    assert two["dataset_version"] != one["dataset_version"]
+    assert two["mlflow_run_id"] != one["mlflow_run_id"]  # not the first run's model under the new version
+    uri = demo["env"].get("MLFLOW_TRACKING_URI") or f"sqlite:///{demo['home'] / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    trained = client.get_run(two["mlflow_run_id"])
+    assert trained.data.tags["nightshift.dataset_version"] == two["dataset_version"]
+    assert trained.data.metrics["steps_run"] > 0  # it trained, not resumed a finished checkpoint
+    superseded = client.get_run(one["mlflow_run_id"]).data.tags["nightshift.run_key"]
+    assert superseded.startswith(f"nightly_retrain/{one['run_id']}#superseded-")
+    assert "not resuming" in log  # the trainer said why it set the old checkpoints aside

@@ -37,12 +37,14 @@ for name, token in tokens.items():
     answers = [client.get(p, headers={{"Authorization": f"Bearer {{token}}"}}) for p in paths]
     out[name] = [a.status_code for a in answers]
     out[name + "_bodies"] = [a.text for a in answers]
+    out[name + "_csp"] = answers[2].headers.get("content-security-policy", "")
 cookie = client.get("/nightshift/lineage", cookies={{"_token": tokens["alice"]}})
 out["cookie"] = cookie.status_code
 escape = client.get("/nightshift/data-docs/..%2F..%2F..%2F..%2F..%2Fetc%2Fpasswd",
                     headers={{"Authorization": "Bearer " + tokens["alice"]}})
 out["escape"] = [escape.status_code, "root:" in escape.text]
-out["openapi"] = client.get("/nightshift/openapi.json").status_code
+out["openapi"] = [client.get("/nightshift/openapi.json").status_code,
+                  client.get("/nightshift/openapi.json", cookies={{"_token": tokens["alice"]}}).status_code]
 search = ["/nightshift/search/", "/nightshift/search/demo/report.html"]
 out["search_anonymous"] = [client.get(p).status_code for p in search]
 for name, token in tokens.items():
@@ -81,7 +83,8 @@ def test_pages_need_a_login_and_read_access_to_the_dag(airflow_env: dict[str, st
     assert "abc123" in html and "v7" in html and '"run_id":"r1"' in records.replace(" ", "") and "99.5" in docs
     assert out["cookie"] == 200  # the UI's session cookie is a login too
     assert out["escape"] == [404, False]
-    assert out["openapi"] == 200
+    assert "script-src 'none'" in out["alice_csp"]  # Data Docs run no script in the UI's origin
+    assert out["openapi"] == [401, 200]  # the API's description: a login too (it answered 500 once)
     assert out["retrainer"] == [200, 200, 200]  # nightly_retrain's pages: yes
 
     # The search reports: model_search's.

@@ -1,5 +1,5 @@
-"""`nightshift publish-data` against a private redis-server: a subscriber gets exactly one event naming the
-data source; nobody subscribed, Redis down, a wrong password and a directory outside the data roots are each
+"""`nightshift publish-data` against a private redis-server: the stream gets exactly one entry naming the data
+source, kept when nobody reads yet; Redis down, a wrong password and a directory outside the data roots are each
 one line on stderr and a non-zero exit, with no secret in it."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,57 +43,41 @@ def _publish(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           timeout=120, check=False)
 
 
-def _subscribe(url: str, channel: str) -> Any:
+def _entries(url: str, stream: str) -> list[dict[str, Any]]:
+    """The events in `stream`, oldest first."""
     import redis
 
-    pubsub = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(channel)
-    assert pubsub.get_message(timeout=5) is None  # the subscribe confirmation, swallowed
-    return pubsub
-
-
-def _messages(pubsub: Any, wait: float = 2.0) -> list[dict[str, Any]]:
-    out = []
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        message = pubsub.get_message(timeout=0.2)
-        if message:
-            out.append(json.loads(message["data"]))
-    return out
-
-
-def test_a_subscriber_gets_one_event_with_the_source(server: RedisServer, source: Path) -> None:
-    pubsub = _subscribe(server.url, "nightshift.new-data")
+    client = redis.Redis.from_url(url)
     try:
-        proc = _publish(str(source), "--redis", server.url)
-        assert proc.returncode == 0, proc.stderr
-        result = json.loads(proc.stdout)
-        assert result["receivers"] == 1 and result["channel"] == "nightshift.new-data"
-        received = _messages(pubsub)
+        return [json.loads(fields[b"data"]) for _, fields in client.xrange(stream)]
     finally:
-        pubsub.close()
+        client.close()
+
+
+def test_the_event_is_appended_to_the_stream_with_the_source(server: RedisServer, source: Path) -> None:
+    proc = _publish(str(source), "--redis", server.url)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["stream"] == "nightshift.new-data" and result["id"]
+    received = _entries(server.url, "nightshift.new-data")
     assert received == [result["event"]]
     assert received[0]["source"] == str(source.resolve())
     assert {f["name"] for f in received[0]["files"]} == {"train.parquet", "validation.parquet", "test.parquet"}
 
 
-def test_the_url_and_channel_from_the_environment(server: RedisServer, source: Path) -> None:
-    pubsub = _subscribe(server.url, "team.data")
-    try:
-        proc = _publish(str(source), env={"NIGHTSHIFT_EVENTS_REDIS_URL": server.url,
-                                          "NIGHTSHIFT_EVENTS_CHANNEL": "team.data"})
+def test_the_url_and_stream_from_the_environment(server: RedisServer, source: Path) -> None:
+    proc = _publish(str(source), env={"NIGHTSHIFT_EVENTS_REDIS_URL": server.url,
+                                      "NIGHTSHIFT_EVENTS_STREAM": "team.data"})
+    assert proc.returncode == 0, proc.stderr
+    assert len(_entries(server.url, "team.data")) == 1
+
+
+def test_with_nobody_reading_the_event_is_kept_not_dropped(server: RedisServer, source: Path) -> None:
+    for _ in range(2):
+        proc = _publish(str(source), "--redis", server.url, "--stream", "nobody.reads.yet")
         assert proc.returncode == 0, proc.stderr
-        assert len(_messages(pubsub)) == 1
-    finally:
-        pubsub.close()
-
-
-def test_nobody_subscribed_is_an_error_not_a_silent_drop(server: RedisServer, source: Path) -> None:
-    proc = _publish(str(source), "--redis", server.url, "--channel", "nobody.listens")
-    assert proc.returncode == 1
-    assert proc.stdout == ""
-    assert proc.stderr.count("\n") == 1
-    assert "nobody subscribes to channel nobody.listens" in proc.stderr and "publish again" in proc.stderr
+        assert json.loads(proc.stdout)["waiting"] is None  # no consumer group yet: Airflow reads it when it starts
+    assert len(_entries(server.url, "nobody.reads.yet")) == 2
 
 
 def test_redis_down_names_the_server(source: Path) -> None:
@@ -113,23 +96,15 @@ def test_a_wrong_password_is_named_but_never_shown(tmp_path: Path, source: Path)
         assert "refused the credentials" in proc.stderr or "does not answer" in proc.stderr
         assert guarded.password not in proc.stderr and "***" in proc.stderr
 
-        pubsub = _subscribe(guarded.url, "nightshift.new-data")
-        try:
-            proc = _publish(str(source), env={"NIGHTSHIFT_EVENTS_REDIS_URL": guarded.url})
-            assert proc.returncode == 0, proc.stderr
-            assert guarded.password not in proc.stdout  # the result names the Redis without its password
-            assert len(_messages(pubsub)) == 1
-        finally:
-            pubsub.close()
+        proc = _publish(str(source), env={"NIGHTSHIFT_EVENTS_REDIS_URL": guarded.url})
+        assert proc.returncode == 0, proc.stderr
+        assert guarded.password not in proc.stdout  # the result names the Redis without its password
+        assert len(_entries(guarded.url, "nightshift.new-data")) == 1
 
 
 def test_a_directory_outside_the_data_roots_is_refused_before_anything_is_sent(server: RedisServer,
                                                                                demo_data: Path) -> None:
-    pubsub = _subscribe(server.url, "nightshift.new-data")
-    try:
-        proc = _publish(str(demo_data), "--redis", server.url)
-        assert proc.returncode == 2
-        assert "outside the allowed data roots" in proc.stderr and "NIGHTSHIFT_DATA_ROOTS" in proc.stderr
-        assert _messages(pubsub, wait=0.5) == []
-    finally:
-        pubsub.close()
+    proc = _publish(str(demo_data), "--redis", server.url)
+    assert proc.returncode == 2
+    assert "outside the allowed data roots" in proc.stderr and "NIGHTSHIFT_DATA_ROOTS" in proc.stderr
+    assert _entries(server.url, "nightshift.new-data") == []

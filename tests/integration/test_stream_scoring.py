@@ -25,6 +25,7 @@ import pytest
 
 from nightshift.stream.announce import announce_champion
 from nightshift.stream.consumer import StreamConfig, StreamConsumer
+from nightshift.stream.records import marker_key
 from nightshift.stream.redis_io import WRITE_AND_ACK, connect, scored_key
 from tests.integration.redis_helpers import RedisServer, random_password, redis_server
 from tests.trained_model import write_trained_output
@@ -288,13 +289,15 @@ def test_a_redelivered_or_repeated_input_gets_one_prediction(world: dict[str, An
     assert_exactly_once(client, list(range(40)))
     assert int(client.xpending("in", "g")["pending"]) == 0
 
-    # The same write again, as after a reply lost to a connection drop: acknowledged, nothing written.
+    # The same write again, as after a reply lost to a connection drop: acknowledged, nothing written. (The
+    # script writes only for an entry pending in the group: read it first.)
     entry = client.xadd("in", {"data": b"{}"}).decode()
+    client.xreadgroup("g", "c1", {"in": ">"}, count=1)
     script = client.register_script(WRITE_AND_ACK)
-    keys = ["in", "out", "dlq", scored_key("out"), "dlq:seen"]
-    args = ["g", "p", entry, "i:999", json.dumps({"id": 999})]
-    assert script(keys=keys, args=args) == [1, 0, 0]
-    assert script(keys=keys, args=args) == [0, 1, 0]
+    keys = ["in", "out", "dlq", f"{scored_key('out')}:i:999", f"dlq:seen:{entry}"]
+    args = ["g", "60000", "p", entry, json.dumps({"id": 999})]
+    assert script(keys=keys, args=args) == [1, 0, 0, 0, 0]
+    assert script(keys=keys, args=args) == [0, 1, 0, 1, 0]
     assert sum(1 for o in read_stream(client, "out") if o["id"] == 999) == 1
     client.close()
 
@@ -450,6 +453,11 @@ def test_a_champion_moved_without_an_announcement_is_found_by_the_registry_poll(
         while client.xlen("out") < n // 4 and time.monotonic() < deadline and thread.is_alive():
             time.sleep(0.1)
         registry.set_alias(MODEL, registry.CHAMPION, world["v2"])
+        # The second half goes in once the consumer has swapped (it polls also while idle), so that the test
+        # does not depend on the consumer being slower than its poll.
+        while consumer.scorer is not None and consumer.scorer.version != world["v2"] and \
+                time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.1)
         add_inputs(client, frame, list(range(n // 2, n)), first_row=n // 2)
     finally:
         thread.join(timeout=300)
@@ -462,4 +470,397 @@ def test_a_champion_moved_without_an_announcement_is_found_by_the_registry_poll(
     versions = [o["model_version"] for o in outs]
     first_v2 = versions.index(world["v2"])
     assert set(versions[:first_v2]) == {world["v1"]} and set(versions[first_v2:]) == {world["v2"]}
+    client.close()
+
+
+# --- issue 21: poison inputs, model failures, write order, failover and memory --------------------------
+
+
+class ModelBroke(RuntimeError):
+    """What a broken model raises in these tests."""
+
+
+class ProcessCrash(BaseException):
+    """Stands for the process dying in predict (OOM killer, segfault): nothing of the consumer catches it."""
+
+
+def flaky_scorer(failures: list[BaseException]) -> Any:
+    """A scorer factory whose predictions raise the given exceptions, one per call, then work."""
+    from nightshift.stream.scorer import VersionScorer
+
+    class Flaky(VersionScorer):
+        def predict_labels(self, frame: Any) -> list[int]:
+            if failures:
+                raise failures.pop(0)
+            return super().predict_labels(frame)
+
+    return Flaky
+
+
+def deliver(client: Any, consumer: str, entry: str, times: int) -> None:
+    """Make `entry` pending for `consumer` with a delivery count of `times` (a read, then claims)."""
+    client.xreadgroup("g", consumer, {"in": ">"}, count=1)
+    for _ in range(times - 1):
+        client.xclaim("in", "g", consumer, 0, [entry])
+
+
+def test_inputs_that_break_the_decoder_are_dead_lettered_and_scoring_goes_on(
+        world: dict[str, Any], server: RedisServer) -> None:
+    """Issue 21 item 1: a 5,000-digit integer (ValueError) and arrays nested 100,000 deep (RecursionError)
+    escaped the parser and killed the consumer; now they are dead letters with their reason."""
+    client = connect(server.url)
+    frame = features(world).head(6)
+    add_inputs(client, frame.head(3), [0, 1, 2])
+    client.xadd("in", {"data": b'{"id": "big", "pixel_0": ' + b"9" * 5000 + b"}"})
+    client.xadd("in", {"data": b"[" * 100_000 + b"]" * 100_000})
+    client.xadd("in", {"data": b'{"id": "huge", "pixel_0": ' + b"9" * 4000 + b"}"})
+    add_inputs(client, frame.tail(3), [3, 4, 5])
+
+    summary = StreamConsumer(config(stop_after=9), server.url).run()
+
+    assert summary["predictions"] == 6 and summary["dead_letters"] == 3
+    dead = read_stream(client, "dlq")
+    assert ["Exceeds the limit" in dead[0]["reason"], "nested too deeply" in dead[1]["reason"],
+            "pixel_0 is out of range" in dead[2]["reason"]] == [True, True, True], dead
+    assert dead[2]["id"] == "huge"
+    assert_exactly_once(client, list(range(6)))
+    client.close()
+
+
+def test_an_entry_delivered_more_than_max_deliveries_times_is_dead_lettered(
+        world: dict[str, Any], server: RedisServer) -> None:
+    """Issue 21 item 1: whatever made its consumers die, an entry past --max-deliveries is dead-lettered
+    (reason max-deliveries) instead of being read again: its own consumer's and a claimed one."""
+    client = connect(server.url)
+    frame = features(world).head(4)
+    client.xgroup_create("in", "g", id="0", mkstream=True)
+    add_inputs(client, frame.head(2), ["own", "other"])
+    own, other = (entry.decode() for entry, _ in client.xrange("in"))
+    deliver(client, "c1", own, 5)
+    deliver(client, "crashed", other, 5)
+    add_inputs(client, frame.tail(2), ["fine-1", "fine-2"])
+    time.sleep(0.01)  # `other` must be idle longer than claim_idle_ms=1
+
+    summary = StreamConsumer(config(stop_after=4, claim_idle_ms=1), server.url).run()  # --max-deliveries 5
+
+    assert summary["dead_letters"] == 2 and summary["predictions"] == 2
+    dead = {d["id"]: d for d in read_stream(client, "dlq")}
+    assert set(dead) == {"own", "other"}
+    assert all(d["reason"].startswith("max-deliveries") and "6 times" in d["reason"] for d in dead.values())
+    assert json.loads(dead["own"]["data"])["id"] == "own"
+    assert sorted(o["id"] for o in read_stream(client, "out")) == ["fine-1", "fine-2"]
+    assert pending(client) == 0
+    client.close()
+
+
+def test_a_consumer_that_dies_on_an_input_stops_dying_after_max_deliveries(
+        world: dict[str, Any], server: RedisServer) -> None:
+    """A crash the consumer cannot catch, restarted with the same name each time (a crash loop): the
+    restart after the --max-deliveries-th delivery dead-letters the entry and goes on."""
+    client = connect(server.url)
+    add_inputs(client, features(world).head(1), ["poison"])
+    crashes = [ProcessCrash("killed in predict") for _ in range(10)]
+    runs = 0
+    summary: dict[str, Any] = {}
+    while not summary and runs < 10:
+        runs += 1
+        consumer = StreamConsumer(config(stop_after=1), server.url,  # --max-deliveries 5
+                                  scorer_factory=flaky_scorer(crashes))
+        try:
+            summary = consumer.run()
+        except ProcessCrash:
+            pass
+        finally:
+            consumer.close()
+    assert runs == 6, "five deliveries crash, the sixth is dead-lettered"
+    assert summary["dead_letters"] == 1 and summary["predictions"] == 0
+    [dead] = read_stream(client, "dlq")
+    assert dead["id"] == "poison" and dead["reason"].startswith("max-deliveries")
+    assert pending(client) == 0
+    client.close()
+
+
+def test_a_model_failure_leaves_good_inputs_pending_and_scores_them_on_retry(
+        world: dict[str, Any], server: RedisServer) -> None:
+    """Issue 21 item 2: an exception from predict (out of memory, a broken model) dead-lettered every valid
+    row of the batch; now the rows stay pending, are retried with backoff and scored; only the bad input
+    of the batch is dead-lettered."""
+    client = connect(server.url)
+    frame = features(world).head(8)
+    add_inputs(client, frame, list(range(8)))
+    client.xadd("in", {"data": b"{oops"})
+    failures: list[BaseException] = [MemoryError("CUDA out of memory"), ModelBroke("swapped-in model broke")] * 2
+
+    summary = StreamConsumer(config(stop_after=9), server.url,
+                             scorer_factory=flaky_scorer(failures)).run()
+
+    assert not failures, "every failure was met"
+    assert summary["predictions"] == 8 and summary["dead_letters"] == 1
+    [dead] = read_stream(client, "dlq")
+    assert "not JSON" in dead["reason"]
+    assert_exactly_once(client, list(range(8)))
+    client.close()
+
+
+def test_a_model_that_keeps_failing_dead_letters_its_inputs_after_max_deliveries(
+        world: dict[str, Any], server: RedisServer) -> None:
+    """The delivery cap still applies to model failures: after --model-retry-s of retries in hand the inputs are
+    left pending and read again (a delivery); the reason names the cap and the last error."""
+    client = connect(server.url)
+    add_inputs(client, features(world).head(3), ["a", "b", "c"])
+    failures: list[BaseException] = [ModelBroke(f"failure {i}") for i in range(100)]
+
+    summary = StreamConsumer(config(stop_after=3, max_deliveries=2, model_retry_s=0.5), server.url,
+                             scorer_factory=flaky_scorer(failures)).run()
+
+    assert summary["predictions"] == 0 and summary["dead_letters"] == 3
+    dead = read_stream(client, "dlq")
+    assert sorted(d["id"] for d in dead) == ["a", "b", "c"]
+    assert all(d["reason"].startswith("max-deliveries") and "ModelBroke" in d["reason"] for d in dead), dead
+    assert pending(client) == 0
+    client.close()
+
+
+def test_a_claim_race_gives_an_input_one_outcome(world: dict[str, Any], server: RedisServer) -> None:
+    """Issue 21 item 2: a slow consumer's prediction and a claimer's dead letter (max-deliveries) for the
+    same entries: whichever is written first wins, the other is acknowledged as a duplicate."""
+    client = connect(server.url)
+    frame = features(world).head(4)
+    add_inputs(client, frame, ["r1", "r2", "r3", "r4"])
+    slow = StreamConsumer(config(consumer="slow"), server.url)
+    slow._ensure_group()
+    slow._load(world["v1"], "test")
+    first, _ = slow._read(">", 2), time.sleep(0.01)
+    claimer = StreamConsumer(config(consumer="claimer", claim_idle_ms=1, max_deliveries=1, stop_after=2), server.url)
+    assert claimer.run()["dead_letters"] == 2  # dead letters first (delivered twice, more than 1)...
+    slow._process(first)  # ...then the slow consumer's predictions
+    assert slow.stats.predictions == 0 and slow.stats.duplicates == 2
+
+    second = slow._read(">", 2)
+    time.sleep(0.01)
+    late = StreamConsumer(config(consumer="late", claim_idle_ms=1, max_deliveries=1, stop_after=2), server.url)
+    late._load(world["v1"], "test")
+    claimed, deliveries = late._next_batch()
+    assert len(claimed) == 2 and set(deliveries.values()) == {2}
+    slow._process(second)  # predictions first...
+    late._process(claimed, deliveries)  # ...then the claimer's dead letters
+    assert slow.stats.predictions == 2 and late.stats.dead_letters == 0 and late.stats.duplicates == 2
+
+    assert sorted(d["id"] for d in read_stream(client, "dlq")) == ["r1", "r2"]
+    assert sorted(o["id"] for o in read_stream(client, "out")) == ["r3", "r4"]
+    assert pending(client) == 0
+    for consumer in (slow, claimer, late):
+        consumer.close()
+    client.close()
+
+
+def test_a_dead_letter_stream_named_like_the_scored_key_gets_its_dead_letters(
+        world: dict[str, Any], server: RedisServer) -> None:
+    """Issue 21 item 3: with --dead-letter out:scored the script set the marker, XADD failed (WRONGTYPE: the
+    markers' hash) and the retry acknowledged the input as a duplicate: the dead letter was lost."""
+    client = connect(server.url)
+    add_inputs(client, features(world).head(1), ["fine"])
+    client.xadd("in", {"data": b"{oops"})
+
+    summary = StreamConsumer(config(dead_letter="out:scored", stop_after=2), server.url).run()
+
+    assert summary["predictions"] == 1 and summary["dead_letters"] == 1
+    [dead] = read_stream(client, "out:scored")
+    assert "not JSON" in dead["reason"]
+    assert [o["id"] for o in read_stream(client, "out")] == ["fine"]
+    assert pending(client) == 0
+    client.close()
+
+
+def test_a_target_of_another_type_fails_loudly_and_a_retry_after_the_fix_writes_everything(
+        world: dict[str, Any], server: RedisServer) -> None:
+    """Issue 21 item 3: --dead-letter names a string key. The consumer refuses before any write, naming it;
+    once the key is gone the same inputs get their prediction and dead letter (no marker was left behind)."""
+    from nightshift.stream.errors import StreamTargetError
+
+    client = connect(server.url)
+    add_inputs(client, features(world).head(1), ["fine"])
+    client.xadd("in", {"data": b"{oops"})
+    client.set("dlq", "not a stream")
+    with pytest.raises(StreamTargetError, match="--dead-letter 'dlq' holds a Redis string"):
+        StreamConsumer(config(stop_after=2), server.url).run()
+
+    # The same fault at the script (the key changed type after the consumer started): refused before the
+    # first write, so neither the prediction nor a marker is there, and the inputs stay pending.
+    client.delete("dlq")
+    consumer = StreamConsumer(config(stop_after=2), server.url)
+    consumer._ensure_group()
+    consumer._load(world["v1"], "test")
+    entries = consumer._read(">", 10)
+    client.set("dlq", "not a stream")
+    with pytest.raises(StreamTargetError, match="dlq holds a string"):
+        consumer._process(entries)
+    assert client.xlen("out") == 0 and not client.keys("out:scored:*") and not client.keys("dlq:seen:*")
+    assert pending(client) == 2
+    consumer.close()
+
+    client.delete("dlq")
+    summary = StreamConsumer(config(stop_after=2), server.url).run()
+    assert summary["predictions"] == 1 and summary["dead_letters"] == 1
+    assert [d.get("id") for d in read_stream(client, "dlq")] == [None]
+    assert_exactly_once(client, ["fine"])
+    client.close()
+
+
+def run_in_thread(consumer: StreamConsumer) -> tuple[threading.Thread, dict[str, Any]]:
+    """consumer.run() in a thread; the dict gets its summary, or `error` with what it raised."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result.update(consumer.run())
+        except BaseException as err:  # reported to the test
+            result["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def finish(thread: threading.Thread, consumer: StreamConsumer, result: dict[str, Any]) -> None:
+    thread.join(timeout=180)
+    if thread.is_alive():
+        consumer.stop()
+        thread.join(timeout=60)
+    consumer.close()
+    if "error" in result:
+        raise result["error"]
+
+
+def errors_replied(client: Any, code: str) -> int:
+    return int(client.info("errorstats").get(f"errorstat_{code}", {}).get("count", 0))
+
+
+def test_out_of_memory_replies_are_waited_out_and_the_batch_written_after(
+        world: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 21 item 4: OOM (maxmemory reached, noeviction) crashed the consumer. It arrives here between
+    the read and the write of a batch; the consumer backs off and writes the batch once memory is freed."""
+    with redis_server(tmp_path / "redis", extra_config=["maxmemory-policy noeviction"]) as srv:
+        client = connect(srv.url)
+        add_inputs(client, features(world).head(20), list(range(20)))
+        hooks = [lambda: client.config_set("maxmemory", client.info("memory")["used_memory"] // 2)]
+
+        from nightshift.stream.scorer import VersionScorer
+
+        class FillsMemory(VersionScorer):
+            def predict_labels(self, frame: Any) -> list[int]:
+                while hooks:
+                    hooks.pop()()
+                return super().predict_labels(frame)
+
+        consumer = StreamConsumer(config(stop_after=20), srv.url, scorer_factory=FillsMemory)
+        thread, result = run_in_thread(consumer)
+        try:
+            wait_for(lambda: errors_replied(client, "OOM") >= 2 or not thread.is_alive(), 120, "OOM replies")
+            assert thread.is_alive() and "error" not in result, result
+            assert client.xlen("out") == 0 and pending(client) == 20
+            client.config_set("maxmemory", 0)
+        finally:
+            client.config_set("maxmemory", 0)
+            finish(thread, consumer, result)
+        assert result["redis_retries"].get("OutOfMemoryError", 0) >= 2
+        assert_exactly_once(client, list(range(20)))
+        client.close()
+
+
+def test_a_replica_answering_readonly_is_waited_out_until_it_is_promoted(
+        world: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 21 item 4: a consumer pointed at a server that is (now) a replica got READONLY and crashed. It
+    backs off; once the replica is promoted (REPLICAOF NO ONE: the failover) it scores everything once."""
+    with redis_server(tmp_path / "primary") as primary:
+        source = connect(primary.url)
+        source.xgroup_create("in", "g", id="0", mkstream=True)
+        add_inputs(source, features(world).head(30), list(range(30)))
+        with redis_server(tmp_path / "replica", extra_config=[f"replicaof 127.0.0.1 {primary.port}"]) as replica:
+            client = connect(replica.url)
+            wait_for(lambda: client.exists("in") and client.xlen("in") == 30, 60, "the replica's copy")
+            consumer = StreamConsumer(config(stop_after=30), replica.url)
+            thread, result = run_in_thread(consumer)
+            try:
+                wait_for(lambda: errors_replied(client, "READONLY") >= 2 or not thread.is_alive(), 120,
+                         "READONLY replies")
+                assert thread.is_alive() and "error" not in result, result
+                client.execute_command("REPLICAOF", "NO", "ONE")
+            finally:
+                finish(thread, consumer, result)
+            assert result["redis_retries"].get("ReadOnlyError", 0) >= 2
+            assert_exactly_once(client, list(range(30)))
+            client.close()
+        source.close()
+
+
+def test_wait_replicas_holds_the_consumer_until_a_replica_has_the_batch(
+        world: dict[str, Any], tmp_path: Path) -> None:
+    """Issue 21 item 4: --wait-replicas 1: with the replica stopped (SIGSTOP) the consumer does not go past
+    its batch; once the replica runs again, every prediction the consumer counts is on the replica."""
+    with redis_server(tmp_path / "primary") as primary:
+        client = connect(primary.url)
+        add_inputs(client, features(world).head(10), list(range(10)))
+        with redis_server(tmp_path / "replica", extra_config=[f"replicaof 127.0.0.1 {primary.port}"]) as replica:
+            copy = connect(replica.url)
+            wait_for(lambda: copy.exists("in") and copy.xlen("in") == 10, 60, "the replica's copy")
+            assert replica.pid is not None
+            os.kill(replica.pid, signal.SIGSTOP)
+            consumer = StreamConsumer(config(stop_after=10, wait_replicas=1, wait_timeout_ms=100), primary.url)
+            thread, result = run_in_thread(consumer)
+            try:
+                wait_for(lambda: consumer.stats.redis_retries["ReplicasBehind"] >= 2 or not thread.is_alive(), 120,
+                         "a batch short of its replica")
+                assert thread.is_alive() and "error" not in result, result
+                assert consumer.stats.predictions == 0, "a batch counted before its replica had it"
+            finally:
+                os.kill(replica.pid, signal.SIGCONT)
+                finish(thread, consumer, result)
+            assert result["predictions"] == 10
+            assert copy.xlen("out") == 10, "WAIT returned before the replica had the predictions"
+            assert int(copy.xpending("in", "g")["pending"]) == 0
+            copy.close()
+        assert_exactly_once(client, list(range(10)))
+        client.close()
+
+
+def test_stream_trim_keeps_owed_inputs_and_reopens_no_duplicates(world: dict[str, Any], server: RedisServer,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 21 item 4: `nightshift stream-trim` trims input, output and dead letters by age; an input still
+    pending (or not yet delivered) stays; markers live on, so a group reading the stream again from its
+    start gets duplicates only; an age longer than the dedup retention is refused."""
+    from nightshift.cli import main
+
+    client = connect(server.url)
+    frame = features(world).head(6)
+    seconds, _ = client.time()
+    old_ms = (int(seconds) - 7200) * 1000
+    rows = frame.to_numpy().tolist()
+    columns = list(frame.columns)
+    for stream in ("out", "dlq"):
+        client.xadd(stream, {"data": b"{}"}, id=f"{old_ms}-9")  # two hours old outputs
+    for i in range(4):  # and inputs
+        client.xadd("in", {"data": json.dumps({"id": i, **dict(zip(columns, rows[i], strict=True))})},
+                    id=f"{old_ms}-{i}")
+    client.xgroup_create("in", "g", id="0")
+    assert StreamConsumer(config(stop_after=2, batch_rows=2), server.url).run()["predictions"] == 2
+    client.xreadgroup("g", "crashed", {"in": ">"}, count=1)  # entry 2 pending, entry 3 undelivered
+    add_inputs(client, frame.tail(2), [4, 5])  # new inputs
+
+    url = server.url
+    args = ["stream-trim", "--redis", url, "--input", "in", "--output", "out", "--dead-letter", "dlq"]
+    assert main([*args, "--max-age", "8d"]) == 2
+    assert "longer than --dedup-retention" in capsys.readouterr().err
+    assert main([*args, "--max-age", "1h"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [report[k]["trimmed"] for k in ("input", "output", "dead_letter")] == [2, 1, 1]
+    assert [json.loads(f[b"data"])["id"] for _, f in client.xrange("in")] == [2, 3, 4, 5]
+
+    summary = StreamConsumer(config(stop_after=4, claim_idle_ms=1), server.url).run()
+    assert summary["predictions"] == 4
+    client.xgroup_setid("in", "g", id="0")  # the group reads the whole (trimmed) stream again
+    again = StreamConsumer(config(consumer="c2", stop_after=4), server.url).run()
+    assert again["predictions"] == 0 and again["duplicates"] == 4
+    assert sorted(o["id"] for o in read_stream(client, "out")) == [0, 1, 2, 3, 4, 5]
+    assert pending(client) == 0 and client.ttl(f"{scored_key('out')}:{marker_key(2)}") > 0
     client.close()

@@ -7,6 +7,7 @@ HorovodKubernetesOperator and the KServe deploy target need.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,21 @@ def test_ci_workflow_lints_checks_dags_and_tests_on_pull_requests() -> None:
         assert caches and caches[0]["with"]["path"] == "~/.cache/nightshift", name
 
 
+def _mpi_operator_in_the_readme() -> str:
+    (version,) = set(re.findall(r"kubeflow/mpi-operator/(v[0-9.]+)/deploy", (DEPLOY / "README.md").read_text()))
+    return version
+
+
+def test_the_mpi_operator_installed_unsuspends_launchers_with_their_scheduling_directives() -> None:
+    """Kueue unsuspends every job it admits; before v0.7.1 the MPI Operator then lost the launcher's
+    scheduling directives (kubeflow/mpi-operator#772). The README says where the CRD we validate against
+    comes from."""
+    version = _mpi_operator_in_the_readme()
+    assert tuple(int(part) for part in version[1:].split(".")) >= (0, 7, 1), version
+    readme = (DEPLOY / "README.md").read_text()
+    assert "caa3c47fc42e" in readme and "../shared/schemas" in readme
+
+
 def test_kind_workflow_builds_cpu_image_installs_operator_and_runs_cluster_tests() -> None:
     wf = _workflow("kind-e2e.yml")
     (job,) = wf["jobs"].values()
@@ -187,7 +203,7 @@ def test_kind_workflow_builds_cpu_image_installs_operator_and_runs_cluster_tests
     runs = _run_lines(job)
     assert "kind load docker-image" in runs
     assert "kubectl apply --server-side" in runs and "mpi-operator" in runs
-    assert wf["env"]["MPI_OPERATOR_VERSION"] == "v0.6.0"
+    assert wf["env"]["MPI_OPERATOR_VERSION"] == _mpi_operator_in_the_readme()
     for manifest in sorted(DEPLOY.glob("*.yaml")):
         assert f"deploy/{manifest.name}" in runs, f"kind-e2e does not apply {manifest.name}"
     assert ".venv/bin/pytest -m kubernetes tests/integration" in runs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,10 +72,22 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+MODE_ANNOTATION = "serving.kserve.io/deploymentMode"
+LEGACY_MODES = {"Serverless": "Knative", "RawDeployment": "Standard"}
+
+
 class FakeCustomObjectsApi:
+    """`default_mode` is the cluster's `deploy.defaultDeploymentMode` (inferenceservice-config ConfigMap)."""
+
     def __init__(self, *, ready_after: int = 2, broken: set[str] | None = None, hang: set[str] | None = None,
-                 race_on_create: bool = False) -> None:
+                 race_on_create: bool = False, default_mode: str = "Knative", deployment_generations: int = 0) -> None:
+        self.default_mode = default_mode
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        # Standard mode: the Deployments the controller made, by name. `deployment_generations`: how far their
+        # generations are ahead of a fresh one's (an HPA that changed spec.replicas bumps it each time).
+        self.deployments: dict[str, dict[str, Any]] = {}
+        self.deployment_generations = deployment_generations
+        self._resource_version = 0
         self.ready_after = ready_after
         self.broken = broken or set()
         self.hang = hang or set()
@@ -85,9 +98,58 @@ class FakeCustomObjectsApi:
     def _check(self, group: str, version: str, plural: str) -> None:
         assert (group, version, plural) == (GROUP, VERSION, PLURAL)
 
+    def _default(self, obj: dict[str, Any]) -> None:
+        """KServe's defaulting webhook: legacy mode names become current ones; with a Standard or ModelMesh
+        cluster default, an object without the annotation gets it (a Knative default adds none)."""
+        annotations = obj["metadata"].setdefault("annotations", {})
+        mode = annotations.get(MODE_ANNOTATION)
+        if mode in LEGACY_MODES:
+            annotations[MODE_ANNOTATION] = LEGACY_MODES[mode]
+        elif mode is None and self.default_mode in {"Standard", "ModelMesh"}:
+            annotations[MODE_ANNOTATION] = self.default_mode
+
+    def _webhook(self, new: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """KServe's validating webhook (pkg/apis/serving/v1beta1/inference_service_validation.go), the rules a
+        rollout can break."""
+        def refuse(message: str) -> None:
+            raise ApiException(status=400, reason=f"admission webhook denied the request: {message}")
+
+        annotation = new["metadata"].get("annotations", {}).get(MODE_ANNOTATION)
+        if old is not None:
+            recorded = old.get("status", {}).get("deploymentMode")
+            recorded = LEGACY_MODES.get(recorded or "", recorded)
+            if recorded and annotation is not None and annotation != recorded:
+                refuse(f"update rejected: deploymentMode cannot be changed from '{recorded}' to '{annotation}'")
+            old_predictor, new_predictor = old["spec"]["predictor"], new["spec"]["predictor"]
+            if old_predictor.get("name") != new_predictor.get("name") and \
+                    old_predictor["model"]["storageUri"] == new_predictor["model"]["storageUri"]:
+                refuse("predictor.name change requires a model change (e.g. storageUri)")
+        if "name" in new["spec"]["predictor"]["model"]:
+            refuse("the 'name' field is not allowed in standard predictor")
+        canaries = new["spec"].get("canary") or []
+        if canaries and annotation != "Standard":
+            refuse("canary is only supported in Standard deployment mode")
+        names = [c["predictor"].get("name") for c in canaries]
+        if None in names or len(set(names)) != len(names) or new["spec"]["predictor"].get("name") in names:
+            refuse(f"canary predictor names {names} must be set, unique and differ from the stable one")
+        if sum(c["trafficPercent"] for c in canaries) > 100:
+            refuse("sum of canary trafficPercent values must be <= 100")
+
+    def _mode(self, obj: dict[str, Any]) -> str:
+        annotation = obj["metadata"].get("annotations", {}).get(MODE_ANNOTATION)
+        return LEGACY_MODES.get(annotation or "", annotation or self.default_mode)
+
+    def _bump(self, obj: dict[str, Any]) -> None:
+        """The API server gives every write (spec, metadata or the controller's status) a new resourceVersion."""
+        self._resource_version += 1
+        obj["metadata"]["resourceVersion"] = str(self._resource_version)
+
     def _new_revision(self, key: tuple[str, str], obj: dict[str, Any]) -> None:
-        gen = obj["metadata"]["generation"]
         status = obj.setdefault("status", {})
+        if self._mode(obj) == "Standard":  # the controller's status comes on its next pass (a read), not now
+            return
+        gen = obj["metadata"]["generation"]
+        status["deploymentMode"] = self._mode(obj)
         predictor = status.setdefault("components", {}).setdefault("predictor", {})
         predictor["latestCreatedRevision"] = f"{key[1]}-predictor-{gen:05d}"
         status["observedGeneration"] = gen
@@ -95,6 +157,98 @@ class FakeCustomObjectsApi:
         self._pending[key] = self.ready_after
 
     def _advance(self, key: tuple[str, str]) -> None:
+        if key not in self.objects:
+            return
+        before = copy.deepcopy(self.objects[key].get("status"))
+        if self._mode(self.objects[key]) == "Standard":
+            self._reconcile_standard(key)
+        else:
+            self._advance_knative(key)
+        if self.objects[key].get("status") != before:
+            self._bump(self.objects[key])
+
+    # --- Standard (RawDeployment) mode, as KServe's controller runs it (kserve/kserve at aaac4e2,
+    # pkg/controller/v1beta1/inferenceservice/components/predictor.go, pkg/apis/serving/v1beta1/
+    # inference_service_status.go); one controller pass per read:
+    # - every predictor (the stable one and each spec.canary entry) is a Deployment `{isvc}[-{name}]-predictor`
+    #   whose generation moves only when *its* pod template changes (the template carries the service's
+    #   annotations);
+    # - status.observedGeneration is the stable Deployment's (PropagateRawStatus), not the service's
+    #   generation, and there is no latestCreatedRevision/latestReadyRevision;
+    # - Ready is the stable Deployment's Available (old pods keep it True through a rolling update), and the
+    #   predictor's url is set only while it is Available;
+    # - a canary is ready when its Deployment has an available replica;
+    # - Deployments of the service that are neither the stable one nor a canary are deleted at once
+    #   (reconcileCanaryDeployments' orphan cleanup): promotion deletes the old stable Deployment.
+
+    def _upsert(self, owner: str, name: str, model: dict[str, Any], annotations: dict[str, str]) -> dict[str, Any]:
+        uri = model["storageUri"]
+        template = json.dumps({"model": {k: v for k, v in model.items() if k != "name"},
+                               "annotations": annotations}, sort_keys=True)
+        dep = self.deployments.get(name)
+        if dep is None:
+            dep = self.deployments[name] = {"owner": owner, "generation": 1 + self.deployment_generations,
+                                            "template": template, "serving": None, "rollout": [uri, self.ready_after]}
+        elif dep["template"] != template:  # a rolling update: the old pods serve until the new ones are ready
+            dep["generation"] += 1
+            dep["template"] = template
+            dep["rollout"] = [uri, self.ready_after]
+        if dep["rollout"] is not None:
+            dep["rollout"][1] -= 1
+            if dep["rollout"][1] <= 0 and dep["rollout"][0] not in self.broken | self.hang:
+                dep["serving"], dep["rollout"] = dep["rollout"][0], None
+        return dep
+
+    @staticmethod
+    def stable_deployment(name: str, predictor: dict[str, Any]) -> str:
+        return f"{name}-{predictor['name']}-predictor" if predictor.get("name") else f"{name}-predictor"
+
+    def _reconcile_standard(self, key: tuple[str, str]) -> None:
+        obj = self.objects[key]
+        name = obj["metadata"]["name"]
+        annotations = dict(obj["metadata"].get("annotations") or {})
+        spec = obj["spec"]
+        stable_model = spec["predictor"]["model"]
+        canaries = spec.get("canary") or []
+        stable_name = self.stable_deployment(name, spec["predictor"])
+        expected = {stable_name}
+        canary_statuses = []
+        for canary in canaries:  # reconcileCanaryDeployments: canaries first
+            dep_name = f"{name}-{canary['predictor']['name']}-predictor"
+            expected.add(dep_name)
+            dep = self._upsert(name, dep_name, {**stable_model, **canary["predictor"]["model"]}, annotations)
+            canary_statuses.append({"name": canary["predictor"]["name"], "trafficPercent": canary["trafficPercent"],
+                                    "ready": dep["serving"] is not None})
+        for dep_name in [d for d, dep in self.deployments.items() if dep["owner"] == name and d not in expected]:
+            del self.deployments[dep_name]  # orphan cleanup
+        stable = self._upsert(name, stable_name, stable_model, annotations)  # reconcileRawDeployment
+        available = stable["serving"] is not None
+        status = obj["status"]
+        status["deploymentMode"] = "Standard"
+        status["observedGeneration"] = stable["generation"]  # PropagateRawStatus
+        status["components"] = {"predictor": {"url": f"http://{stable_name}.{key[0]}"} if available else {}}
+        conditions = [{"type": "PredictorReady", "status": str(available)},
+                      {"type": "Ready", "status": str(available)}]
+        if canaries:
+            all_ready = all(c["ready"] for c in canary_statuses)
+            status["canaryStatuses"] = canary_statuses
+            conditions.append({"type": "CanaryPredictorReady", "status": str(all_ready),
+                               "reason": "AllCanariesReady" if all_ready else "CanariesNotReady"})
+        else:
+            status.pop("canaryStatuses", None)
+        status["conditions"] = conditions
+        status["url"] = f"http://{name}.{key[0]}.example.com"
+
+    def serving(self, name: str = MODEL) -> str | None:
+        """Standard mode: what the stable Deployment's available pods serve (None: no pod answers), after one
+        controller pass."""
+        self.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+        dep = self.deployments.get(self.stable_deployment(name, self.objects[(NS, name)]["spec"]["predictor"]))
+        return None if dep is None else dep["serving"]
+
+    # --- Knative (Serverless) mode: a revision per spec change, Unknown -> True over `ready_after` reads.
+
+    def _advance_knative(self, key: tuple[str, str]) -> None:
         if key not in self._pending:
             return
         self._pending[key] -= 1
@@ -114,6 +268,8 @@ class FakeCustomObjectsApi:
                                     {"type": "Ready", "status": "False", "reason": "RevisionFailed"}]
             return
         revisions["latestReadyRevision"] = revisions["latestCreatedRevision"]
+        # Knative splits traffic by canaryTrafficPercent; Standard (raw Deployments) ignores the field and
+        # rolls the new model out to every request at once.
         if "canaryTrafficPercent" not in predictor:
             revisions["latestRolledoutRevision"] = revisions["latestCreatedRevision"]
         status["conditions"] = [{"type": "PredictorReady", "status": "True"},
@@ -146,7 +302,10 @@ class FakeCustomObjectsApi:
                                         body: dict[str, Any]) -> dict[str, Any]:
         self._check(group, version, plural)
         self.calls.append(("create", copy.deepcopy(body)))
+        body = copy.deepcopy(body)
+        self._default(body)
         self._admit(body)
+        self._webhook(body, None)
         key = (namespace, body["metadata"]["name"])
         if self.race_on_create and key not in self.objects:
             self.race_on_create = False
@@ -160,6 +319,7 @@ class FakeCustomObjectsApi:
 
     def _store(self, key: tuple[str, str], obj: dict[str, Any]) -> dict[str, Any]:
         obj["metadata"]["generation"] = 1
+        self._bump(obj)
         self.objects[key] = obj
         self._new_revision(key, obj)
         return copy.deepcopy(obj)
@@ -172,14 +332,23 @@ class FakeCustomObjectsApi:
         if key not in self.objects:
             raise ApiException(status=404, reason="Not Found")
         old = self.objects[key]
+        precondition = (body.get("metadata") or {}).get("resourceVersion")
+        if precondition is not None and precondition != old["metadata"]["resourceVersion"]:
+            raise ApiException(status=409, reason=f'Conflict: Operation cannot be fulfilled on inferenceservices.'
+                                                  f'serving.kserve.io "{name}": the object has been modified; please '
+                                                  f'apply your changes to the latest version and try again')
         new = merge_patch(old, body)
+        new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
+        self._default(new)
         self._admit(new)
+        self._webhook(new, old)
+        if new == old:  # a no-op patch writes nothing
+            return copy.deepcopy(old)
+        self._bump(new)
+        self.objects[key] = new
         if new["spec"] != old["spec"]:
             new["metadata"]["generation"] = old["metadata"]["generation"] + 1
-            self.objects[key] = new
             self._new_revision(key, new)
-        else:
-            self.objects[key] = new
         return copy.deepcopy(self.objects[key])
 
     def delete_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str,
@@ -188,6 +357,8 @@ class FakeCustomObjectsApi:
         self.calls.append(("delete", name))
         if self.objects.pop((namespace, name), None) is None:
             raise ApiException(status=404, reason="Not Found")
+        for dep_name in [d for d, dep in self.deployments.items() if dep["owner"] == name]:
+            del self.deployments[dep_name]  # owner references: the garbage collector deletes them
         return {"status": "Success"}
 
     def spec(self, name: str = MODEL) -> dict[str, Any]:
@@ -210,9 +381,14 @@ def store(tmp_path_factory: pytest.TempPathFactory, demo_data: Path) -> dict[str
     """A real MLflow store with two registered versions of MODEL (built once for the module)."""
     import os
 
+    from nightshift import tracking
+
     home = tmp_path_factory.mktemp("kserve-home")
     old = os.environ.get("NIGHTSHIFT_HOME")
     os.environ["NIGHTSHIFT_HOME"] = str(home)
+    # MLflow is configured once per process: a store built for a second module (test_kserve_faults shares this
+    # fixture) must not register into the first module's home.
+    configured, tracking._configured = tracking._configured, None
     try:
         versions = []
         for seed in (0, 1):
@@ -220,6 +396,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, demo_data: Path) -> dict[str
             run_id = log_training_run(out, experiment="kserve-unit", tags={"nightshift.run_key": f"ks{seed}"})
             versions.append(registry.register(run_id, model_name=MODEL)["version"])
     finally:
+        tracking._configured = configured
         if old is None:
             os.environ.pop("NIGHTSHIFT_HOME")
         else:
@@ -285,7 +462,11 @@ def test_canary_then_promotion(env: FakeClock) -> None:
     patches = [c[1] for c in api.calls if c[0] == "patch"]
     assert patches[0]["spec"]["predictor"] == {"canaryTrafficPercent": 25,
                                                "model": {"storageUri": f"s3://models/{MODEL}/2"}}
-    assert patches[1] == {"spec": {"predictor": {"canaryTrafficPercent": None}}}
+    assert patches[1]["spec"] == {"predictor": {"canaryTrafficPercent": None}}
+    # The promotion names the version it makes serve, and every patch is guarded by a resourceVersion.
+    assert patches[0]["metadata"]["annotations"].get(VERSION_ANNOTATION) is None
+    assert patches[1]["metadata"]["annotations"][VERSION_ANNOTATION] == "2"
+    assert all(p["metadata"].get("resourceVersion") for p in patches)
     assert "canaryTrafficPercent" not in api.spec()
     assert api.spec()["model"]["storageUri"] == f"s3://models/{MODEL}/2"
     assert _champion() == "2"
@@ -476,3 +657,124 @@ def test_a_malformed_storage_map_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="'file:///nightshift/' is not FROM=TO"):
         kserve.storage_map("file:///nightshift/")
     assert kserve.storage_map(" a=b;c=d=e ") == [("a", "b"), ("c", "d=e")]
+
+
+# --- the deployment mode decides what a canary is ----------------------------------------------------
+
+
+def _stable_during_the_canary(api: FakeCustomObjectsApi) -> Callable[[dict[str, Any]], None]:
+    """A smoke check that records what serves while the canary is being checked."""
+    def smoke(isvc: dict[str, Any]) -> None:
+        api.seen_by_smoke = copy.deepcopy(isvc)  # type: ignore[attr-defined]
+
+    return smoke
+
+
+def test_standard_mode_rolls_out_through_spec_canary_and_promotes_it(env: FakeClock) -> None:
+    api = FakeCustomObjectsApi(default_mode="Standard")
+    _deploy(api, env, "1")
+    result = _deploy(api, env, "2", canary_traffic_percent=25, smoke=_stable_during_the_canary(api))
+    assert result["status"] == "promoted" and result["deployment_mode"] == "Standard"
+    during = api.seen_by_smoke  # type: ignore[attr-defined]
+    # While the canary is checked, the stable predictor still serves v1 and v2 runs beside it.
+    assert during["spec"]["predictor"]["model"]["storageUri"] == f"s3://models/{MODEL}/1"
+    (canary,) = during["spec"]["canary"]
+    assert canary["trafficPercent"] == 25 and canary["predictor"]["name"] == "v2"
+    assert canary["predictor"]["model"]["storageUri"] == f"s3://models/{MODEL}/2"
+    assert during["status"]["canaryStatuses"] == [{"name": "v2", "trafficPercent": 25, "ready": True}]
+    patches = [c[1] for c in api.calls if c[0] == "patch"]
+    assert not [p for p in patches if "canaryTrafficPercent" in str(p)]  # Standard ignores it: never sent
+    after = api.objects[(NS, MODEL)]
+    assert "canary" not in after["spec"] and api.spec()["name"] == "v2"
+    assert api.spec()["model"]["storageUri"] == f"s3://models/{MODEL}/2"
+    assert _champion() == "2"
+    assert _deploy(api, env, "2")["status"] == "already_serving"
+    third = _deploy(api, env, "1", smoke=_stable_during_the_canary(api))  # a later rollout: a new canary name
+    assert third["status"] == "promoted" and api.spec()["name"] == "v1"
+
+
+def test_standard_mode_rolls_back_by_removing_the_canary(env: FakeClock) -> None:
+    api = FakeCustomObjectsApi(default_mode="Standard")
+    _deploy(api, env, "1")
+
+    def smoke(isvc: dict[str, Any]) -> None:
+        raise DeploymentFailed("canary answered 3/10 correctly")
+
+    with pytest.raises(DeploymentFailed, match=r"canary answered.*rolled back to v1"):
+        _deploy(api, env, "2", smoke=smoke)
+    after = api.objects[(NS, MODEL)]
+    assert "canary" not in after["spec"] and "name" not in api.spec()
+    assert api.spec()["model"]["storageUri"] == f"s3://models/{MODEL}/1"
+    assert after["metadata"]["annotations"][VERSION_ANNOTATION] == "1"
+    assert _champion() == "1"
+
+
+def test_standard_mode_a_canary_that_never_gets_ready_times_out_and_is_removed(env: FakeClock) -> None:
+    api = FakeCustomObjectsApi(default_mode="Standard", broken={f"s3://models/{MODEL}/2"})
+    _deploy(api, env, "1")
+    with pytest.raises(DeploymentFailed, match=r"not Ready within 30s \(last: canary v2 not ready"):
+        _deploy(api, env, "2")
+    assert "canary" not in api.objects[(NS, MODEL)]["spec"]
+    assert api.spec()["model"]["storageUri"] == f"s3://models/{MODEL}/1" and _champion() == "1"
+
+
+def test_the_legacy_mode_names_are_understood(env: FakeClock) -> None:
+    for legacy, standard in (("RawDeployment", True), ("Serverless", False)):
+        api = FakeCustomObjectsApi(default_mode="Knative")
+        _deploy(api, env, "1")
+        api.objects[(NS, MODEL)]["metadata"]["annotations"][MODE_ANNOTATION] = legacy
+        api.objects[(NS, MODEL)]["status"]["deploymentMode"] = legacy  # as an older controller recorded it
+        _deploy(api, env, "2", smoke=_stable_during_the_canary(api))
+        during = api.seen_by_smoke["spec"]  # type: ignore[attr-defined]
+        assert ("canary" in during) is standard, legacy
+        assert ("canaryTrafficPercent" in during["predictor"]) is not standard, legacy
+
+
+def test_a_mode_without_a_canary_is_refused_before_anything_changes(env: FakeClock) -> None:
+    api = FakeCustomObjectsApi(default_mode="ModelMesh")
+    _deploy(api, env, "1")
+    with pytest.raises(DeploymentFailed, match=r"deployment mode ModelMesh.*no canary rollout.*Standard.*Knative"):
+        _deploy(api, env, "2")
+    assert [c for c in api.calls if c[0] == "patch"] == []
+    assert api.spec()["model"]["storageUri"] == f"s3://models/{MODEL}/1" and _champion() == "1"
+
+
+def test_the_configured_mode_is_written_on_creation_and_checked(env: FakeClock,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE", "Standard")
+    api = FakeCustomObjectsApi(default_mode="Knative")
+    _deploy(api, env, "1")
+    assert api.objects[(NS, MODEL)]["metadata"]["annotations"][MODE_ANNOTATION] == "Standard"
+    _deploy(api, env, "2")
+    assert api.spec()["name"] == "v2"  # promoted from spec.canary
+    monkeypatch.setenv("NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE", "Raw")
+    with pytest.raises(UsageError, match="NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE 'Raw' is not a KServe deployment mode"):
+        _deploy(FakeCustomObjectsApi(), env, "1")
+
+
+def test_the_mode_of_a_service_is_its_status_then_its_annotation_then_the_setting() -> None:
+    def isvc(status: str | None = None, annotation: str | None = None) -> dict[str, Any]:
+        return {"metadata": {"name": "m", "namespace": "ns",
+                             "annotations": {MODE_ANNOTATION: annotation} if annotation else {}},
+                "status": {"deploymentMode": status} if status else {}}
+
+    assert kserve.deployment_mode(isvc("Knative", "Standard"), None) == "Knative"
+    assert kserve.deployment_mode(isvc(None, "RawDeployment"), "Knative") == "Standard"
+    assert kserve.deployment_mode(isvc(), "Standard") == "Standard"
+    with pytest.raises(DeploymentFailed, match=r"cannot tell the deployment mode of InferenceService ns/m.*"
+                                               r"NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE.*defaultDeploymentMode"):
+        kserve.deployment_mode(isvc(), None)
+
+
+def test_both_rollouts_build_objects_the_crd_accepts(validate_isvc: Callable[[dict[str, Any]], None]) -> None:
+    stable = kserve.inference_service("digits", "ns", "s3://b/1", model_version="1", runtime=kserve.DEFAULT_RUNTIME,
+                                      deployment_mode="Standard")
+    validate_isvc(stable)
+    predictor = stable["spec"]["predictor"]
+    with_canary = merge_patch(stable, kserve.canary_patch("Standard", predictor, "s3://b/2", "2", 10))
+    validate_isvc(with_canary)
+    assert with_canary["spec"]["canary"][0]["predictor"]["name"] == "v2"
+    validate_isvc(merge_patch(with_canary, kserve.promote_patch("Standard", with_canary["spec"]["canary"][0])))
+    knative = merge_patch(stable, kserve.canary_patch("Knative", predictor, "s3://b/2", "2", 10))
+    validate_isvc(knative)
+    assert knative["spec"]["predictor"]["canaryTrafficPercent"] == 10

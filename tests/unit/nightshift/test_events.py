@@ -87,25 +87,36 @@ def test_the_redis_url_comes_from_the_option_or_the_environment(monkeypatch: pyt
 def test_a_password_on_the_command_line_is_refused_without_showing_it() -> None:
     with pytest.raises(UsageError, match="NIGHTSHIFT_EVENTS_REDIS_URL instead") as caught:
         events.redis_url("redis://user:s3cret@127.0.0.1:6390/0")
-    assert "s3cret" not in str(caught.value) and "user:***@127.0.0.1:6390" in str(caught.value)
+    assert "s3cret" not in str(caught.value) and "redis://***@127.0.0.1:6390" in str(caught.value)
     with pytest.raises(UsageError, match="expected redis://HOST:PORT"):
         events.redis_url("http://127.0.0.1:6379")
 
 
-def test_redact_hides_only_the_password() -> None:
-    assert events.redact("redis://:pw@h:1/0") == "redis://:***@h:1/0"
-    assert events.redact("rediss://u:pw@h:1/2") == "rediss://u:***@h:1/2"
+def test_redact_hides_the_user_and_password() -> None:
+    assert events.redact("redis://:pw@h:1/0") == "redis://***@h:1/0"
+    assert events.redact("rediss://u:pw@h:1/2") == "rediss://***@h:1/2"
     assert events.redact("redis://h:1/0") == "redis://h:1/0"
 
 
-def test_the_channel_is_a_plain_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(events.CHANNEL_ENV, raising=False)
-    assert events.channel(None) == "nightshift.new-data"
-    monkeypatch.setenv(events.CHANNEL_ENV, "team-a.new-data")
-    assert events.channel(None) == "team-a.new-data"
-    assert events.channel("x") == "x"
+def test_the_stream_is_a_plain_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(events.STREAM_ENV, raising=False)
+    assert events.stream(None) == "nightshift.new-data"
+    monkeypatch.setenv(events.STREAM_ENV, "team-a.new-data")
+    assert events.stream(None) == "team-a.new-data"
+    assert events.stream("x") == "x"
     with pytest.raises(UsageError, match="glob characters"):
-        events.channel("new-*")
+        events.stream("new-*")
+
+
+def test_the_retention_is_a_number_of_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(events.RETENTION_ENV, raising=False)
+    assert events.retention() == 10_000
+    monkeypatch.setenv(events.RETENTION_ENV, "500")
+    assert events.retention() == 500
+    for bad in ("lots", "10"):
+        monkeypatch.setenv(events.RETENTION_ENV, bad)
+        with pytest.raises(UsageError, match="NIGHTSHIFT_EVENTS_RETENTION"):
+            events.retention()
 
 
 @pytest.mark.parametrize(("data", "reason"), [
@@ -138,6 +149,7 @@ def test_the_copies_kept_apart_for_import_cost_stay_equal() -> None:
 
     assert events.SPLIT_FILES == tuple(f"{s}.parquet" for s in SPLITS)
     dag_side = REPO / "dags" / "nightly_tasks" / "events.py"
-    assert _string_constant(dag_side, "DEFAULT_CHANNEL") == events.DEFAULT_CHANNEL
+    assert _string_constant(dag_side, "DEFAULT_STREAM") == events.DEFAULT_STREAM
+    assert _string_constant(dag_side, "CONSUMER_GROUP") == events.CONSUMER_GROUP
     assert _string_constant(dag_side, "URL_ENV") == events.URL_ENV
-    assert _string_constant(dag_side, "CHANNEL_ENV") == events.CHANNEL_ENV
+    assert _string_constant(dag_side, "STREAM_ENV") == events.STREAM_ENV

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from nightshift import ledger
+from nightshift.errors import CodeVersionUnknown
 
 
 def test_records_round_trip_newest_last_and_a_torn_line_is_skipped(nightshift_home: Path) -> None:
@@ -26,3 +29,46 @@ def test_the_registry_tags_a_version_with_the_ledgers_code_version(monkeypatch: 
     monkeypatch.setenv("NIGHTSHIFT_GIT_COMMIT", "abc1234")
     assert ledger.code_version() == "abc1234"
     assert registry.code_version is ledger.code_version  # one answer, not two that can disagree
+
+
+def git_checkout(path: Path) -> Path:
+    """A git checkout laid out as the project is, with `nightshift/` committed."""
+    (path / "nightshift").mkdir(parents=True)
+    (path / "nightshift" / "__init__.py").write_text("x = 1\n")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "PATH": os.environ["PATH"], "HOME": str(path)}
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
+        subprocess.run(["git", "-C", str(path), *args], check=True, env=env, capture_output=True)
+    return path
+
+
+def test_code_version_never_answers_unknown(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 20.17: a git failure used to give "unknown", so every code change compared as unchanged."""
+    monkeypatch.delenv("NIGHTSHIFT_GIT_COMMIT", raising=False)
+    root = git_checkout(tmp_path / "repo")
+    monkeypatch.setattr(ledger, "_repo_root", lambda: root)
+    head = ledger.code_version()
+    assert len(head) == 40
+    (root / "nightshift" / "__init__.py").write_text("x = 2\n")
+    assert ledger.code_version().startswith(head + "+dirty.")
+    (root / ".git" / "HEAD").write_text("ref: refs/heads/gone\n")  # a checkout whose git fails
+    with pytest.raises(CodeVersionUnknown, match="NIGHTSHIFT_GIT_COMMIT"):
+        ledger.code_version()
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))  # git not installed
+    with pytest.raises(CodeVersionUnknown, match="install git or set NIGHTSHIFT_GIT_COMMIT"):
+        ledger.code_version()
+    assert ledger.code_version("bundle-commit") == "bundle-commit"  # the bundle's commit needs no git
+
+
+def test_an_installed_package_is_versioned_by_its_sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("NIGHTSHIFT_GIT_COMMIT", raising=False)
+    (tmp_path / "nightshift").mkdir()
+    (tmp_path / "nightshift" / "trainer.py").write_text("a = 1\n")
+    monkeypatch.setattr(ledger, "_repo_root", lambda: tmp_path)  # site-packages: no .git
+    first = ledger.code_version()
+    assert first.startswith("src.")
+    (tmp_path / "nightshift" / "trainer.py").write_text("a = 2\n")
+    assert ledger.code_version() not in (first, "unknown")
+    (tmp_path / "nightshift" / "trainer.py").unlink()
+    with pytest.raises(CodeVersionUnknown, match="no Python sources"):
+        ledger.code_version()

@@ -26,6 +26,29 @@ def test_a_symlink_inside_a_root_cannot_lead_out_of_it(nightshift_home: Path) ->
         settings.confined_data_source(link)
 
 
+def test_a_file_symlinked_out_of_the_roots_is_refused(nightshift_home: Path, tmp_path: Path) -> None:
+    """The directory lies under a root, one of its files is a link to a file outside every root (issue 20 item 15)."""
+    data = nightshift_home / "data" / "nightly"
+    data.mkdir(parents=True)
+    (data / "validation.parquet").write_bytes(b"inside")
+    secret = tmp_path / "secret.parquet"
+    secret.write_bytes(b"outside")
+    (data / "train.parquet").symlink_to(secret)
+    with pytest.raises(UsageError, match=r"train\.parquet is a link to .*secret\.parquet, outside the allowed data "
+                                         r"roots \(.*/demo-data, .*/data\)"):
+        settings.confined_data_source(data)
+    (data / "train.parquet").unlink()
+    shared = nightshift_home / "data" / "shared" / "train.parquet"
+    shared.parent.mkdir()
+    shared.write_bytes(b"inside too")
+    (data / "train.parquet").symlink_to(shared)  # a link that stays under the roots is fine
+    assert settings.confined_data_source(data) == data.resolve()
+    (data / "nested").mkdir()
+    (data / "nested" / "x.parquet").symlink_to("/etc/hostname")  # links in subdirectories count too
+    with pytest.raises(UsageError, match=r"nested/x\.parquet is a link to /etc/hostname"):
+        settings.confined_data_source(data)
+
+
 def test_the_roots_are_configurable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("NIGHTSHIFT_DATA_ROOTS", f"{tmp_path / 'a'}:{tmp_path / 'b'}")
     assert settings.confined_data_source(tmp_path / "b" / "x") == (tmp_path / "b" / "x").resolve()

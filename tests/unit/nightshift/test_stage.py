@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ import pytest
 
 from nightshift.data.demo import write_demo_dataset
 from nightshift.data.stage import DatasetVersion, project_dir, stage_dataset
-from nightshift.errors import DataError, DataValidationFailed
+from nightshift.errors import DataError, DatasetPushFailed, DataValidationFailed
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -227,7 +227,7 @@ def test_a_passed_gate_is_trusted_only_for_the_same_bytes(demo_data: Path, tmp_p
     assert validate.fingerprint(data) != passed
     with pytest.raises(DataValidationFailed):
         stage_dataset(data, tmp_path / "ws2", validated=passed)
-    assert calls == [data.resolve()]
+    assert len(calls) == 1  # the suite ran once more, on the bytes staging read
 
 
 @pytest.fixture
@@ -346,3 +346,155 @@ def test_restaging_takes_the_full_dvc_path_for_another_remote(staged_once: tuple
     assert opened == [1] and again["remote"] == str(other) and again["hash"] == first["hash"]
     assert (other / "files" / "md5" / first["hash"][:2] / f"{first['hash'][2:]}.dir").is_file()  # pushed there
     assert stage_dataset(data, workspace) == again and opened == [1]
+
+
+# ---- a remote that cannot take the data (issue 20 item 2) ------------------------------------------------
+
+@pytest.fixture
+def small_remote(tmp_path: Path) -> Iterator[Path]:
+    """A DVC remote on a 64 KiB tmpfs (too small for the demo dataset), unmounted whatever the test does."""
+    remote = tmp_path / "small-remote"
+    remote.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(remote)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (a full remote needs one): {mounted.stderr.strip()}")
+    try:
+        yield remote
+    finally:
+        subprocess.run(["umount", str(remote)], capture_output=True, text=True, check=True)
+
+
+def _resize(remote: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(remote)], capture_output=True, text=True, check=True)
+
+
+def _remote_objects(remote: Path) -> dict[str, str]:
+    """Each file under the remote by its path relative to the remote, with the md5 of its bytes."""
+    return {str(p.relative_to(remote)): _md5(p) for p in remote.rglob("*") if p.is_file()}
+
+
+def test_a_push_to_a_full_remote_fails_the_stage_and_the_next_staging_pushes_everything(
+        small_remote: Path, demo_data: Path, tmp_path: Path, nightshift_home: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIGHTSHIFT_DVC_REMOTE", str(small_remote))
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    workspace = tmp_path / "ws"
+    for attempt in ("first", "second: the fast path must not hide the failed push"):
+        with pytest.raises(DatasetPushFailed) as failed:
+            stage_dataset(data, workspace)
+        message = str(failed.value)
+        assert failed.value.exit_code == 1 and "\n" not in message, attempt
+        assert f"the DVC remote {small_remote} did not take" in message, attempt
+        assert "No space left on device" in message and "nothing was versioned" in message, attempt
+        assert not (workspace / ".staged.json").exists() and not (workspace / "dataset.json").exists()
+        assert not list((nightshift_home / "dvc" / "versions").glob("*.json")), "a version that was never stored"
+        assert not [p for p in small_remote.rglob("*.tmp")], "the failed push left its partial files on the remote"
+
+    _resize(small_remote, "size=8m")  # the remote has room now
+    version = stage_dataset(data, workspace)
+    objects = _remote_objects(small_remote)
+    expected = {f"files/md5/{version['hash'][:2]}/{version['hash'][2:]}.dir"}
+    expected |= {f"files/md5/{_md5(f)[:2]}/{_md5(f)[2:]}" for f in data.iterdir()}
+    assert expected <= set(objects), f"objects missing from the remote: {expected - set(objects)}"
+    for name, digest in objects.items():  # every file the remote holds is a whole object: none torn, no leftovers
+        assert name.replace("/", "").removeprefix("filesmd5").removesuffix(".dir") == digest, name
+    assert (workspace / ".staged.json").is_file()
+
+
+def test_a_read_only_remote_fails_the_stage_command_naming_the_remote(
+        small_remote: Path, demo_data: Path, tmp_path: Path, nightshift_home: Path) -> None:
+    _resize(small_remote, "ro")
+    workspace = tmp_path / "ws"
+    env = {**os.environ, "NIGHTSHIFT_HOME": str(nightshift_home), "NIGHTSHIFT_DVC_REMOTE": str(small_remote)}
+    nightshift = str(Path(sys.executable).parent / "nightshift")
+    done = subprocess.run([nightshift, "stage", str(demo_data), "--workspace", str(workspace)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("nightshift stage: pushing dataset ") and f"DVC remote {small_remote}" in last, last
+    assert "Read-only file system" in last and "nothing was versioned" in last, last
+    assert not (workspace / ".staged.json").exists() and not (workspace / "dataset.json").exists()
+
+
+# ---- validated bytes are the versioned bytes (issue 20 item 3) ---------------------------------------------
+
+def _break_a_pixel(path: Path) -> None:
+    frame = pd.read_parquet(path)
+    frame.loc[0, "pixel_0"] = np.float32(99.0)  # out of the suite's 0..16
+    frame.to_parquet(path, index=False)
+
+
+def test_data_changed_after_validation_is_never_versioned(demo_data: Path, tmp_path: Path,
+                                                          nightshift_home: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source is rewritten with a bad value right after the suite passed on it: what is versioned and
+    materialised is exactly the validated bytes, and the next staging sees (and refuses) the change."""
+    from nightshift.data import stage
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    validated = {f.name: _md5(f) for f in data.iterdir()}
+    real = stage.validate_data
+
+    def validate_then_change(path: Path) -> object:
+        report = real(path)
+        _break_a_pixel(data / "train.parquet")
+        return report
+
+    monkeypatch.setattr(stage, "validate_data", validate_then_change)
+    workspace = tmp_path / "ws"
+    version = stage_dataset(data, workspace)
+    assert {f.name: _md5(f) for f in Path(version["path"]).iterdir()} == validated
+    remote = nightshift_home / "dvc-remote" / "files" / "md5"
+    assert all((remote / d[:2] / d[2:]).is_file() for d in validated.values())
+    assert not (workspace / ".staged.json").exists()  # the source differs now: no fast path next time
+    monkeypatch.setattr(stage, "validate_data", real)
+    with pytest.raises(DataValidationFailed, match=r"pixel_0"):
+        stage_dataset(data, workspace)
+
+
+def test_bytes_changed_between_validation_and_hashing_are_refused(demo_data: Path, tmp_path: Path,
+                                                                  nightshift_home: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever DVC is about to hash is changed after validation: staging refuses and versions nothing."""
+    from nightshift.data import stage
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    real = stage._version
+
+    def change_then_hash(repo: object, path: Path, **kwargs: object) -> object:
+        _break_a_pixel(Path(path) / "train.parquet")
+        return real(repo, path, **kwargs)
+
+    monkeypatch.setattr(stage, "_version", change_then_hash)
+    workspace = tmp_path / "ws"
+    with pytest.raises(DataError, match=r"train\.parquet changed between validation and hashing"):
+        stage_dataset(data, workspace)
+    assert not list((nightshift_home / "dvc" / "versions").glob("*.json"))
+    assert not (nightshift_home / "dvc-remote").exists()
+    assert not (workspace / "data").exists() and not (workspace / "dataset.json").exists()
+
+
+def test_data_changed_while_it_is_copied_is_refused(demo_data: Path, tmp_path: Path, nightshift_home: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer rewrites a split while staging reads the dataset: a mix of old and new files is refused."""
+    from nightshift.data import stage
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    real = stage._copy_hashing
+
+    def copy_then_change(source: Path, target: Path) -> object:
+        result = real(source, target)
+        if source.name == "test.parquet":  # the first file copied; train.parquet is still to come
+            _break_a_pixel(data / "validation.parquet")
+        return result
+
+    monkeypatch.setattr(stage, "_copy_hashing", copy_then_change)
+    with pytest.raises(DataError, match=r"changed while it was being staged .*validation\.parquet"):
+        stage_dataset(data, tmp_path / "ws")
+    assert not list((nightshift_home / "dvc" / "versions").glob("*.json"))
+    assert not any((nightshift_home / "dvc-snapshots").iterdir()), "the private copy is removed"

@@ -55,6 +55,24 @@ def test_logging_is_idempotent_by_run_key(logged: dict[str, Any]) -> None:
     assert len(tracking.client().search_runs([experiment.experiment_id])) == 1
 
 
+def test_a_complete_run_trained_on_other_data_is_never_reused_under_the_same_run_key(
+        logged: dict[str, Any], trained: Path) -> None:
+    """Issue 20.1: a DAG run cleared after its data changed logs under the same run key; the first run's
+    model must not come back. The old run stays (a model version may point at it) under a renamed key."""
+    out = logged["out"]
+    info = json.loads((out / "model.json").read_text())
+    (out / "model.json").write_text(json.dumps({**info, "train_key": "0123456789abcdef"}))  # retrained on v2
+    again = log_training_run(out, experiment="unit", tags={"nightshift.run_key": "dag/run/train"})
+    assert again != logged["run_id"]
+    client = tracking.client()
+    old = client.get_run(logged["run_id"])
+    assert old.data.tags["nightshift.run_key"] == f"dag/run/train#superseded-{logged['run_id']}"
+    assert client.get_run(again).data.tags["nightshift.train_key"] == "0123456789abcdef"
+    assert tracking.find_training_run("unit", "dag/run/train")["run_id"] == again
+    # and logging the same retrained output once more (a retry of the task) reuses the new run
+    assert log_training_run(out, experiment="unit", tags={"nightshift.run_key": "dag/run/train"}) == again
+
+
 def test_the_training_run_is_found_on_the_server_by_its_run_key(logged: dict[str, Any]) -> None:
     for name in ("model.pt", "metrics.json", "mlflow_run.json"):  # nothing of the output dir is read
         (logged["out"] / name).unlink()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -62,12 +63,15 @@ def test_non_positive_numbers(demo_data: Path, run_dirs: list[str | Path], flag:
     assert_clean_error(train("--data", demo_data, flag, value, *run_dirs), flag, "positive")
 
 
-def test_checkpoint_from_a_different_model_is_refused(demo_data: Path, run_dirs: list[str | Path]) -> None:
+def test_a_checkpoint_from_a_different_model_is_set_aside_and_training_starts_afresh(
+        demo_data: Path, run_dirs: list[str | Path]) -> None:
     first = train("--data", demo_data, "--model", "mlp", "--epochs", "1", *run_dirs)
     assert first.returncode == 0, first.stderr
     result = train("--data", demo_data, "--model", "digits_cnn", "--epochs", "1", *run_dirs)
-    assert_clean_error(result, "different configuration", "model: 'mlp' there, 'digits_cnn' here",
-                       "--checkpoint-dir")
+    assert result.returncode == 0, result.stderr
+    assert "not resuming" in result.stderr and "model: 'mlp' there, 'digits_cnn' here" in result.stderr
+    summary = json.loads((Path(run_dirs[1]) / "metrics.json").read_text())
+    assert summary["steps_run"] == summary["steps"] and summary["resumed_from_step"] is None
 
 
 def test_config_names_the_bad_field() -> None:
@@ -115,11 +119,45 @@ def copy_checkpoint(run: Path, step: int, ckpt: Path) -> None:
     shutil.copy(checkpoint.path, ckpt / checkpoint.path.name)
 
 
-def test_an_explicit_thread_count_must_match_the_checkpoint(demo_data: Path, mlp_run: Path, tmp_path: Path) -> None:
+def assert_trained_afresh(result: subprocess.CompletedProcess[str], out: Path, ckpt: Path, *fragments: str) -> None:
+    """The run did not resume: it said why, set the old checkpoints aside and ran every step."""
+    assert result.returncode == 0, result.stderr
+    assert "not resuming" in result.stderr and "training from step 0" in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["resumed_from_step"] is None and summary["steps_run"] == summary["steps"] > 0
+    (aside,) = (ckpt / "superseded").iterdir()
+    assert [c.step for c in CheckpointStore(aside).files()] == [20]  # moved, not lost
+
+
+def test_an_explicit_thread_count_that_differs_from_the_checkpoint_trains_afresh(
+        demo_data: Path, mlp_run: Path, tmp_path: Path) -> None:
     copy_checkpoint(mlp_run, 20, tmp_path / "ckpt")
     result = train("--data", demo_data, "--out", tmp_path / "out", "--checkpoint-dir", tmp_path / "ckpt", *MLP_RUN,
                    "--threads", "2")
-    assert_clean_error(result, "different configuration", "threads: 1 there, 2 here", "--checkpoint-dir")
+    assert_trained_afresh(result, tmp_path / "out", tmp_path / "ckpt", "threads: 1 there, 2 here")
+
+
+def test_a_rerun_on_changed_data_never_resumes_the_old_runs_checkpoint(demo_data: Path, mlp_run: Path,
+                                                                       tmp_path: Path) -> None:
+    """Issue 20.1: a DAG run cleared after its data was fixed reads new bytes from the same place with the
+    same checkpoint directory; it must train on them, not hand back the first run's model (steps_run 0)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "validation", "test"):
+        frame = pd.read_parquet(demo_data / f"{split}.parquet")
+        (frame.iloc[: len(frame) * 4 // 5] if split == "train" else frame).to_parquet(data / f"{split}.parquet")
+    copy_checkpoint(mlp_run, 20, tmp_path / "ckpt")
+    result = train("--data", data, "--out", tmp_path / "out", "--checkpoint-dir", tmp_path / "ckpt", *MLP_RUN,
+                   "--threads", "1")
+    assert_trained_afresh(result, tmp_path / "out", tmp_path / "ckpt", "data_version: 'sha256:")
+    retrained = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    first = torch.load(mlp_run / "out" / "model.pt", weights_only=True)
+    assert not all(torch.equal(retrained[name], first[name]) for name in first)
+    info = json.loads((tmp_path / "out" / "model.json").read_text())
+    assert info["train_key"] != json.loads((mlp_run / "out" / "model.json").read_text())["train_key"]
+    assert info["params"]["data_version"].startswith("sha256:")
 
 
 def test_the_automatic_thread_count_is_restored_from_the_checkpoint(demo_data: Path, mlp_run: Path,
@@ -136,11 +174,12 @@ def test_the_automatic_thread_count_is_restored_from_the_checkpoint(demo_data: P
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
 
 
-def test_a_checkpoint_written_on_another_device_is_refused(demo_data: Path, mlp_run: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_written_on_another_device_is_set_aside(demo_data: Path, mlp_run: Path, tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "ckpt")
     state = CheckpointStore(mlp_run / "ckpt").latest_valid()[1]  # type: ignore[index]
     state["resume_key"]["device"] = "cuda"  # as a GPU run would have written it
+    state["step"] = 20
     store.write(state)
     result = train("--data", demo_data, "--out", tmp_path / "out", "--checkpoint-dir", tmp_path / "ckpt", *MLP_RUN,
                    "--threads", "1", "--device", "cpu")
-    assert_clean_error(result, "different configuration", "device: 'cuda' there, 'cpu' here")
+    assert_trained_afresh(result, tmp_path / "out", tmp_path / "ckpt", "device: 'cuda' there, 'cpu' here")

@@ -5,6 +5,13 @@ real server where the launcher depends on it: `ApiException` 409 on a duplicate 
 delete of a missing job, pods listed by label selector as `V1PodList` models, a pod log streamed in
 chunks through a `_preload_content=False` response (400 while the container has not started).
 A job's life is scripted: each `get` of the job moves it one step along its `Scenario`.
+
+Over time, as the real server: a delete with `propagationPolicy: Foreground` keeps the job (with a
+`deletionTimestamp` and the `foregroundDeletion` finalizer) until its pods are gone, and the pods
+terminate for `delete_linger` API reads; a background delete removes the job at once while its pods
+still terminate. Faults are injected per method (`inject`): an `ApiException` 500/503/429 or a urllib3
+error raised by the next call(s), and `cut_log_streams` cuts a pod log stream mid-way (urllib3
+`ProtocolError`, as when a node or a connection is lost).
 """
 
 from __future__ import annotations
@@ -216,13 +223,18 @@ def image_pull_failure(job: str, n: int = 2) -> Scenario:
 class _Response:
     """What `_preload_content=False` returns: a urllib3-like response streamed in chunks."""
 
-    def __init__(self, data: bytes, chunk: int = 7) -> None:
+    def __init__(self, data: bytes, chunk: int = 7, cut_after: int | None = None) -> None:
         self.data = data
         self._chunk = chunk
         self.released = False
+        self.cut_after = cut_after  # bytes sent before the connection breaks (None: never)
 
     def stream(self, amt: int | None = None, decode_content: bool = True) -> Iterator[bytes]:
+        from urllib3.exceptions import ProtocolError
+
         for i in range(0, len(self.data), self._chunk):
+            if self.cut_after is not None and i >= self.cut_after:
+                raise ProtocolError("Connection broken: IncompleteRead(0 bytes read)", ConnectionResetError(104))
             yield self.data[i : i + self._chunk]
 
     def release_conn(self) -> None:
@@ -234,9 +246,40 @@ class _Json:
         self.data = json.dumps(payload)
 
 
+def selects(selector: str, labels: dict[str, str]) -> bool:
+    """A label selector as the API server reads it: `k=v`, `k==v`, `k!=v`, `k` and `!k`, comma-separated."""
+    for part in filter(None, (p.strip() for p in selector.split(","))):
+        if "!=" in part:
+            key, value = part.split("!=", 1)
+            if labels.get(key) == value:
+                return False
+        elif "=" in part:
+            key, value = part.replace("==", "=").split("=", 1)
+            if labels.get(key) != value:
+                return False
+        elif part.startswith("!"):
+            if part[1:] in labels:
+                return False
+        elif part not in labels:
+            return False
+    return True
+
+
 def _api_error(status: int, reason: str, message: str) -> ApiException:
     err = ApiException(status=status, reason=reason)
     err.body = json.dumps({"kind": "Status", "status": "Failure", "message": message, "code": status})
+    return err
+
+
+REASONS = {429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
+           504: "Gateway Timeout", 403: "Forbidden"}
+
+
+def api_error(status: int, retry_after: int | None = None) -> ApiException:
+    """What the API server (or the load balancer before it) answers when it cannot serve a request now."""
+    err = _api_error(status, REASONS.get(status, "Error"), f"the server answered {status}")
+    if retry_after is not None:
+        err.headers = {"Retry-After": str(retry_after)}
     return err
 
 
@@ -245,6 +288,7 @@ class _Job:
     body: dict[str, Any]
     scenario: Scenario
     tick: int = -1
+    deleting: bool = False
 
     @property
     def step(self) -> Step:
@@ -288,8 +332,50 @@ class FakeCluster:
         self.submitted: list[dict[str, Any]] = []  # every body accepted, as created
         self.log_reads: list[tuple[str, bool]] = []
         self.fail_gets_with: ApiException | None = None
+        self.delete_linger = 0  # API reads a deleted job's pods take to terminate
+        self.terminating: list[list[Any]] = []  # [pod, reads left]
+        self.faults: dict[str, list[BaseException]] = {}
+        self.cut_log_streams = 0  # the next log streams that break mid-way
         self._lock = threading.Lock()
         self._serializer = ApiClient()
+
+    # -- faults and time -------------------------------------------------------------------------------
+
+    def inject(self, method: str, *faults: BaseException) -> None:
+        """The next calls of `method` raise these, one each, in order (then it works again)."""
+        self.faults.setdefault(method, []).extend(faults)
+
+    def _fault(self, method: str) -> None:
+        pending = self.faults.get(method)
+        if pending:
+            raise pending.pop(0)
+
+    def _tick(self) -> None:
+        """One API read passes: terminating pods get closer to gone; a job deleted in the foreground
+        goes once its pods are gone (the garbage collector removes the foregroundDeletion finalizer)."""
+        for entry in self.terminating:
+            entry[1] -= 1
+        self.terminating = [entry for entry in self.terminating if entry[1] > 0]
+        left = {p["metadata"]["labels"].get(JOB_NAME_LABEL) for p, _ in self.terminating}
+        for key, job in list(self.jobs.items()):
+            if job.deleting and key[1] not in left:
+                del self.jobs[key]
+
+    def job_pods(self, namespace: str, name: str, job: _Job) -> list[dict[str, Any]]:
+        """The pods the MPI Operator keeps for this job now."""
+        return job.step.pods
+
+    def _labelled_pods(self, namespace: str, name: str, job: _Job) -> list[dict[str, Any]]:
+        """The job's pods with their replica template's labels, as the MPI Operator creates them."""
+        specs = (job.body.get("spec") or {}).get("mpiReplicaSpecs") or {}
+        out = []
+        for p in self.job_pods(namespace, name, job):
+            role = "Launcher" if p["metadata"]["labels"].get(JOB_ROLE_LABEL) == "launcher" else "Worker"
+            template = ((specs.get(role) or {}).get("template") or {}).get("metadata") or {}
+            labelled = {**p, "metadata": {**p["metadata"], "labels": {**(template.get("labels") or {}),
+                                                                      **p["metadata"]["labels"]}}}
+            out.append(labelled)
+        return out
 
     # CustomObjectsApi
     def create_namespaced_custom_object(
@@ -312,16 +398,30 @@ class FakeCluster:
         self, group: str, version: str, namespace: str, plural: str, name: str, **_: Any
     ) -> dict[str, Any]:
         with self._lock:
+            self._fault("get_namespaced_custom_object")
             if self.fail_gets_with is not None:
                 raise self.fail_gets_with
+            self._tick()
             job = self.jobs.get((namespace, name))
             if job is None:
                 raise _api_error(404, "Not Found", f'mpijobs.kubeflow.org "{name}" not found')
-            job.tick += 1
+            if not job.deleting:
+                job.tick += 1
             out = json.loads(json.dumps(job.body))
             if job.step.conditions:
                 out["status"] = {"conditions": job.step.conditions}
             return out
+
+    def list_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, label_selector: str = "", **_: Any
+    ) -> dict[str, Any]:
+        assert (group, version, plural) == ("kubeflow.org", "v2beta1", "mpijobs")
+        with self._lock:
+            self._fault("list_namespaced_custom_object")
+            self._tick()
+            items = [json.loads(json.dumps(job.body)) for (ns, _), job in self.jobs.items()
+                     if ns == namespace and selects(label_selector, job.body["metadata"].get("labels") or {})]
+        return {"apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJobList", "metadata": {}, "items": items}
 
     def delete_namespaced_custom_object(
         self,
@@ -334,22 +434,39 @@ class FakeCluster:
         **_: Any,
     ) -> dict[str, Any]:
         with self._lock:
-            if (namespace, name) not in self.jobs:
+            self._fault("delete_namespaced_custom_object")
+            job = self.jobs.get((namespace, name))
+            if job is None:
                 raise _api_error(404, "Not Found", f'mpijobs.kubeflow.org "{name}" not found')
-            del self.jobs[(namespace, name)]
             self.deleted.append((namespace, name, body))
+            if job.deleting:  # deleting again what is being deleted: the object as it is, no change
+                return json.loads(json.dumps(job.body))
+            pods = [json.loads(json.dumps(p)) for p in self._labelled_pods(namespace, name, job)]
+            for p in pods:
+                p["metadata"]["deletionTimestamp"] = "2026-01-01T00:10:00Z"
+            if self.delete_linger > 0:
+                self.terminating += [[p, self.delete_linger] for p in pods]
+            foreground = (body or {}).get("propagationPolicy") == "Foreground"
+            if foreground and pods and self.delete_linger > 0:
+                job.deleting = True
+                job.body["metadata"].update({"deletionTimestamp": "2026-01-01T00:10:00Z",
+                                             "finalizers": ["foregroundDeletion"]})
+                return json.loads(json.dumps(job.body))
+            del self.jobs[(namespace, name)]
             return {"kind": "Status", "status": "Success"}
 
     # CoreV1Api
     def _pods(self, namespace: str) -> list[dict[str, Any]]:
-        return [p for (ns, _), job in self.jobs.items() if ns == namespace for p in job.step.pods]
+        return [p for (ns, name), job in self.jobs.items() if ns == namespace and not job.deleting
+                for p in self._labelled_pods(ns, name, job)]
 
     def list_namespaced_pod(self, namespace: str, label_selector: str = "", **_: Any) -> Any:
-        wanted = dict(part.split("=", 1) for part in label_selector.split(",") if part)
         with self._lock:
-            items = [
-                p for p in self._pods(namespace) if all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())
-            ]
+            self._fault("list_namespaced_pod")
+            self._tick()
+            pods = [*self._pods(namespace),
+                    *(p for p, _ in self.terminating if p["metadata"].get("namespace", namespace) == namespace)]
+            items = [p for p in pods if selects(label_selector, p["metadata"]["labels"])]
             payload = {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
         return self._serializer.deserialize(_Json(payload), "V1PodList")
 
@@ -363,7 +480,12 @@ class FakeCluster:
         **_: Any,
     ) -> Any:
         with self._lock:
+            self._fault("read_namespaced_pod_log")
             self.log_reads.append((name, follow))
+            cut = None
+            if self.cut_log_streams > 0 and follow:
+                self.cut_log_streams -= 1
+                cut = -1  # half of the log, then the connection breaks
             for job in self.jobs.values():
                 for p in job.step.pods:
                     if p["metadata"]["name"] != name:
@@ -374,7 +496,8 @@ class FakeCluster:
                             400, "Bad Request", f'container "{container}" in pod "{name}" is waiting to start'
                         )
                     data = "".join(f"{line}\n" for line in job.scenario.launcher_log).encode()
-                    return _Response(data) if not _preload_content else data.decode()
+                    cut_after = len(data) // 2 if cut is not None else None
+                    return _Response(data, cut_after=cut_after) if not _preload_content else data.decode()
         raise _api_error(404, "Not Found", f'pods "{name}" not found')
 
 
@@ -384,19 +507,23 @@ class AsyncFakeApi:
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
 
-    async def get_namespaced_custom_object(self, **kwargs: Any) -> dict[str, Any]:
+    @staticmethod
+    def _call(method: Callable[..., Any], **kwargs: Any) -> Any:
         from kubernetes_asyncio.client.exceptions import ApiException as AsyncApiException
 
         try:
-            return self.cluster.get_namespaced_custom_object(**kwargs)
+            return method(**kwargs)
         except ApiException as err:
             raise AsyncApiException(status=err.status, reason=err.reason) from err
 
+    async def get_namespaced_custom_object(self, **kwargs: Any) -> dict[str, Any]:
+        return self._call(self.cluster.get_namespaced_custom_object, **kwargs)  # type: ignore[no-any-return]
+
     async def list_namespaced_pod(self, **kwargs: Any) -> Any:
-        return self.cluster.list_namespaced_pod(**kwargs)
+        return self._call(self.cluster.list_namespaced_pod, **kwargs)
 
     async def list_namespaced_custom_object(self, **kwargs: Any) -> Any:
-        return self.cluster.list_namespaced_custom_object(**kwargs)  # type: ignore[attr-defined]
+        return self._call(self.cluster.list_namespaced_custom_object, **kwargs)
 
 
 class FakeHook:

@@ -143,6 +143,11 @@ class Lifecycle:
     evict_when: Callable[[], bool] | None = None
     readmit_polls: int = 2
     never_admit: bool = False
+    # Someone (a person, or Kueue itself once a requeuing backoffLimitCount is reached) sets the Workload's
+    # spec.active to false when this turns true: Kueue evicts it (reason InactiveWorkload), never readmits it.
+    deactivate_when: Callable[[], bool] | None = None
+    deactivation_message: str = "The workload is deactivated"
+    active: bool = True
     kubelet: Kubelet = field(default_factory=Kubelet)
     state: str = "pending"
     polls_in_state: int = 0
@@ -189,7 +194,10 @@ class KueueCluster(fk.FakeCluster):
         if life.state == "pending" and not life.job_conditions:
             life.job_conditions = [_cond("Created", True, "MPIJobCreated"), _cond("Suspended", True, "MPIJobSuspended")]
             life.workload_conditions = [_cond("QuotaReserved", False, "Pending", PENDING_MESSAGE)]
-        if life.state in {"pending", "evicted"}:
+        if life.active and life.state in {"pending", "evicted", "running"} and life.deactivate_when is not None \
+                and life.deactivate_when():
+            self._deactivate(body, life)
+        elif life.state in {"pending", "evicted"}:
             wait = life.pending_polls if life.state == "pending" else life.readmit_polls
             if not life.never_admit and life.polls_in_state > wait:
                 self._admit(body, life)
@@ -231,6 +239,19 @@ class KueueCluster(fk.FakeCluster):
         life.pods = []
         self._set(life, "evicted")
 
+    def _deactivate(self, body: dict[str, Any], life: Lifecycle) -> None:
+        """spec.active=false: what Kueue's workload controller does (evict, keep suspended, never admit)."""
+        life.kubelet.stop()
+        life.active = False
+        body["spec"]["runPolicy"]["suspend"] = True
+        life.workload_conditions = [_cond("QuotaReserved", False, "Pending", "The workload is deactivated"),
+                                    _cond("Admitted", False, "NoReservation", "The workload has no reservation"),
+                                    _cond("Evicted", True, "InactiveWorkload", life.deactivation_message),
+                                    _cond("Requeued", False, "InactiveWorkload", life.deactivation_message)]
+        life.job_conditions = [_cond("Created", True, "MPIJobCreated"), _cond("Suspended", True, "MPIJobSuspended")]
+        life.pods = []
+        self._set(life, "deactivated")
+
     def _finish(self, body: dict[str, Any], life: Lifecycle, code: int) -> None:
         job = body["metadata"]["name"]
         life.exit_code = code
@@ -253,7 +274,8 @@ class KueueCluster(fk.FakeCluster):
             "apiVersion": "/".join(KUEUE), "kind": "Workload",
             "metadata": {"name": f"mpijob-{job}-3f2a1", "namespace": body["metadata"]["namespace"],
                          "labels": {"kueue.x-k8s.io/job-uid": body["metadata"]["uid"]}},
-            "spec": {"queueName": body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"], "podSets": pod_sets},
+            "spec": {"active": life.active, "queueName": body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"],
+                     "podSets": pod_sets},
             "status": {"conditions": life.workload_conditions},
         }
         validate("workloads", workload)
@@ -269,7 +291,8 @@ class KueueCluster(fk.FakeCluster):
             return json.loads(json.dumps(self.local_queues[(namespace, name)]))
         with self._lock:
             job = self.jobs.get((namespace, name))
-            if job is None or not self._queued(job.body):
+            if job is None or not self._queued(job.body) or job.deleting or self.faults.get(
+                    "get_namespaced_custom_object"):
                 queued = False
             else:
                 queued = True
@@ -291,7 +314,9 @@ class KueueCluster(fk.FakeCluster):
         return {"items": json.loads(json.dumps(list(self.cluster_queues.values())))}
 
     def list_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str,
-                                      label_selector: str = "", **_: Any) -> dict[str, Any]:
+                                      label_selector: str = "", **kwargs: Any) -> dict[str, Any]:
+        if plural == "mpijobs":
+            return super().list_namespaced_custom_object(group, version, namespace, plural, label_selector, **kwargs)
         assert (group, version, plural) == (*KUEUE, "workloads")
         key, _, uid = label_selector.partition("=")
         assert key == "kueue.x-k8s.io/job-uid"
@@ -302,13 +327,10 @@ class KueueCluster(fk.FakeCluster):
                      and job.body["metadata"]["name"] in self.lifecycles]
         return {"items": items}
 
-    def _pods(self, namespace: str) -> list[dict[str, Any]]:
-        out = []
-        for (ns, name), job in self.jobs.items():
-            if ns != namespace:
-                continue
-            out += self.lifecycles[name].pods if self._queued(job.body) and name in self.lifecycles else job.step.pods
-        return out
+    def job_pods(self, namespace: str, name: str, job: fk._Job) -> list[dict[str, Any]]:
+        if self._queued(job.body) and name in self.lifecycles:
+            return self.lifecycles[name].pods
+        return super().job_pods(namespace, name, job)
 
     def read_namespaced_pod_log(self, name: str, namespace: str, container: str | None = None,
                                 follow: bool = False, _preload_content: bool = True, **kwargs: Any) -> Any:

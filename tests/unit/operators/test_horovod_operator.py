@@ -10,7 +10,7 @@ import yaml
 
 from operators import errors
 from operators.horovod import HorovodKubernetesOperator
-from operators.mpijob_spec import TaskIdentity, job_name
+from operators.mpijob_spec import TaskIdentity, checkpoint_subdir, job_name
 from operators.triggers import MPIJobTrigger
 from tests.unit.operators import fake_kubernetes as fk
 from tests.unit.operators.conftest import horovod_operator, make_context
@@ -230,7 +230,8 @@ def test_sync_success_streams_log_and_deletes(capsys: pytest.CaptureFixture[str]
     result = op.execute(CONTEXT)
     task_log = capsys.readouterr().out  # the task logger writes through structlog
     assert result["name"] == NAME and result["backend"] == "kubernetes"
-    assert result["checkpoint_dir"].endswith("/nightly_retrain/manual__2026-01-01T00_00_00+00_00/train")
+    assert result["checkpoint_dir"] == "/workspace/checkpoints/" + checkpoint_subdir(
+        "nightly_retrain", CONTEXT["run_id"], "train")  # on the shared volume, never keyed by the try
     assert "[launcher] training done" in task_log
     assert cluster.deleted == [("default", NAME, {"propagationPolicy": "Foreground"})]
     created = cluster.created
@@ -279,7 +280,9 @@ def test_on_kill_deletes_the_running_job_in_the_foreground() -> None:
     thread.join(10)
     assert not thread.is_alive()
     assert cluster.deleted[0] == ("default", NAME, {"propagationPolicy": "Foreground"})
-    assert isinstance(outcome[0], errors.MPIJobDeleted)
+    # Killed while it followed the job: TaskInterrupted (on_kill's flag, seen first), or MPIJobDeleted when the
+    # poll under way when on_kill ran already found the job gone.
+    assert isinstance(outcome[0], errors.TaskInterrupted | errors.MPIJobDeleted), outcome
 
 
 def test_deferrable_hands_waiting_to_the_trigger_then_finishes() -> None:
@@ -326,9 +329,11 @@ def test_deferred_failure_raises_the_named_error() -> None:
         op.execute_complete(CONTEXT, event)
     assert cluster.deleted == []  # on_success policy keeps a failed job for inspection
     error_event = {**event, "status": "error", "error_kind": None, "message": "lost track"}
-    with pytest.raises(errors.MPIJobFailed, match="lost track"):
+    with pytest.raises(errors.KubernetesApiUnavailable, match="lost track"):  # the API failed, not the job
         op.execute_complete(CONTEXT, error_event)
-    assert [d[1] for d in cluster.deleted] == [NAME]  # never leave an unobserved job running
+    # the trigger lost sight of the API, not of a failed job: the job is not deleted (the next try deletes
+    # its earlier tries' jobs before submitting)
+    assert cluster.deleted == []
 
 
 def test_auto_backend_uses_kubernetes_only_with_a_connection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -350,3 +355,85 @@ def test_dag_import_stays_light(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == ""
+
+
+# -- earlier tries, transient API errors, deferral timeouts (issue 20 items 4, 5) -------------------------
+
+RETRY = make_context(try_number=2)
+RETRY_NAME = job_name(HorovodKubernetesOperator.identity_from(RETRY))
+
+
+def test_a_retry_deletes_the_earlier_tries_job_and_waits_for_its_pods_before_submitting() -> None:
+    cluster = fk.FakeCluster(lambda name: fk.running_forever(name, ["step 1"]) if name == NAME
+                             else fk.succeeding(name, ["done"]))
+    cluster.delete_linger = 3
+    first = operator(cluster).build_manifest(HorovodKubernetesOperator.identity_from(CONTEXT))
+    cluster.create_namespaced_custom_object("kubeflow.org", "v2beta1", "default", "mpijobs", first)
+    cluster.get_namespaced_custom_object("kubeflow.org", "v2beta1", "default", "mpijobs", NAME)
+    cluster.get_namespaced_custom_object("kubeflow.org", "v2beta1", "default", "mpijobs", NAME)  # running
+    seen_at_create: list[list[str]] = []
+    create = cluster.create_namespaced_custom_object
+
+    def watching_create(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        pods = cluster.list_namespaced_pod("default", "dag_id=nightly_retrain,task_id=train").items
+        seen_at_create.append([p.metadata.name for p in pods] + [name for (_, name) in cluster.jobs])
+        return create(*args, **kwargs)
+
+    cluster.create_namespaced_custom_object = watching_create  # type: ignore[method-assign]
+    result = operator(cluster).execute(RETRY)
+    assert result["name"] == RETRY_NAME
+    assert cluster.deleted[0] == ("default", NAME, {"propagationPolicy": "Foreground"})
+    assert seen_at_create == [[]]  # nothing of try 1 (job or pod) was left when try 2 was submitted
+
+
+def test_a_retry_whose_earlier_pods_do_not_go_fails_before_submitting() -> None:
+    cluster = fk.FakeCluster(lambda name: fk.running_forever(name, ["step 1"]))
+    cluster.delete_linger = 10**6
+    first = operator(cluster).build_manifest(HorovodKubernetesOperator.identity_from(CONTEXT))
+    cluster.create_namespaced_custom_object("kubeflow.org", "v2beta1", "default", "mpijobs", first)
+    cluster.get_namespaced_custom_object("kubeflow.org", "v2beta1", "default", "mpijobs", NAME)
+    with pytest.raises(errors.MPIJobCleanupFailed, match=rf"earlier tr.*{NAME}.*still there after 0.05s"):
+        operator(cluster, cleanup_timeout=0.05, poll_interval=0.01).execute(RETRY)
+    assert cluster.created == [NAME]  # the retry submitted nothing
+
+
+def test_a_transient_api_outage_does_not_delete_the_running_job() -> None:
+    cluster = fk.FakeCluster(lambda name: fk.succeeding(name, ["epoch 1", "done"]))
+    cluster.inject("get_namespaced_custom_object", fk.api_error(503), fk.api_error(500), fk.api_error(504))
+    cluster.inject("list_namespaced_pod", fk.api_error(502))
+    cluster.cut_log_streams = 1
+    result = operator(cluster, api_retry_seconds=30.0, api_retry_backoff=0.001,
+                      poll_interval=0.001).execute(CONTEXT)
+    assert result["name"] == NAME
+    assert cluster.deleted == [("default", NAME, {"propagationPolicy": "Foreground"})]  # on success, once
+
+
+def test_an_api_outage_past_api_retry_seconds_fails_the_task_but_keeps_the_job() -> None:
+    cluster = fk.FakeCluster(lambda name: fk.running_forever(name, ["step 1"]))
+    cluster.fail_gets_with = fk.api_error(503)
+    with pytest.raises(errors.KubernetesApiUnavailable, match=rf"{NAME}.*0.05s"):
+        operator(cluster, api_retry_seconds=0.05, api_retry_backoff=0.01, poll_interval=0.01).execute(CONTEXT)
+    assert cluster.deleted == []  # not the job's failure: the next try deletes it before submitting
+
+
+def test_a_deferral_timeout_deletes_the_job() -> None:
+    from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR, TriggerFailureReason
+    from airflow.sdk.exceptions import TaskDeferralTimeout, TaskDeferred
+
+    cluster = fk.FakeCluster(lambda name: fk.running_forever(name, ["step 1"]))
+    with pytest.raises(TaskDeferred):
+        operator(cluster, deferrable=True).execute(CONTEXT)
+    resumed = operator(cluster, deferrable=True)  # a fresh worker process: no state but the context
+    with pytest.raises(TaskDeferralTimeout):
+        resumed.resume_execution(TRIGGER_FAIL_REPR, {"error": TriggerFailureReason.TRIGGER_TIMEOUT}, CONTEXT)
+    assert cluster.deleted == [("default", NAME, {"propagationPolicy": "Foreground"})]
+
+
+def test_a_sync_timeout_deletes_the_job() -> None:
+    from airflow.sdk.exceptions import AirflowTaskTimeout
+
+    cluster = fk.FakeCluster(lambda name: fk.running_forever(name, ["step 1"]))
+    cluster.inject("get_namespaced_custom_object", fk.api_error(503), AirflowTaskTimeout("Timeout, PID: 1"))
+    with pytest.raises(AirflowTaskTimeout):
+        operator(cluster, poll_interval=0.001, api_retry_backoff=0.001).execute(CONTEXT)
+    assert [d[1] for d in cluster.deleted] == [NAME]

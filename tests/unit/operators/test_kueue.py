@@ -200,3 +200,84 @@ def test_the_deferred_wait_follows_kueue_too(monkeypatch: pytest.MonkeyPatch, ca
     else:
         queued = [line for line in capsys.readouterr().out.splitlines() if "is queued" in line]
         assert len(queued) == 1 and "LocalQueue nightly" in queued[0]
+
+
+# -- a deactivated Workload (issue 20 item 6) ----------------------------------------------------------
+
+
+def test_a_deactivated_workload_fails_at_once_naming_the_reason() -> None:
+    from operators.mpijob_launcher import MPIJobLauncher
+
+    message = "The workload is deactivated due to exceeding the maximum number of re-queuing retries"
+    cluster = fq.KueueCluster(lambda name: fq.Lifecycle(never_admit=True, deactivate_when=lambda: True,
+                                                        deactivation_message=message), **queues())
+    body = operator(cluster).build_manifest(TaskIdentity("d", "train", "r", 1), "ml")
+    now = {"t": 0.0}
+
+    def sleep(seconds: float) -> None:
+        now["t"] += seconds
+
+    run = MPIJobLauncher(cluster, cluster, "ml", poll_interval=5.0, queue_timeout=3600.0, clock=lambda: now["t"],
+                         sleep=sleep)
+    with pytest.raises(errors.MPIJobDeactivated, match=r"deactivated \(InactiveWorkload: .*re-queuing retries\).*"
+                                                       r"kubectl patch workload"):
+        run.run(body)
+    assert now["t"] < 60  # not the hour of queue_timeout
+
+
+def test_a_running_job_whose_workload_is_deactivated_fails_without_waiting() -> None:
+    polls = {"n": 0}
+
+    def after_two_running_polls() -> bool:
+        polls["n"] += 1
+        return polls["n"] > 4
+
+    cluster = fq.KueueCluster(lambda name: fq.Lifecycle(pending_polls=1, deactivate_when=after_two_running_polls,
+                                                        kubelet=fq.Kubelet(polls=10**6)), **queues())
+    with pytest.raises(errors.MPIJobDeactivated, match="InactiveWorkload"):
+        operator(cluster, queue_timeout=1.0).execute(CONTEXT)  # type: ignore[arg-type]
+    assert "deactivated" in cluster.transitions
+
+
+def test_the_trigger_reports_a_deactivated_workload_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import contextlib
+    import time
+    from collections.abc import AsyncIterator
+
+    from operators.triggers import MPIJobTrigger
+
+    cluster = fq.KueueCluster(lambda name: fq.Lifecycle(never_admit=True, deactivate_when=lambda: True), **queues())
+    body = operator(cluster).build_manifest(TaskIdentity("d", "train", "r", 1), "ml")
+    cluster.create_namespaced_custom_object("kubeflow.org", "v2beta1", "ml", "mpijobs", body)
+
+    @contextlib.asynccontextmanager
+    async def api_clients(self: MPIJobTrigger) -> AsyncIterator[tuple[Any, Any]]:
+        api = fk.AsyncFakeApi(cluster)
+        yield api, api
+
+    monkeypatch.setattr(MPIJobTrigger, "api_clients", api_clients)
+    trig = MPIJobTrigger(name=body["metadata"]["name"], namespace="ml", submitted_at=time.time(), poll_interval=0.01,
+                         queue_timeout=0.5)
+
+    async def collect() -> list[dict[str, Any]]:
+        return [event.payload async for event in trig.run()]
+
+    (event,) = asyncio.run(collect())
+    assert (event["status"], event["error_kind"]) == ("failed", "MPIJobDeactivated")
+    assert "InactiveWorkload" in event["message"]
+
+
+@pytest.mark.parametrize(("rendered", "seconds"), [("7200", 7200.0), ("None", None), ("", None), ("90.5", 90.5)])
+def test_queue_timeout_is_a_template_settled_into_seconds(rendered: str, seconds: float | None) -> None:
+    op = operator(fq.KueueCluster(**queues()), queue_timeout="{{ params.queue_timeout }}")
+    op.render_template_fields({"params": {"queue_timeout": rendered}})
+    op.settle()
+    assert op.execution.queue_timeout == seconds
+
+
+def test_a_bad_queue_timeout_names_the_field() -> None:
+    op = operator(fq.KueueCluster(**queues()), queue_timeout="{{ params.queue_timeout }}")
+    op.render_template_fields({"params": {"queue_timeout": "soon"}})
+    with pytest.raises(errors.InvalidJobConfig, match=r"queue_timeout must be a number of seconds >= 0.*'soon'"):
+        op.settle()

@@ -45,6 +45,27 @@ def test_an_allowlisted_variable_holding_a_url_with_a_password_stays_behind(capl
     assert "NIGHTSHIFT_EVENTS_REDIS_URL" in caplog.text and "hunter2" not in caplog.text
 
 
+@pytest.mark.parametrize(("name", "value"), [
+    ("NIGHTSHIFT_SIGNING_KEY", "planted"),
+    ("NIGHTSHIFT_APIKEY", "planted"),
+    ("HOROVOD_KEY", "planted"),
+    ("NIGHTSHIFT_REDIS_PASS", "planted"),
+    ("NIGHTSHIFT_EVENTS_REDIS_URL", "redis://10.0.0.5:6379/0?password=planted"),
+    ("NIGHTSHIFT_STORE", "https://store.example/b?X-Amz-Signature=planted&X-Amz-Date=1"),
+    ("NIGHTSHIFT_POSTGRES_URL", "host=db user=airflow password=planted dbname=airflow"),
+    ("NIGHTSHIFT_ODBC", "Server=db;Uid=sa;Pwd=planted;"),
+    ("NIGHTSHIFT_POSTGRES_DSN", "host=db password='planted' dbname=airflow"),
+])
+def test_a_secret_named_or_held_in_a_query_or_dsn_stays_behind(name: str, value: str,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    env = child_environment({name: value, "NIGHTSHIFT_HOME": "/srv/nightshift",
+                             "NIGHTSHIFT_DATA_URL": "https://data.example/x?version=3&key_prefix=raw"})
+    assert name not in env and "planted" not in " ".join(env.values())
+    assert env["NIGHTSHIFT_HOME"] == "/srv/nightshift"
+    assert env["NIGHTSHIFT_DATA_URL"] == "https://data.example/x?version=3&key_prefix=raw"
+    assert "planted" not in caplog.text
+
+
 def test_cpu_jobs_need_a_core_per_worker() -> None:
     assert check_local_capacity(2, 0, cores=2) == 2
     with pytest.raises(InvalidJobConfig, match="has 2 cores for 3 workers; ask for at most 2 workers"):

@@ -163,10 +163,14 @@ def test_job_name_is_a_dns_label_unique_per_try(task_id: str) -> None:
 
 
 def test_checkpoint_dir_ignores_the_try_and_stays_inside_its_root() -> None:
-    assert checkpoint_subdir("dag", "manual__2026-01-01T00:00:00+00:00", "train") == (
-        "dag/manual__2026-01-01T00_00_00+00_00/train"
+    assert checkpoint_subdir("dag", "manual__2026-01-01T00:00:00+00:00", "train").startswith(
+        "dag/manual__2026-01-01T00_00_00+00_00~"
     )
-    assert checkpoint_subdir("..", "a/b", ".") == "__/a_b/_"
+    assert checkpoint_subdir("dag", "scheduled__2026-01-01", "train") == "dag/scheduled__2026-01-01/train"
+    parts = checkpoint_subdir("..", "a/b", ".").split("/")
+    assert len(parts) == 3 and not {".", ".."} & set(parts)
+    # two runs whose ids differ only in characters a path cannot hold never share a checkpoint directory
+    assert checkpoint_subdir("d", "a:b", "t") != checkpoint_subdir("d", "a_b", "t")
     assert with_checkpoint_dir(["python", "x.py"], "/ck") == ["python", "x.py", "--checkpoint-dir", "/ck"]
     assert with_checkpoint_dir(["x", "--checkpoint-dir=/mine"], "/ck") == ["x", "--checkpoint-dir=/mine"]
 
@@ -203,3 +207,21 @@ def test_invalid_config_names_the_field(overrides: dict[str, Any], field: str) -
     base = {"num_workers": 1, **overrides}
     with pytest.raises(InvalidJobConfig, match=field):
         config(**base)
+
+
+@pytest.mark.parametrize("priority", [None, "", "  "])
+def test_a_queued_job_without_a_priority_carries_no_priority_label(priority: str | None,
+                                                                    validate_mpijob: Any) -> None:
+    job = build_mpijob(config(num_workers=2, queue_name="nightly", priority_class=priority), IDENTITY)
+    validate_mpijob(job)
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "nightly"
+    assert "kueue.x-k8s.io/priority-class" not in job["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"queue_name": "Nightly Queue"}, "queue must be a Kueue object name"),
+    ({"queue_name": "nightly", "priority_class": "Low!"}, "priority must be a Kueue object name"),
+])
+def test_a_bad_queue_or_priority_is_refused_naming_it(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidJobConfig, match=message):
+        config(num_workers=1, **overrides)

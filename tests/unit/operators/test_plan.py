@@ -73,6 +73,25 @@ def test_just_say_how_many_gpus_and_which_queue(validate_mpijob: Any) -> None:
     assert missing.returncode == 2 and "set NIGHTSHIFT_GPUS_PER_NODE" in missing.stderr
 
 
+def test_a_queue_without_a_priority_plans_a_job_with_no_priority_label(
+        validate_mpijob: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from nightshift.cli import main
+
+    for name, value in {"NIGHTSHIFT_HOME": "/nightshift", "MLFLOW_TRACKING_URI": TRACKING,
+                        "NIGHTSHIFT_GPUS_PER_NODE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("NIGHTSHIFT_CLUSTER_MLFLOW_URI", "NIGHTSHIFT_KUEUE_QUEUE", "NIGHTSHIFT_KUEUE_PRIORITY"):
+        monkeypatch.delenv(name, raising=False)
+    code = main(["plan", "--conf", json.dumps({"backend": "kubernetes", "gpus": 12, "queue": "nightly"})])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    (job,) = yaml.safe_load_all(out)
+    validate_mpijob(job)
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "nightly"
+    assert "kueue.x-k8s.io/priority-class" not in job["metadata"]["labels"]
+    assert job["spec"]["runPolicy"]["suspend"] is True
+
+
 def test_the_local_backend_creates_no_kubernetes_object() -> None:
     done = plan({"workers": 2})
     assert done.returncode == 0 and not list(yaml.safe_load_all(done.stdout))

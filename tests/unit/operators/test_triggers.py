@@ -101,7 +101,7 @@ def test_api_errors_become_an_error_event_never_an_exception(monkeypatch: pytest
     cluster = fk.FakeCluster()
     submit(cluster)
     cluster.fail_gets_with = ApiException(status=500, reason="Internal Server Error")
-    (event,) = asyncio.run(collect(wired(trigger(), cluster, monkeypatch)))
+    (event,) = asyncio.run(collect(wired(trigger(api_retry_seconds=0.05), cluster, monkeypatch)))
     assert event["status"] == "error"
     assert NAME in event["message"] and "lost track" in event["message"]
 
@@ -121,7 +121,7 @@ def test_a_blip_of_the_api_server_is_tolerated(monkeypatch: pytest.MonkeyPatch) 
         return real_get(*args, **kwargs)
 
     monkeypatch.setattr(cluster, "get_namespaced_custom_object", flaky_get)
-    (event,) = asyncio.run(collect(wired(trigger(), cluster, monkeypatch)))
+    (event,) = asyncio.run(collect(wired(trigger(api_retry_backoff=0.001), cluster, monkeypatch)))
     assert event["status"] == "success"
 
 
@@ -130,3 +130,42 @@ def test_unreachable_cluster_is_an_error_event() -> None:
     trig = trigger(kubernetes_conn_id=None, config_file="/nonexistent/kubeconfig")
     (event,) = asyncio.run(collect(trig))
     assert event["status"] == "error"
+
+
+def test_the_trigger_keeps_polling_through_an_outage_shorter_than_api_retry_seconds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from urllib3.exceptions import ProtocolError
+
+    cluster = fk.FakeCluster()
+    submit(cluster)
+    # more errors in a row than the old limit of 3: a rolling restart of the API server
+    cluster.inject("get_namespaced_custom_object", *(fk.api_error(status) for status in (503, 500, 429, 502, 504)))
+    cluster.inject("list_namespaced_pod", ProtocolError("Connection aborted.", ConnectionResetError(104)))
+    trig = trigger(api_retry_seconds=30.0, api_retry_backoff=0.001)
+    (event,) = asyncio.run(collect(wired(trig, cluster, monkeypatch)))
+    assert event["status"] == "success"
+
+
+def test_an_outage_past_api_retry_seconds_is_an_error_event_naming_how_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = fk.FakeCluster()
+    submit(cluster)
+    cluster.fail_gets_with = fk.api_error(503)
+    trig = trigger(api_retry_seconds=0.2, api_retry_backoff=0.01)
+    started = time.monotonic()
+    (event,) = asyncio.run(collect(wired(trig, cluster, monkeypatch)))
+    assert time.monotonic() - started >= 0.2  # it did keep trying for api_retry_seconds
+    assert event["status"] == "error" and "for 0.2s" in event["message"] and "503" in event["message"]
+
+
+def test_a_permanent_api_error_is_an_error_event_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = fk.FakeCluster()
+    submit(cluster)
+    cluster.fail_gets_with = fk.api_error(403)
+    (event,) = asyncio.run(collect(wired(trigger(api_retry_seconds=3600.0), cluster, monkeypatch)))
+    assert event["status"] == "error" and "403" in event["message"]
+
+
+def test_api_retry_seconds_survives_serialization() -> None:
+    _classpath, kwargs = trigger(api_retry_seconds=42.0, api_retry_backoff=0.5).serialize()
+    assert (kwargs["api_retry_seconds"], kwargs["api_retry_backoff"]) == (42.0, 0.5)
+    assert MPIJobTrigger(**kwargs).api_retry_seconds == 42.0

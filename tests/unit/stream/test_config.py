@@ -23,6 +23,12 @@ BASE: dict[str, Any] = {"input": "in", "output": "out", "dead_letter": "dlq", "g
     ({"claim_idle_ms": 0}, "--claim-idle-ms 0"),
     ({"output": "in"}, "three different streams"),
     ({"group": ""}, "--group must not be empty"),
+    ({"max_deliveries": 0}, "--max-deliveries 0"),
+    ({"dedup_retention_s": 0}, "--dedup-retention 0"),
+    ({"wait_replicas": -1}, "--wait-replicas -1"),
+    ({"model_retry_s": -1}, "--model-retry-s -1"),
+    ({"dead_letter": "out:scored:x"}, "among the markers of --output"),
+    ({"output": "dlq:seen:1"}, "among the markers of --dead-letter"),
 ])
 def test_bad_options_name_the_flag(change: dict[str, object], flag: str) -> None:
     with pytest.raises(StreamConfigError, match=flag):
@@ -76,3 +82,28 @@ def test_a_bad_option_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str])
                  "--dead-letter", "d", "--group", "g", "--consumer", "c"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("nightshift score-stream:")]
     assert code == 2 and len(lines) == 1 and "three different streams" in lines[0]
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("30m", 1800), ("24h", 86400),
+                                               ("7d", 604800), ("1.5h", 5400)])
+def test_durations(text: str, seconds: float) -> None:
+    from nightshift.stream.trim import parse_duration
+
+    assert parse_duration(text, "--max-age") == seconds
+
+
+def test_a_bad_duration_names_the_flag() -> None:
+    from nightshift.stream.trim import parse_duration
+
+    with pytest.raises(StreamConfigError, match="--max-age '7 weeks'"):
+        parse_duration("7 weeks", "--max-age")
+
+
+def test_new_score_stream_options_and_stream_trim_are_wired() -> None:
+    args = build_parser().parse_args(["score-stream", "--input", "i", "--output", "o", "--dead-letter", "d",
+                                      "--group", "g", "--max-deliveries", "3", "--dedup-retention", "2d",
+                                      "--wait-replicas", "1"])
+    assert (args.max_deliveries, args.dedup_retention, args.wait_replicas, args.wait_timeout_ms) == (3, "2d", 1, 1000)
+    trim = build_parser().parse_args(["stream-trim", "--input", "i", "--output", "o", "--dead-letter", "d",
+                                      "--max-age", "24h"])
+    assert (trim.max_age, trim.dedup_retention) == ("24h", "7d")

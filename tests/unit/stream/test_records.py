@@ -89,3 +89,22 @@ def test_prediction_payload_and_entry_time() -> None:
 
 def test_string_and_integer_ids_are_different_inputs() -> None:
     assert marker_key("7") != marker_key(7)
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b'{"id": 1, "a": ' + b"9" * 5000 + b', "b": 1, "c": 2}', "Exceeds the limit"),  # int-string limit
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # RecursionError in the decoder
+    (b'{"id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+])
+def test_inputs_that_break_the_json_decoder_are_rejected_not_raised(raw: bytes, reason: str) -> None:
+    """Issue 21 item 1: a ValueError or RecursionError from json.loads escaped and killed every consumer."""
+    rejected = parse_entry("3-0", {b"data": raw}, COLUMNS)
+    assert isinstance(rejected, Rejected)
+    assert reason in rejected.reason and rejected.entry_id == "3-0"
+    assert len(rejected.reason) < 400
+
+
+def test_a_huge_integer_below_the_decoder_limit_is_a_wrong_value_not_a_crash() -> None:
+    rejected = parse_entry("3-0", {b"data": b'{"id": "k", "a": ' + b"9" * 4000 + b', "b": 1, "c": 2}'}, COLUMNS)
+    assert isinstance(rejected, Rejected)
+    assert "a is out of range" in rejected.reason and rejected.input_id == "k"
