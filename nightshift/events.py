@@ -66,6 +66,14 @@ def redis_url(given: str | None = None) -> str:
     if scheme not in {"redis", "rediss", "unix"}:
         raise UsageError(f"Redis URL {redact(url)} has scheme {scheme or '(none)'}; expected redis://HOST:PORT[/DB] "
                          f"(rediss:// for TLS)")
+    from redis.connection import parse_url
+
+    try:  # what redis-py will read; its error can quote the password (a '/' or '#' in it cuts the host there)
+        parse_url(url)
+    except ValueError:
+        raise UsageError(f"{'--redis' if given else URL_ENV} {redact(url)} is not a Redis URL redis-py can read: "
+                         f"percent-encode any '/', '?', '#', '@' or ':' in the user name and password "
+                         f"(e.g. / as %2F), and give the port and database as numbers") from None
     return url
 
 

@@ -30,8 +30,10 @@ SECRET_WORDS = frozenset({"TOKEN", "PAT", "JWT", "CRED", "CREDS", "HMAC", "BEARE
 SECRET_LAST_WORDS = frozenset({"KEY", "KEYS", "PASS", "PWD", "SIG", "AUTH"})
 # Names that read like a secret and are not: NCCL's InfiniBand partition key (a number such as 0x8001).
 NOT_SECRET_NAMES = frozenset({"NCCL_IB_PKEY"})
-# The userinfo of a URL: everything between `scheme://` and the last `@` before the path, as urlsplit reads it.
-USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]*)@")
+# The userinfo of a URL: everything between `scheme://` and the last `@` before whitespace or a quote. Wider
+# than urlsplit's (which ends it at the path's `/`, `?` or `#`): a password with an unencoded `/`, `?` or `#`
+# is still a password to whoever wrote it, and hiding an `@` in a path as well costs nothing.
+USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s\"'<>]*)@")
 # A name that may start a pair: at the start, or after a separator, an opening bracket or a quote. Then an
 # optional closing quote (JSON/YAML keys), then `=` or `:` (or, for a `--option`, whitespace).
 KEY = re.compile(r"(?:^|(?<=[\s?&;,({\[\"'-]))(?P<key>[A-Za-z_%][A-Za-z0-9_.%-]*)(?P<quote>[\"']?)"

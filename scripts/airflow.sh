@@ -237,7 +237,7 @@ esac
 if [[ -n "${NIGHTSHIFT_EVENTS_REDIS_URL:-}" && -z "${NIGHTSHIFT_EVENTS_CONN_ID:-}" \
       && -z "${AIRFLOW_CONN_NIGHTSHIFT_EVENTS:-}" ]]; then
     events_conn="$(python -c 'import json, os, sys
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 url = urlsplit(os.environ["NIGHTSHIFT_EVENTS_REDIS_URL"].strip())
 try:
     port = url.port or 6379
@@ -247,8 +247,8 @@ except ValueError:
 if url.scheme not in ("redis", "rediss") or not url.hostname:
     sys.exit("NIGHTSHIFT_EVENTS_REDIS_URL is not redis://[:password@]HOST:PORT[/DB] (or rediss://)")
 extra = {"db": db, **({"ssl": True} if url.scheme == "rediss" else {})}
-print(json.dumps({"conn_type": "redis", "host": url.hostname, "port": port, "login": url.username or None,
-                  "password": url.password or None, "extra": extra}))')" \
+print(json.dumps({"conn_type": "redis", "host": url.hostname, "port": port, "login": unquote(url.username or "") or None,
+                  "password": unquote(url.password or "") or None, "extra": extra}))')" \
         || refuse "NIGHTSHIFT_EVENTS_REDIS_URL cannot be used (see above)"
     export AIRFLOW_CONN_NIGHTSHIFT_EVENTS="$events_conn"
     unset events_conn
