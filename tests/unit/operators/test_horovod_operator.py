@@ -279,6 +279,8 @@ def test_on_kill_deletes_the_running_job_in_the_foreground() -> None:
     op.on_kill()
     thread.join(10)
     assert not thread.is_alive()
+    if outcome and isinstance(outcome[0], pytest.skip.Exception):
+        raise outcome[0]  # the fake cluster skipped in the thread: no CRD schema beside the repo
     assert cluster.deleted[0] == ("default", NAME, {"propagationPolicy": "Foreground"})
     # Killed while it followed the job: TaskInterrupted (on_kill's flag, seen first), or MPIJobDeleted when the
     # poll under way when on_kill ran already found the job gone.
