@@ -76,7 +76,8 @@ say which values came from where (and best.json's study and trial). A malformed 
 **Schedule**: `NIGHTSHIFT_RETRAIN_CRON` (default `0 2 * * *`), and, when `NIGHTSHIFT_EVENTS_REDIS_URL` (or
 `NIGHTSHIFT_EVENTS_CONN_ID`) is set,
 also each "new data" event (`nightshift publish-data DIR`, the Asset `nightshift://events/new-data` with an
-AssetWatcher reading a Redis stream with a consumer group): such a run validates, stages and trains on the event's directory.
+AssetWatcher reading a Redis stream with a consumer group): such a run validates, stages and trains on the
+event's directory.
 
 Assets: `stage_dataset` emits `nightshift://datasets/digits` (extra: the version hash), `deploy` emits
 `nightshift://models/nightshift-digits/champion` (extra: the model version and URL).

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from nightshift import registry, settings, tracking
 from nightshift.deploy.smoke import canary_batch, post_json, smoke_test
 from nightshift.errors import DeploymentFailed, UsageError
 from nightshift.fsutil import atomic_write_json
+from nightshift.netutil import free_port
 
 HOST = "127.0.0.1"
 SERVERS = ("mlflow", "guarded")
@@ -74,12 +74,6 @@ def _deploy_lock(model_name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _server_env() -> dict[str, str]:

@@ -20,16 +20,12 @@ from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
+from nightshift.netutil import free_port
+
 HOST = "127.0.0.1"
 REDIS_SERVER = shutil.which("redis-server") or ("/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists()
                                                  else None)
 MISSING = "redis-server is not installed (Debian: apt-get install redis-server)"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 class RedisServer:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -53,12 +52,6 @@ def registered_versions(nightshift_home: Path, model_name: str = "nightshift-dig
 
 
 # --- processes ------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from nightshift.netutil import free_port
 from tests.trained_model import write_trained_output
 from tests.unit.operators import fake_kubernetes as fk
 from tests.unit.operators.conftest import horovod_operator
@@ -31,17 +31,11 @@ RUN_ID = "manual__contract"
 RUN_KEY = f"nightly_retrain/{RUN_ID}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def tracking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`mlflow server` on 127.0.0.1 with a SQLite store and proxied artifacts of its own."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
+    port = free_port()
     mlflow = str(Path(sys.executable).with_name("mlflow"))
     log = (root / "server.log").open("wb")
     proc = subprocess.Popen(

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from nightshift import registry
 from nightshift.datasets import read_split_frame
 from nightshift.deploy.kserve import storage_uri
 from nightshift.evaluate import evaluate
+from nightshift.netutil import free_port
 from nightshift.tracking import log_training_run
 from tests.trained_model import write_trained_output
 
@@ -213,12 +213,6 @@ def test_a_stranger_venv_loads_the_registered_version_and_matches_its_recorded_a
     assert seen["torch"].startswith("2.13.0")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     """Stop the server this test started: its session (MLflow's CLI and the uvicorn it execs)."""
     if proc.poll() is None:
@@ -246,7 +240,7 @@ def test_mlflow_serves_it_with_its_own_virtualenv_offline(version: dict[str, Any
                     f"install it (`pyenv install {wanted}` needs the network)")
     envs = stranger["root"] / "mlflow-envs"
     ready = stranger["root"] / f"mlflow-env-ready-{stranger['key']}"
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "serve.log"
     # Offline: no index at all, no pip configuration of this machine; only the wheelhouse on disk.
     env = _stranger_env(stranger["venv"], PIP_NO_INDEX="1", PIP_FIND_LINKS=str(stranger["wheelhouse"]),
@@ -318,7 +312,7 @@ def test_mlserver_with_the_serving_images_libraries_serves_it_over_v2(version: d
     variables, the model folder as KServe's storage initializer leaves it in /mnt/models."""
     models = tmp_path / "mnt-models"
     shutil.copytree(version["path"], models)
-    http, grpc, metrics = _free_port(), _free_port(), _free_port()
+    http, grpc, metrics = free_port(), free_port(), free_port()
     env = _stranger_env(mlserver, MLSERVER_MODEL_IMPLEMENTATION="mlserver_mlflow.MLflowRuntime",
                         MLSERVER_MODEL_NAME="nightshift-digits", MLSERVER_MODEL_URI=str(models),
                         MLSERVER_HTTP_PORT=str(http), MLSERVER_GRPC_PORT=str(grpc),

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from nightshift.netutil import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "airflow.sh"
 VENV_BIN = Path(sys.executable).parent
@@ -51,12 +53,6 @@ with open(os.environ["FAKE_AIRFLOW_OUT"], "w") as f:
 sys.exit(int(os.environ.get("FAKE_AIRFLOW_EXIT", "0")))
 EOF
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -104,7 +100,7 @@ def test_refuses_airflows_own_log_server_ports(script_env: dict[str, str], tmp_p
 
 
 def test_log_server_ports_come_from_airflows_config(script_env: dict[str, str]) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     env = {**script_env, "AIRFLOW_PORT": port, "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": port}
     proc = _run(env, "api-server")
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -126,9 +122,9 @@ def test_refuses_an_mlflow_ui_port_airflow_uses(script_env: dict[str, str]) -> N
 
 def test_standalone_serves_the_mlflow_ui_and_stops_it(script_env: dict[str, str], fake_bin: Path,
                                                       tmp_path: Path, nightshift_home: Path) -> None:
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "airflow-saw.json"
-    env = {**script_env, "NIGHTSHIFT_VENV_BIN": str(fake_bin), "AIRFLOW_PORT": str(_free_port()),
+    env = {**script_env, "NIGHTSHIFT_VENV_BIN": str(fake_bin), "AIRFLOW_PORT": str(free_port()),
            "NIGHTSHIFT_MLFLOW_UI_PORT": str(port), "FAKE_AIRFLOW_OUT": str(out),
            "FAKE_AIRFLOW_WAIT_FOR_MLFLOW": "1", "FAKE_AIRFLOW_EXIT": "3"}
     proc = _run(env, "standalone")
@@ -147,7 +143,7 @@ def test_standalone_serves_the_mlflow_ui_and_stops_it(script_env: dict[str, str]
 def test_standalone_links_to_a_tracking_server_instead(script_env: dict[str, str], fake_bin: Path,
                                                        tmp_path: Path) -> None:
     out = tmp_path / "airflow-saw.json"
-    env = {**script_env, "NIGHTSHIFT_VENV_BIN": str(fake_bin), "AIRFLOW_PORT": str(_free_port()),
+    env = {**script_env, "NIGHTSHIFT_VENV_BIN": str(fake_bin), "AIRFLOW_PORT": str(free_port()),
            "MLFLOW_TRACKING_URI": "http://mlflow.example:5000/", "FAKE_AIRFLOW_OUT": str(out)}
     proc = _run(env, "standalone")
     assert proc.returncode == 0, proc.stderr
@@ -196,7 +192,7 @@ def _home_database(airflow_home: Path) -> str:
 
 
 def _dead_postgres_url() -> str:
-    return f"postgresql://postgres@127.0.0.1:{_free_port()}"  # nothing listens there
+    return f"postgresql://postgres@127.0.0.1:{free_port()}"  # nothing listens there
 
 
 @pytest.fixture
@@ -206,7 +202,7 @@ def db_env(script_env: dict[str, str], fake_bin: Path, tmp_path: Path) -> Iterat
     env = {k: v for k, v in script_env.items() if k not in ("NIGHTSHIFT_AIRFLOW_PG_DB", "NIGHTSHIFT_AIRFLOW_PG_KEEP")}
     env.update({"NIGHTSHIFT_VENV_BIN": str(fake_bin), "NIGHTSHIFT_AIRFLOW_DB": "auto",
                 "NIGHTSHIFT_POSTGRES_URL": POSTGRES_URL, "FAKE_AIRFLOW_OUT": str(tmp_path / "airflow-saw.json"),
-                "AIRFLOW_PORT": str(_free_port())})
+                "AIRFLOW_PORT": str(free_port())})
     try:
         yield env
     finally:
