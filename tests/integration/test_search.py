@@ -331,8 +331,13 @@ def test_the_dag_writes_best_json_emits_the_asset_and_logs_child_runs(dag_search
     assert client.get_run(parent_id).info.status == "FINISHED"
 
 
-def test_the_dag_writes_the_report_page_its_finish_task_links(dag_search: dict[str, Any]) -> None:
-    page = dag_search["home"] / "search" / dag_search["study"].study_name / "report.html"
+def test_the_dag_writes_the_report_page_its_finish_task_links(dag_search: dict[str, Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightshift.search.report_html import report_path
+
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(dag_search["home"]))
+    page = report_path(dag_search["study"].study_name)  # the folder is safe_name(study): a run id has ':' in it
+    assert page.parent.parent == dag_search["home"] / "search"
     rows = re.findall(r"<tr class='(\w+)' data-trial='(\d+)'>", page.read_text())
     assert rows == [("COMPLETE", "0"), ("PRUNED", "1"), ("FAIL", "2")]
     # The "Search report" extra link reads this XCom of `finish`.
