@@ -44,11 +44,18 @@ $(STAMP): pyproject.toml constraints.txt scripts/horovod-wheel.sh
 demo: setup
 	$(BIN)/python scripts/demo.py
 
+# pytest-xdist: TEST_WORKERS processes; each test module stays on one worker (tests/conftest.py groups them),
+# the longest modules start first. Most integration tests wait on I/O (Airflow, sshd, Redis), so 2 cores
+# carry more workers than cores. TEST_WORKERS=0 runs the tests in this process.
+TEST_WORKERS ?= 3
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -m "not integration" $(PYTEST_ARGS)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -m "not integration and not slow" -n 2 \
+		--dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 airflow: setup
 	scripts/airflow.sh standalone

@@ -8,6 +8,69 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+TESTS = Path(__file__).resolve().parent
+
+# Modules that cost minutes (from `--durations=0` of a full run), started first so that with pytest-xdist the
+# longest ones do not start last and leave the other workers idle at the end. The order only matters for speed.
+LONGEST_FIRST = (
+    "tests/integration/test_run_mpijob.py",
+    "tests/integration/test_airflow_standalone.py",
+    "tests/integration/test_celery_executor.py",
+    "tests/integration/test_served_model_standalone.py",
+    "tests/integration/test_nightly_retrain.py",
+    "tests/integration/test_new_data_event.py",
+    "tests/integration/test_stream_scoring.py",
+    "tests/integration/test_search.py",
+    "tests/integration/test_dag_bundle.py",
+    "tests/integration/test_train_horovod.py",
+    "tests/unit/test_airflow_script.py",
+    "tests/integration/test_deploy_local.py",
+    "tests/unit/nightshift/test_stage.py",
+    "tests/unit/nightshift/test_stage_faults.py",
+    "tests/unit/nightshift/test_train_cli.py",
+    "tests/integration/test_operator_checkpoint_retry.py",
+    "tests/unit/operators/test_plan.py",
+    "tests/unit/nightshift/test_tracking.py",
+    "tests/integration/test_gpu_pool_slots.py",
+    "tests/integration/test_operator_local.py",
+    "tests/integration/test_kueue_preemption.py",
+)
+# Modules under tests/unit that start processes (a trainer, a DVC repository, redis-server, PostgreSQL, a child
+# interpreter importing Airflow or MLflow) or cost more than ~2 s, and all of tests/dags (`airflow dags test` and
+# DAG parsing in children): `slow`, kept out of `make test-fast`, run by `make test`.
+SLOW_MODULES = frozenset({
+    "tests/unit/test_airflow_script.py",
+    "tests/unit/test_demo_metadata_db.py",
+    "tests/unit/nightshift/test_deploy_kserve.py",
+    "tests/unit/nightshift/test_resume_key_faults.py",
+    "tests/unit/nightshift/test_search.py",
+    "tests/unit/nightshift/test_settings.py",
+    "tests/unit/nightshift/test_stage.py",
+    "tests/unit/nightshift/test_stage_faults.py",
+    "tests/unit/nightshift/test_tracking.py",
+    "tests/unit/nightshift/test_train_cli.py",
+    "tests/unit/operators/test_plan.py",
+    "tests/unit/stream/test_announce.py",
+    "tests/unit/stream/test_stream_faults.py",
+})
+SLOW_FOLDERS = ("tests/dags/",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark by folder (tests/integration: integration), mark slow modules, group each module on one xdist worker
+    (its module fixtures start once), and run the longest modules first."""
+    def module(item: pytest.Item) -> str:
+        return Path(str(item.path)).resolve().relative_to(TESTS.parent).as_posix()
+
+    for item in items:
+        where = module(item)
+        if where.startswith("tests/integration/"):
+            item.add_marker(pytest.mark.integration)
+        if where in SLOW_MODULES or where.startswith(SLOW_FOLDERS):
+            item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(where))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)

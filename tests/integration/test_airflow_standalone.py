@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from nightshift.netutil import free_port
 from tests.integration import airflow_helpers
 from tests.integration.airflow_helpers import (
     REPO,
     airflow_database,
-    free_port,
     registered_versions,
     stop_group,
     stop_model_server,

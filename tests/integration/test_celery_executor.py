@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from nightshift.netutil import free_port
 from tests.integration.airflow_helpers import (
     HOST,
     POSTGRES_URL,
@@ -38,7 +39,6 @@ from tests.integration.airflow_helpers import (
     REPO,
     Api,
     database_url,
-    free_port,
     postgres_answers,
     postgres_database,
     redis_answers,

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from nightshift.netutil import free_port as _free_port
 from tests.integration.airflow_helpers import REPO, Api, airflow_database
-from tests.integration.airflow_helpers import free_port as _free_port
 from tests.integration.airflow_helpers import stop_group as _stop_group
 
 pytestmark = pytest.mark.integration

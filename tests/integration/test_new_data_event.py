@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.airflow_helpers import REPO, Api, airflow_database, free_port, stop_group, stop_model_server
+from nightshift.netutil import free_port
+from tests.integration.airflow_helpers import REPO, Api, airflow_database, stop_group, stop_model_server
 from tests.integration.redis_helpers import RedisServer, redis_server
 
 pytestmark = pytest.mark.integration
