@@ -44,18 +44,19 @@ $(STAMP): pyproject.toml constraints.txt scripts/horovod-wheel.sh
 demo: setup
 	$(BIN)/python scripts/demo.py
 
-# pytest-xdist: TEST_WORKERS processes; each test module stays on one worker (tests/conftest.py groups them),
-# the longest modules start first. Most integration tests wait on I/O (Airflow, sshd, Redis), so 2 cores
-# carry more workers than cores. TEST_WORKERS=0 runs the tests in this process.
+# pytest-xdist: TEST_WORKERS processes, each test module on one worker (`--dist loadfile`: its module fixtures
+# start once), the longest modules first (tests/conftest.py). Most integration tests wait on I/O (Airflow, sshd,
+# Redis), so 2 cores carry more workers than cores. TEST_WORKERS=0 runs the tests in this process.
+# (Not `--dist loadgroup`: xdist 3.8 groups by rewriting item._nodeid, which pytest 9.2 no longer reads.)
 TEST_WORKERS ?= 3
-XDIST = -n $(TEST_WORKERS) --dist loadgroup
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 
 test: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -m "not integration and not slow" -n 2 \
-		--dist loadgroup --durations=15 $(PYTEST_ARGS)
+		--dist loadfile --durations=15 $(PYTEST_ARGS)
 
 airflow: setup
 	scripts/airflow.sh standalone

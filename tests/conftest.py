@@ -57,8 +57,8 @@ SLOW_FOLDERS = ("tests/dags/",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark by folder (tests/integration: integration), mark slow modules, group each module on one xdist worker
-    (its module fixtures start once), and run the longest modules first."""
+    """Mark by folder (tests/integration: integration), mark slow modules, and run the longest modules first
+    (`make test` runs them with `--dist loadfile`: a module's tests on one worker, its module fixtures once)."""
     def module(item: pytest.Item) -> str:
         return Path(str(item.path)).resolve().relative_to(TESTS.parent).as_posix()
 
@@ -68,7 +68,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         if where in SLOW_MODULES or where.startswith(SLOW_FOLDERS):
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(where))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the rest keep their order
 

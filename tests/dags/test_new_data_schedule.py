@@ -63,7 +63,7 @@ def test_with_a_redis_url_the_cron_or_the_new_data_asset_starts_a_run(airflow_en
         "asset": "nightshift://events/new-data", "name": "nightshift_new_data",
         "trigger": [STREAM_TRIGGER, {"stream": "nightshift.new-data", "group": "airflow-new-data",
                                      "consumer": "airflow-triggerer", "redis_conn_id": "nightshift_events",
-                                     "poll_interval": 1.0}],
+                                     "poll_interval": 1.0, "claim_idle_s": 60.0}],
     }]
     assert out["serialized_watcher"], "the watcher is not in the serialized DAG the scheduler reads"
     assert out["heavy"] == []  # still no torch, GX, MLflow, nightshift at parse time
@@ -75,7 +75,8 @@ def test_without_a_cron_the_event_alone_and_a_connection_of_ones_own(airflow_env
     assert out["timetable"] == "AssetTriggeredTimetable" and out["cron"] is None
     assert out["watchers"][0]["trigger"] == [STREAM_TRIGGER, {"stream": "team.landed", "group": "airflow-new-data",
                                                               "consumer": "airflow-triggerer",
-                                                              "redis_conn_id": "team_redis", "poll_interval": 0.5}]
+                                                              "redis_conn_id": "team_redis", "poll_interval": 0.5,
+                                                              "claim_idle_s": 60.0}]
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
