@@ -496,8 +496,8 @@ class StreamConsumer:
         self.stats.by_version[self.scorer.version] += written
         for entry_id in holding:
             self._failures.pop(entry_id, None)
-        last = max((batch[-1].entry_id for batch in (good, rejected) if batch), key=_id_key)
-        if self._last_entry is None or _id_key(last) > _id_key(self._last_entry):
+        last = max((batch[-1].entry_id for batch in (good, rejected) if batch), key=records.id_key)
+        if self._last_entry is None or records.id_key(last) > records.id_key(self._last_entry):
             self._last_entry = last
         if dead:
             log.info("%d inputs of a batch of %d went to %s", dead, done, self.config.dead_letter)
@@ -533,7 +533,7 @@ class StreamConsumer:
                 dead[j] = records.Rejected(item.entry_id, item.input_id, f"{item.reason}; {reason(len(good) + j + 1)}",
                                            item.raw)
                 kinds[item.entry_id] = "f"
-        dead.sort(key=lambda item: _id_key(item.entry_id))
+        dead.sort(key=lambda item: records.id_key(item.entry_id))
         log.warning("%d inputs have a marker key of another Redis type; dead-lettered", len(bad))
         return keep_rows, keep_labels, dead
 
@@ -551,7 +551,7 @@ class StreamConsumer:
 
     def _over_cap(self, entry_id: str, fields: Any, deliveries: int) -> records.Rejected:
         assert self.scorer is not None
-        parsed = records.parse_entry(entry_id, fields, self.scorer.columns, self.scorer.column_set)
+        (parsed,) = records.parse_entries([(entry_id, fields)], self.scorer.columns, self.scorer.column_set)
         raw = parsed.raw_text if isinstance(parsed, records.InputRow) else parsed.raw
         last = self._failures.get(entry_id)
         reason = (f"{MAX_DELIVERIES_REASON}: delivered {deliveries} times, more than --max-deliveries "
@@ -565,6 +565,7 @@ class StreamConsumer:
         scorer = self.scorer
         rows: list[records.InputRow] = []
         rejected: list[records.Rejected] = []
+        todo: list[tuple[str, Any]] = []
         for raw_id, fields in entries:
             entry_id = _entry_id(raw_id)
             count = deliveries.get(entry_id, 1)
@@ -572,7 +573,8 @@ class StreamConsumer:
                 rejected.append(self._over_cap(entry_id, fields, count))
                 self.stats.max_deliveries += 1
                 continue
-            parsed = records.parse_entry(entry_id, fields, scorer.columns, scorer.column_set)
+            todo.append((entry_id, fields))
+        for parsed in records.parse_entries(todo, scorer.columns, scorer.column_set):
             (rows if isinstance(parsed, records.InputRow) else rejected).append(parsed)  # type: ignore[arg-type]
         return rows, rejected
 
@@ -595,7 +597,7 @@ class StreamConsumer:
             scored = self.scorer.score(rows)
         except ModelFailure as failure:
             rejected.extend(failure.rejected)
-            rejected.sort(key=lambda item: _id_key(item.entry_id))
+            rejected.sort(key=lambda item: records.id_key(item.entry_id))
             if rejected:
                 self._commit([], [], rejected)
             settled = {row.entry_id for row in failure.valid} | {item.entry_id for item in rejected}
@@ -606,7 +608,7 @@ class StreamConsumer:
             return self._isolate(failure.valid, failure) and not unsettled
         rejected.extend(scored.rejected)
         if len(rejected) > 1:  # dead letters in input order
-            rejected.sort(key=lambda item: _id_key(item.entry_id))
+            rejected.sort(key=lambda item: records.id_key(item.entry_id))
         if scored.rows or rejected:
             self._commit(scored.rows, scored.labels, rejected)
         if scored.rows:
@@ -792,11 +794,6 @@ class StreamConsumer:
 
 def _entry_id(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-", 1)
-    return int(ms), int(seq)
 
 
 def _why(failure: ModelFailure) -> str:

@@ -1,20 +1,35 @@
 """Stream entries in and out, as pure functions: parse an input, build a prediction or a dead letter.
 
-What this module rejects is the stream's own contract (an entry is one `data` field holding a JSON object
-with an `id` and only the model's columns, each a JSON number). Whether the values suit the model
+What this module rejects is the stream's own contract. An entry is either one `data` field holding a JSON
+object with an `id` and only the model's columns, each a JSON number; or, for producers that want to skip
+JSON, three fields: `id` (the input's id: a decimal integer is the integer id, anything else a string),
+`shape` (`N` or `1,N`, N the model's number of columns) and `data` (N little-endian float32 values in the
+model's column order, 4·N bytes). Whether the values suit the model
 (missing columns, NaN, range) is the served model's validation (`TorchTableClassifier.validate`), which the
 scorer applies; a row with missing columns is passed on incomplete so that that validation names them.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
+import numpy as np
+import orjson
+
 DATA_FIELD = b"data"
+SHAPE_FIELD = b"shape"
+ID_FIELD = b"id"
+_BINARY_FIELDS = frozenset({ID_FIELD, SHAPE_FIELD, DATA_FIELD})
+_INT_ID = re.compile(rb"-?(0|[1-9][0-9]{0,17})")  # a decimal integer id (|id| < 10**18: a Redis-safe int64)
 MAX_ID_LENGTH = 512
 _NUMBER_TYPES = frozenset({int, float})
 _FLOAT_LIMIT = int(sys.float_info.max)
@@ -22,12 +37,14 @@ _FLOAT_LIMIT = int(sys.float_info.max)
 
 @dataclass(frozen=True)
 class InputRow:
-    """An input that met the stream contract. `values` follow the model's column order when `complete`."""
+    """An input that met the stream contract. `values` follow the model's column order when `complete`;
+    `features` (column -> value) is what came when a column is missing, for the served model's validation to
+    name it; complete rows need only `values` and may leave it empty."""
 
     entry_id: str
     input_id: str | int
     features: dict[str, Any]
-    values: list[float] | None
+    values: list[float] | tuple[float, ...] | np.ndarray | None
     raw: bytes | str
 
     @property
@@ -52,6 +69,12 @@ class Rejected:
 def entry_ms(entry_id: str) -> int:
     """The millisecond part of a stream entry id: when Redis added the entry (XADD)."""
     return int(entry_id.split("-", 1)[0])
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a sort key (the order Redis gave the entries)."""
+    ms, seq = entry_id.split("-", 1)
+    return int(ms), int(seq)
 
 
 def _text(raw: bytes | str) -> str:
@@ -129,15 +152,112 @@ def parse_entry(entry_id: str, fields: dict[bytes, bytes] | None, columns: tuple
     return InputRow(entry_id, input_id, obj, values, raw)
 
 
+def parse_entries(entries: Iterable[tuple[str, dict[bytes, bytes] | None]], columns: tuple[str, ...],
+                  column_set: frozenset[str] | None = None) -> list[InputRow | Rejected]:
+    """`parse_entry` for a batch, in input order, with one fast pass for the inputs every producer sends:
+    JSON objects of exactly `id` and the columns (decoded by orjson, the values taken in column order by one
+    itemgetter, their types checked for the whole batch at once), and binary entries. Every input off that
+    path (a decoding error, a missing or extra key, a value of another type, an integer past float range)
+    goes through `parse_entry`, which names what is wrong: the outcome of each input is what `parse_entry`
+    gives it, only faster.
+
+    The payloads are decoded one by one, not joined into one JSON array: joined, an invalid payload could
+    complete its neighbour's into valid JSON."""
+    column_set = column_set if column_set is not None else frozenset(columns)
+    keys = column_set | {"id"}
+    pick = itemgetter(*columns) if len(columns) > 1 else (lambda obj: (obj[columns[0]],))
+    out: list[InputRow | Rejected | None] = []
+    slow: list[int] = []
+    fast: dict[int, tuple[Any, ...]] = {}  # position -> values of the rows on the fast path
+    entries = list(entries)
+    for i, (entry_id, fields) in enumerate(entries):
+        out.append(None)
+        raw = fields.get(DATA_FIELD) if fields else None
+        if raw is None or len(fields) != 1:  # type: ignore[arg-type]
+            if fields is not None and SHAPE_FIELD in fields:
+                out[i] = parse_binary(entry_id, fields, columns)
+            else:
+                slow.append(i)
+            continue
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            slow.append(i)
+            continue
+        input_id = obj.get("id") if type(obj) is dict else None
+        if type(obj) is not dict or obj.keys() != keys or not (
+                type(input_id) is int or (type(input_id) is str and 0 < len(input_id) <= MAX_ID_LENGTH)):
+            slow.append(i)
+            continue
+        fast[i] = values = pick(obj)
+        out[i] = InputRow(entry_id, input_id, {}, values, raw)
+    if fast and not set(map(type, chain.from_iterable(fast.values()))) <= {float}:
+        # ints (fine unless past float range, which parse_entry names) or a wrong type somewhere: check each
+        # row of the batch, and send only the rows that fail through parse_entry
+        for i, values in fast.items():
+            row_types = set(map(type, values))
+            if not (row_types <= {float} or (row_types <= _NUMBER_TYPES and
+                                             -_FLOAT_LIMIT <= min(values) and max(values) <= _FLOAT_LIMIT)):
+                slow.append(i)
+    for i in slow:
+        entry_id, fields = entries[i]
+        out[i] = parse_entry(entry_id, fields, columns, column_set)
+    return out  # type: ignore[return-value]
+
+
+def parse_binary(entry_id: str, fields: dict[bytes, bytes], columns: tuple[str, ...]) -> InputRow | Rejected:
+    """A binary entry (`id`, `shape`, `data` as little-endian float32) → an InputRow, or a Rejected naming
+    what was wrong. Whether the values suit the model (finite, in range) is the model's validation."""
+    raw = _binary_raw(fields)
+    n = len(columns)
+    names = set(fields)
+    if names != _BINARY_FIELDS:
+        return Rejected(entry_id, None, f"a binary entry has exactly the fields id, shape and data (got "
+                        f"{sorted(_text(k) for k in names)}); send XADD STREAM * id ID shape {n} data BYTES", raw)
+    id_bytes = fields[ID_FIELD]
+    if not 0 < len(id_bytes) <= MAX_ID_LENGTH:
+        return Rejected(entry_id, None, f"'id' must be non-empty and at most {MAX_ID_LENGTH} bytes "
+                        f"(got {len(id_bytes)})", raw)
+    input_id: str | int
+    if _INT_ID.fullmatch(id_bytes):
+        input_id = int(id_bytes)
+    else:
+        try:
+            input_id = id_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            return Rejected(entry_id, None, "'id' is not UTF-8 text; send ids that encode as UTF-8", raw)
+    shape = fields[SHAPE_FIELD].decode("ascii", errors="replace").replace(" ", "")
+    if shape not in {str(n), f"1,{n}"}:
+        return Rejected(entry_id, input_id, f"shape {_short(shape)}: one input of the model's {n} columns is "
+                        f"shape {n} (or 1,{n}); send one input per entry", raw)
+    data = fields[DATA_FIELD]
+    if len(data) != 4 * n:
+        return Rejected(entry_id, input_id, f"'data' holds {len(data)} bytes; shape {n} of little-endian float32 "
+                        f"is {4 * n} bytes", raw)
+    return InputRow(entry_id, input_id, {}, np.frombuffer(data, dtype="<f4"), raw)
+
+
+def _binary_raw(fields: dict[bytes, bytes]) -> str:
+    """A binary entry as JSON text, for its dead letter: text fields as they came, `data` in base64."""
+    out: dict[str, str] = {}
+    for key, value in fields.items():
+        name = _text(key)
+        if key == DATA_FIELD:
+            out["data_base64"] = base64.b64encode(value).decode("ascii")
+        else:
+            out[name] = _text(value)
+    return json.dumps(out)
+
+
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
     return {bool: "boolean", str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
-def prediction_payload(input_id: str | int, label: int, model_version: str, latency_ms: float) -> str:
-    return json.dumps({"id": input_id, "prediction": int(label), "model_version": str(model_version),
-                       "latency_ms": round(float(latency_ms), 3)})
+def prediction_payload(input_id: str | int, label: int, model_version: str, latency_ms: float) -> bytes:
+    return orjson.dumps({"id": input_id, "prediction": int(label), "model_version": str(model_version),
+                         "latency_ms": round(float(latency_ms), 3)})
 
 
 def dead_letter_payload(rejected: Rejected) -> str:

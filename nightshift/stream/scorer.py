@@ -1,9 +1,14 @@
 """The model a consumer scores with: one registered version's pyfunc, loaded as the server loads it, and
 its own input validation (`TorchTableClassifier.validate`) deciding which rows are bad.
 
-A batch is validated once as a whole (inside the pyfunc's predict); only when that fails is each row
-validated alone, so that the bad ones go to the dead-letter stream with the served model's own message
-and the others are still scored. When the rows that passed validation still cannot be scored, the fault is
+A batch is validated in one vectorised pass of the served model's own checks (`invalid_rows`: the rows
+`validate` would refuse, with its message), so that the bad ones go to the dead-letter stream with the
+served model's own message and the others are still scored; a row with a column missing is validated
+alone, so that the message names the column. The rows are then scored by the served model's own
+prediction on the float32 matrix, not through the pyfunc's signature enforcement (a second, per-column
+check of what was just checked, which cost as much as the model itself).
+
+When the rows that passed validation still cannot be scored, the fault is
 the model's or the machine's (out of memory, a broken version), not theirs: `score` raises ModelFailure
 and the consumer leaves them pending for a retry.
 """
@@ -12,12 +17,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from nightshift.stream.errors import ModelFailure, NoChampion
-from nightshift.stream.records import InputRow, Rejected
+from nightshift.stream.records import InputRow, Rejected, id_key
 
 log = logging.getLogger(__name__)
 
@@ -56,64 +60,72 @@ class VersionScorer:
         self.column_set = frozenset(self.columns)
         self.prediction_column = PREDICTION_COLUMN
 
-    def _frame(self, rows: list[InputRow]) -> Any:
-        import pandas as pd
+    def _matrix(self, rows: list[InputRow]) -> np.ndarray:
+        """The complete rows' values as one float32 matrix, columns in the model's order (one numpy call)."""
+        return np.asarray([row.values for row in rows], dtype=np.float32)
 
-        values = np.asarray([row.values for row in rows], dtype=np.float32)
-        return pd.DataFrame(values, columns=list(self.columns))
-
-    def predict_labels(self, frame: Any) -> list[int]:
-        """The pyfunc's predicted labels for a frame of feature columns (raises on invalid input)."""
-        out = self.pyfunc.predict(frame)
-        return [int(v) for v in out[self.prediction_column].to_numpy()]
+    def predict_labels(self, values: np.ndarray) -> list[int]:
+        """The model's predicted labels for a float32 matrix its validation accepted: the served model's
+        prediction (`TorchTableClassifier.proba`, argmax as the pyfunc's `prediction` column) without going
+        through the pyfunc's signature enforcement, which re-checks by column what `invalid_rows` checked."""
+        return self.classifier.proba(values).argmax(axis=1).tolist()
 
     def score(self, rows: list[InputRow]) -> Scored:
         """Predicted labels for the rows the served model accepts; the others rejected with its reason.
         Raises ModelFailure when the model fails on rows its validation accepted."""
         if not rows:
             return Scored([], [], [])
-        complete = [r for r in rows if r.complete]
-        if len(complete) == len(rows):
-            try:
-                return Scored(rows, self.predict_labels(self._frame(rows)), [])
-            except Exception as err:  # the served model's validation (an MlflowException) or its schema check
-                log.debug("batch of %d failed validation as a whole (%s); validating row by row", len(rows), err)
-        return self._score_row_by_row(rows)
-
-    def _score_row_by_row(self, rows: list[InputRow]) -> Scored:
-        import pandas as pd
-
         good: list[InputRow] = []
         rejected: list[Rejected] = []
-        for row in rows:
-            frame = pd.DataFrame([row.features])
-            try:
-                self.classifier.validate(frame)
-            except MemoryError as err:
-                raise ModelFailure(f"{self.model_name} v{self.version}: out of memory validating one row",
-                                   rejected=rejected, valid=good) from err
-            except Exception as err:  # the served model's own verdict on this row
-                rejected.append(Rejected(row.entry_id, row.input_id, _message(err), row.raw_text))
-                continue
-            if not row.complete:  # validate accepted a row with a column missing: cannot happen, but be explicit
-                rejected.append(Rejected(row.entry_id, row.input_id, "missing columns", row.raw_text))
-                continue
-            good.append(row)
+        complete = [r for r in rows if r.complete]
+        try:
+            if complete:
+                values = self._matrix(complete)
+                faults = self.classifier.invalid_rows(values)
+                if faults:
+                    keep = [i for i in range(len(complete)) if i not in faults]
+                    rejected = [Rejected(complete[i].entry_id, complete[i].input_id, why, complete[i].raw_text)
+                                for i, why in faults.items()]
+                    good, values = [complete[i] for i in keep], values[keep]
+                else:
+                    good = complete
+            if len(complete) < len(rows):
+                rejected += self._incomplete([r for r in rows if not r.complete])
+                rejected.sort(key=lambda item: id_key(item.entry_id))
+        except MemoryError as err:
+            raise ModelFailure(f"{self.model_name} v{self.version}: out of memory validating {len(rows)} rows",
+                               rejected=[], valid=[]) from err
         if not good:
             return Scored([], [], rejected)
         try:
-            labels = self.predict_labels(self._frame(good))
+            labels = self.predict_labels(values)
         except Exception as err:
             raise ModelFailure(f"{self.model_name} v{self.version} failed on {len(good)} valid inputs "
                                f"({type(err).__name__}: {_message(err)[:300]})", rejected=rejected,
                                valid=good) from err
         return Scored(good, labels, rejected)
 
+    def _incomplete(self, rows: list[InputRow]) -> list[Rejected]:
+        """Rows with a column missing: the served model's validation of each names what is missing."""
+        import pandas as pd
+
+        rejected = []
+        for row in rows:
+            try:
+                self.classifier.validate(pd.DataFrame([row.features]))
+                reason = "missing columns"  # validate accepted a row with a column missing: cannot happen
+            except MemoryError:
+                raise
+            except Exception as err:  # the served model's own verdict on this row
+                reason = _message(err)
+            rejected.append(Rejected(row.entry_id, row.input_id, reason, row.raw_text))
+        return rejected
+
     def predict_valid(self, rows: list[InputRow]) -> list[int]:
         """Labels for rows validation already accepted (a batch being bisected after a failure); ModelFailure
         when predict raises."""
         try:
-            return self.predict_labels(self._frame(rows))
+            return self.predict_labels(self._matrix(rows))
         except Exception as err:
             raise ModelFailure(f"{self.model_name} v{self.version} failed on {len(rows)} valid inputs "
                                f"({type(err).__name__}: {_message(err)[:300]})") from err

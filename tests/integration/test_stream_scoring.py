@@ -207,7 +207,12 @@ def test_streamed_labels_equal_in_process_scoring(world: dict[str, Any], tmp_pat
         client = connect(srv.url)
         ids = [f"row-{i}" for i in range(len(frame))]
         add_inputs(client, frame, ids)
-        proc = start_consumer(world, srv.url_without_password, "c1", tmp_path / "logs", "--stop-after", str(len(frame)),
+        # the same rows again as binary entries (float32 in the model's column order): the same labels
+        binary_ids = list(range(len(frame)))
+        for i, row in zip(binary_ids, frame.to_numpy(dtype="<f4"), strict=True):
+            client.xadd("in", {"id": str(i), "shape": str(len(frame.columns)), "data": row.tobytes()})
+        ids += binary_ids
+        proc = start_consumer(world, srv.url_without_password, "c1", tmp_path / "logs", "--stop-after", str(len(ids)),
                               "--batch-rows", "64", password_file=pw_file)
         try:
             ps = subprocess.run(["ps", "-o", "args=", "-p", str(proc.pid)], capture_output=True, text=True).stdout
@@ -218,13 +223,13 @@ def test_streamed_labels_equal_in_process_scoring(world: dict[str, Any], tmp_pat
         outs = assert_exactly_once(client, ids)
         client.close()
     summary = json.loads((tmp_path / "logs" / "c1.out").read_text())
-    assert summary["inputs"] == summary["predictions"] == len(frame)
-    assert summary["stopped_by"] == f"--stop-after {len(frame)}"
+    assert summary["inputs"] == summary["predictions"] == len(ids)
+    assert summary["stopped_by"] == f"--stop-after {len(ids)}"
     assert summary["redis"] == srv.url_without_password
     expected = in_process_labels(world["v1"], frame)
     by_id = {o["id"]: o for o in outs}
-    got = np.array([by_id[i]["prediction"] for i in ids])
-    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.array([by_id[f"row-{i}"]["prediction"] for i in binary_ids]), expected)
+    np.testing.assert_array_equal(np.array([by_id[i]["prediction"] for i in binary_ids]), expected)
     assert {o["model_version"] for o in outs} == {world["v1"]}
     assert all(o["latency_ms"] >= 0 for o in outs)
     logs = (tmp_path / "logs" / "c1.err").read_text() + (tmp_path / "logs" / "c1.out").read_text()
@@ -252,21 +257,26 @@ def test_bad_inputs_go_to_the_dead_letter_stream_with_reasons(world: dict[str, A
         client.xadd("in", {"data": payload})
     add_inputs(client, frame.tail(10), ids[10:])
     client.xadd("in", {"not_data": b"1"})
-    total = 20 + len(bad) + 1
+    binary = np.full(64, 1.0, dtype="<f4")
+    binary[7] = 99.0
+    client.xadd("in", {"id": "b1", "shape": "64", "data": binary.tobytes()})
+    client.xadd("in", {"id": "b2", "shape": "8,8", "data": binary.tobytes()})
+    total = 20 + len(bad) + 3
 
     summary = StreamConsumer(config(stop_after=total, batch_rows=512), server.url).run()
 
-    assert summary["predictions"] == 20 and summary["dead_letters"] == len(bad) + 1
+    assert summary["predictions"] == 20 and summary["dead_letters"] == len(bad) + 3
     assert pending(client) == 0
     dead = read_stream(client, "dlq")
     reasons = [d["reason"] for d in dead]
     expected = ["is not JSON", "no 'id'", "missing columns ['pixel_5']", "extra columns ['colour']",
                 "wrong type: pixel_3 is a JSON string", "finite", "finite", "must lie in [0, 16]",
-                "no 'data' field"]
+                "no 'data' field", "must lie in [0, 16]", "shape '8,8'"]
     for reason, want in zip(reasons, expected, strict=True):
         assert want in reason
     assert dead[0]["data"] == "{oops" and "id" not in dead[0]
     assert dead[3]["id"] == "x1" and json.loads(dead[3]["data"])["colour"] == 3
+    assert dead[-2]["id"] == "b1" and json.loads(dead[-2]["data"])["shape"] == "64"
     assert sorted(o["id"] for o in read_stream(client, "out")) == sorted(ids)
     client.close()
 

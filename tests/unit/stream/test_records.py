@@ -12,6 +12,7 @@ from nightshift.stream.records import (
     dead_letter_payload,
     entry_ms,
     marker_key,
+    parse_entries,
     parse_entry,
     prediction_payload,
 )
@@ -108,3 +109,78 @@ def test_a_huge_integer_below_the_decoder_limit_is_a_wrong_value_not_a_crash() -
     rejected = parse_entry("3-0", {b"data": b'{"id": "k", "a": ' + b"9" * 4000 + b', "b": 1, "c": 2}'}, COLUMNS)
     assert isinstance(rejected, Rejected)
     assert "a is out of range" in rejected.reason and rejected.input_id == "k"
+
+
+# --- issue 21 item 6: the batch parser is parse_entry, faster -------------------------------------------
+
+_ODD_PAYLOADS = [
+    b'{"id": 1, "a": 1.5, "b": 2.0, "c": 3.0}', b'{"id": "x", "a": 1, "b": 2, "c": 3}',
+    b'{"c": 3.0, "b": 2.0, "a": 1.0, "id": 9}', b'{"id": 1, "a": NaN, "b": 1.0, "c": Infinity}',
+    b'{"id": 1, "a": 1e400, "b": 1.0, "c": 1.0}', b'{"id": 1, "a": ' + b"9" * 400 + b', "b": 1, "c": 2}',
+    b'{"id": 1, "a": ' + b"9" * 30 + b', "b": 1, "c": 2}', b'{"id": ' + b"9" * 30 + b', "a": 1, "b": 1, "c": 2}',
+    b'{"id": "\\ud800", "a": 1, "b": 1, "c": 2}', b'{"id": true, "a": 1, "b": 1, "c": 2}',
+    b'{"id": "", "a": 1, "b": 1, "c": 2}', b'{"id": "' + b"k" * 513 + b'", "a": 1, "b": 1, "c": 2}',
+    b'{"id": 1, "a": true, "b": 1, "c": 2}', b'{"id": 1, "a": "1", "b": 1, "c": 2}',
+    b'{"id": 1, "a": null, "b": 1, "c": 2}', b'{"id": 1, "a": 1, "b": 1}', b'{"id": 1, "a": 1, "b": 1, "c": 2, "d": 0}',
+    b'{"a": 1, "b": 1, "c": 2}', b"[1, 2, 3]", b"{not json", b"\xff\xfe", b"[" * 5000 + b"]" * 5000,
+    b'{"id": 1, "a": 1, "b": 1, "c": 2, "a": "dup"}', b'{"id": 2.0, "a": 1, "b": 1, "c": 2}', b"",
+]
+
+
+def _outcome(item: InputRow | Rejected) -> tuple[object, ...]:
+    if isinstance(item, Rejected):
+        return ("rejected", item.entry_id, item.input_id, item.reason, item.raw)
+    values = None if item.values is None else [float(v) for v in item.values]
+    return ("row", item.entry_id, item.input_id, type(item.input_id), values, item.raw_text)
+
+
+def test_the_batch_parser_gives_every_input_the_outcome_parse_entry_gives_it() -> None:
+    """Mixed in batches, in every order and next to good rows, each odd payload gets what parse_entry gives
+    it alone (the fast path only takes inputs it can prove good), and the batch keeps its order."""
+    import random
+
+    entries = [(f"{i}-0", {b"data": raw}) for i, raw in enumerate(_ODD_PAYLOADS)]
+    entries += [(f"{100 + i}-0", fields) for i, fields in
+                enumerate([{}, {b"payload": b"{}"}, {b"data": b"{}", b"extra": b"1"}])]
+    expected = {entry_id: _outcome(parse_entry(entry_id, fields, COLUMNS)) for entry_id, fields in entries}
+    rng = random.Random(7)
+    for _ in range(20):
+        batch = rng.sample(entries, rng.randint(1, len(entries)))
+        got = parse_entries(batch, COLUMNS)
+        assert [item.entry_id for item in got] == [entry_id for entry_id, _ in batch]
+        for item in got:
+            assert _outcome(item) == expected[item.entry_id], item.entry_id
+
+
+def _binary(input_id: bytes, values: list[float], shape: bytes = b"3", **extra: bytes) -> dict[bytes, bytes]:
+    import numpy as np
+
+    return {b"id": input_id, b"shape": shape, b"data": np.asarray(values, dtype="<f4").tobytes(),
+            **{k.encode(): v for k, v in extra.items()}}
+
+
+def test_a_binary_entry_is_an_input_in_the_models_column_order() -> None:
+    (row, text_id, long_int) = parse_entries([("1-0", _binary(b"42", [1.5, 2, 3])),
+                                              ("2-0", _binary(b"x-7", [0, 0, 1], shape=b"1,3")),
+                                              ("3-0", _binary(b"12345678901234567890", [0, 0, 0]))], COLUMNS)
+    assert isinstance(row, InputRow) and row.complete and row.input_id == 42
+    assert [float(v) for v in row.values] == [1.5, 2.0, 3.0]  # type: ignore[union-attr]
+    assert marker_key(row.input_id) == marker_key(42)  # the same input as JSON's {"id": 42, ...}
+    assert isinstance(text_id, InputRow) and text_id.input_id == "x-7"
+    assert isinstance(long_int, InputRow) and long_int.input_id == "12345678901234567890"
+
+
+@pytest.mark.parametrize(("fields", "reason"), [
+    (_binary(b"1", [1, 2]), "holds 8 bytes; shape 3 of little-endian float32 is 12 bytes"),
+    (_binary(b"1", [1, 2, 3], shape=b"2,3"), "shape '2,3'"),
+    (_binary(b"1", [1, 2, 3], shape=b"\xff"), "shape"),
+    (_binary(b"1", [1, 2, 3], label=b"4"), "exactly the fields id, shape and data"),
+    ({b"shape": b"3", b"data": b"\0" * 12}, "exactly the fields id, shape and data"),
+    (_binary(b"", [1, 2, 3]), "'id' must be non-empty"),
+    (_binary(b"\xff\xfe", [1, 2, 3]), "'id' is not UTF-8"),
+])
+def test_a_bad_binary_entry_is_rejected_with_its_bytes_kept(fields: dict[bytes, bytes], reason: str) -> None:
+    (rejected,) = parse_entries([("5-0", fields)], COLUMNS)
+    assert isinstance(rejected, Rejected) and reason in rejected.reason
+    kept = json.loads(dead_letter_payload(rejected))["data"]
+    assert "data_base64" in json.loads(kept)
