@@ -47,9 +47,11 @@ demo: setup
 # pytest-xdist: TEST_WORKERS processes, each test module on one worker (`--dist loadfile`: its module fixtures
 # start once), the longest modules first (tests/conftest.py). Most integration tests wait on I/O (Airflow, sshd,
 # Redis), so 2 cores carry more workers than cores. TEST_WORKERS=0 runs the tests in this process.
-# (Not `--dist loadgroup`: xdist 3.8 groups by rewriting item._nodeid, which pytest 9.2 no longer reads.)
+# (Not `--dist loadgroup`: xdist 3.8 groups by rewriting item._nodeid, which pytest 9.2 no longer reads. And
+# --no-loadscope-reorder: by default xdist queues the modules with the most tests first, which put the long
+# integration modules, with few tests each, at the end of a run.)
 TEST_WORKERS ?= 3
-XDIST = -n $(TEST_WORKERS) --dist loadfile
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
