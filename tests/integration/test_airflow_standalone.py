@@ -104,10 +104,11 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
             # runs: what the browser tests look at, by what happened to them ("success", "refused").
             yield {"api": api, "home": home, "env": env, "log": log_path, "database": database, "runs": {}}
         finally:
+            # Airflow first, then the model server: a deploy task still running could start one after the stop
             try:
-                stop_model_server(env)
-            finally:
                 _stop_group(proc)
+            finally:
+                stop_model_server(env)
 
 
 def _trigger(api: Api, conf: dict[str, Any]) -> str:

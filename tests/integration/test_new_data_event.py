@@ -79,12 +79,13 @@ def standalone(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> 
             yield {"api": api, "home": home, "env": env, "log": log_path, "stream": stream, "redis": redis,
                    "proc": proc, "extra": extra}
         finally:
+            # Airflow first, then the model server: a deploy task still running could start one after the stop
             try:
-                stop_model_server(env)
-            finally:
                 for started in extra:
                     stop_group(started)
                 stop_group(proc)
+            finally:
+                stop_model_server(env)
 
 
 def _unacknowledged(standalone: dict[str, Any]) -> int | None:
