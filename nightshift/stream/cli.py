@@ -30,7 +30,7 @@ def _score_stream(args: argparse.Namespace) -> dict[str, Any]:
                           champion_poll_s=args.champion_poll_s, max_deliveries=args.max_deliveries,
                           dedup_retention_s=parse_duration(args.dedup_retention, "--dedup-retention"),
                           wait_replicas=args.wait_replicas, wait_timeout_ms=args.wait_timeout_ms,
-                          model_retry_s=args.model_retry_s)
+                          model_retry_s=args.model_retry_s, threads=args.threads)
     return run_consumer(config, url, password=password)
 
 
@@ -107,6 +107,8 @@ def add_parser(subparsers: Any) -> None:
                         "before going on (0: don't wait)")
     p.add_argument("--wait-timeout-ms", type=int, default=1000,
                    help="one WAIT's timeout; short of replicas, the batch's write is retried with backoff (1000)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for this consumer (1: scale out by starting more consumers)")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=_score_stream)
 

@@ -35,6 +35,7 @@ class StreamConfig:
     wait_replicas: int = 0
     wait_timeout_ms: int = 1000
     model_retry_s: float = DEFAULT_MODEL_RETRY_S
+    threads: int = 1
 
     def __post_init__(self) -> None:
         for name in ("input", "output", "dead_letter", "group", "consumer", "model_name"):
@@ -65,6 +66,9 @@ class StreamConfig:
         if self.model_retry_s < 0:
             raise StreamConfigError(f"--model-retry-s {self.model_retry_s:g}: must be at least 0 (how long a batch "
                                     f"the model fails on is retried in hand before it is left pending)")
+        if not 1 <= self.threads <= 256:
+            raise StreamConfigError(f"--threads {self.threads}: must be 1..256 (torch threads of this consumer; "
+                                    f"scale out with more consumers)")
         if self.wait_replicas < 0 or self.wait_timeout_ms < 1:
             raise StreamConfigError(f"--wait-replicas {self.wait_replicas} / --wait-timeout-ms {self.wait_timeout_ms}: "
                                     f"must be at least 0 / 1")

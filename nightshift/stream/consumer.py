@@ -803,6 +803,12 @@ def _why(failure: ModelFailure) -> str:
 
 def run_consumer(config: StreamConfig, url: str, *, password: str | None = None,
                  install_signals: bool = True) -> dict[str, Any]:
+    """The consumer of `nightshift score-stream`, in this process, which it owns: torch gets `config.threads`
+    threads (one by default: consumers scale out as processes, and several consumers' spinning OpenMP
+    threads on the same cores made two consumers slower than one)."""
+    import torch
+
+    torch.set_num_threads(config.threads)
     consumer = StreamConsumer(config, url, password=password)
     if install_signals:
         consumer.install_signal_handlers()

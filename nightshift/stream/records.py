@@ -2,7 +2,8 @@
 
 What this module rejects is the stream's own contract. An entry is either one `data` field holding a JSON
 object with an `id` and only the model's columns, each a JSON number; or, for producers that want to skip
-JSON, three fields: `id` (the input's id: a decimal integer is the integer id, anything else a string),
+JSON, three fields (an entry with `id` and `shape` fields is binary): `id` (the input's id: a decimal
+integer is the integer id, anything else a string),
 `shape` (`N` or `1,N`, N the model's number of columns) and `data` (N little-endian float32 values in the
 model's column order, 4·N bytes). Whether the values suit the model
 (missing columns, NaN, range) is the served model's validation (`TorchTableClassifier.validate`), which the
@@ -29,7 +30,7 @@ DATA_FIELD = b"data"
 SHAPE_FIELD = b"shape"
 ID_FIELD = b"id"
 _BINARY_FIELDS = frozenset({ID_FIELD, SHAPE_FIELD, DATA_FIELD})
-_INT_ID = re.compile(rb"-?(0|[1-9][0-9]{0,17})")  # a decimal integer id (|id| < 10**18: a Redis-safe int64)
+_INT_ID = re.compile(r"-?(0|[1-9][0-9]*)")  # a decimal integer id: JSON's integer id of the same digits
 MAX_ID_LENGTH = 512
 _NUMBER_TYPES = frozenset({int, float})
 _FLOAT_LIMIT = int(sys.float_info.max)
@@ -174,7 +175,7 @@ def parse_entries(entries: Iterable[tuple[str, dict[bytes, bytes] | None]], colu
         out.append(None)
         raw = fields.get(DATA_FIELD) if fields else None
         if raw is None or len(fields) != 1:  # type: ignore[arg-type]
-            if fields is not None and SHAPE_FIELD in fields:
+            if fields is not None and SHAPE_FIELD in fields and ID_FIELD in fields:
                 out[i] = parse_binary(entry_id, fields, columns)
             else:
                 slow.append(i)
@@ -214,18 +215,14 @@ def parse_binary(entry_id: str, fields: dict[bytes, bytes], columns: tuple[str, 
     if names != _BINARY_FIELDS:
         return Rejected(entry_id, None, f"a binary entry has exactly the fields id, shape and data (got "
                         f"{sorted(_text(k) for k in names)}); send XADD STREAM * id ID shape {n} data BYTES", raw)
-    id_bytes = fields[ID_FIELD]
-    if not 0 < len(id_bytes) <= MAX_ID_LENGTH:
-        return Rejected(entry_id, None, f"'id' must be non-empty and at most {MAX_ID_LENGTH} bytes "
-                        f"(got {len(id_bytes)})", raw)
-    input_id: str | int
-    if _INT_ID.fullmatch(id_bytes):
-        input_id = int(id_bytes)
-    else:
-        try:
-            input_id = id_bytes.decode("utf-8")
-        except UnicodeDecodeError:
-            return Rejected(entry_id, None, "'id' is not UTF-8 text; send ids that encode as UTF-8", raw)
+    try:
+        text_id = fields[ID_FIELD].decode("utf-8")
+    except UnicodeDecodeError:
+        return Rejected(entry_id, None, "'id' is not UTF-8 text; send ids that encode as UTF-8", raw)
+    if not 0 < len(text_id) <= MAX_ID_LENGTH:
+        return Rejected(entry_id, None, f"'id' must be a non-empty string of at most {MAX_ID_LENGTH} "
+                        f"characters (got {len(text_id)})", raw)
+    input_id: str | int = int(text_id) if _INT_ID.fullmatch(text_id) else text_id
     shape = fields[SHAPE_FIELD].decode("ascii", errors="replace").replace(" ", "")
     if shape not in {str(n), f"1,{n}"}:
         return Rejected(entry_id, input_id, f"shape {_short(shape)}: one input of the model's {n} columns is "
@@ -256,8 +253,12 @@ def _json_type(value: Any) -> str:
 
 
 def prediction_payload(input_id: str | int, label: int, model_version: str, latency_ms: float) -> bytes:
-    return orjson.dumps({"id": input_id, "prediction": int(label), "model_version": str(model_version),
-                         "latency_ms": round(float(latency_ms), 3)})
+    out = {"id": input_id, "prediction": int(label), "model_version": str(model_version),
+           "latency_ms": round(float(latency_ms), 3)}
+    try:
+        return orjson.dumps(out)
+    except TypeError:  # an integer id past 64 bits, which orjson does not write (json does)
+        return json.dumps(out).encode()
 
 
 def dead_letter_payload(rejected: Rejected) -> str:

@@ -27,6 +27,7 @@ BASE: dict[str, Any] = {"input": "in", "output": "out", "dead_letter": "dlq", "g
     ({"dedup_retention_s": 0}, "--dedup-retention 0"),
     ({"wait_replicas": -1}, "--wait-replicas -1"),
     ({"model_retry_s": -1}, "--model-retry-s -1"),
+    ({"threads": 0}, "--threads 0"),
     ({"dead_letter": "out:scored:x"}, "among the markers of --output"),
     ({"output": "dlq:seen:1"}, "among the markers of --dead-letter"),
 ])

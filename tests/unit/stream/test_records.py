@@ -167,7 +167,7 @@ def test_a_binary_entry_is_an_input_in_the_models_column_order() -> None:
     assert [float(v) for v in row.values] == [1.5, 2.0, 3.0]  # type: ignore[union-attr]
     assert marker_key(row.input_id) == marker_key(42)  # the same input as JSON's {"id": 42, ...}
     assert isinstance(text_id, InputRow) and text_id.input_id == "x-7"
-    assert isinstance(long_int, InputRow) and long_int.input_id == "12345678901234567890"
+    assert isinstance(long_int, InputRow) and long_int.input_id == 12345678901234567890
 
 
 @pytest.mark.parametrize(("fields", "reason"), [
@@ -175,8 +175,8 @@ def test_a_binary_entry_is_an_input_in_the_models_column_order() -> None:
     (_binary(b"1", [1, 2, 3], shape=b"2,3"), "shape '2,3'"),
     (_binary(b"1", [1, 2, 3], shape=b"\xff"), "shape"),
     (_binary(b"1", [1, 2, 3], label=b"4"), "exactly the fields id, shape and data"),
-    ({b"shape": b"3", b"data": b"\0" * 12}, "exactly the fields id, shape and data"),
-    (_binary(b"", [1, 2, 3]), "'id' must be non-empty"),
+    (_binary(b"", [1, 2, 3]), "'id' must be a non-empty string"),
+    (_binary("é".encode() * 513, [1, 2, 3]), "at most 512 characters (got 513)"),
     (_binary(b"\xff\xfe", [1, 2, 3]), "'id' is not UTF-8"),
 ])
 def test_a_bad_binary_entry_is_rejected_with_its_bytes_kept(fields: dict[bytes, bytes], reason: str) -> None:
@@ -184,3 +184,30 @@ def test_a_bad_binary_entry_is_rejected_with_its_bytes_kept(fields: dict[bytes, 
     assert isinstance(rejected, Rejected) and reason in rejected.reason
     kept = json.loads(dead_letter_payload(rejected))["data"]
     assert "data_base64" in json.loads(kept)
+
+
+def test_binary_and_json_ids_name_the_same_input_at_any_length() -> None:
+    """A decimal binary id is JSON's integer id, also past 64 bits (a 19-digit id was a string, so the same
+    input sent both ways was scored twice); ids are limited in characters, as JSON's are."""
+    for digits in ("1000000000000000000", "18446744073709551616", "-0"):
+        (row,) = parse_entries([("1-0", _binary(digits.encode(), [0, 0, 0]))], COLUMNS)
+        (twin,) = parse_entries([("2-0", {b"data": f'{{"id": {digits}, "a": 0, "b": 0, "c": 0}}'.encode()})], COLUMNS)
+        assert isinstance(row, InputRow) and isinstance(twin, InputRow)
+        assert row.input_id == twin.input_id and marker_key(row.input_id) == marker_key(twin.input_id)
+    (accented,) = parse_entries([("3-0", _binary("é".encode() * 300, [0, 0, 0]))], COLUMNS)
+    assert isinstance(accented, InputRow) and accented.input_id == "é" * 300
+
+
+def test_a_json_entry_with_a_shape_field_is_still_json() -> None:
+    """Only an entry with `id` and `shape` fields is binary: extra fields beside a JSON `data` were ignored
+    before binary entries existed, and still are."""
+    (row,) = parse_entries([("1-0", {b"data": b'{"id": 5, "a": 1, "b": 2, "c": 3}', b"shape": b"3"})], COLUMNS)
+    assert isinstance(row, InputRow) and row.input_id == 5 and row.complete
+
+
+def test_an_integer_id_past_64_bits_gets_its_prediction_written() -> None:
+    """orjson writes no integer past 64 bits: the prediction of such an id (accepted, as before) raised
+    TypeError in the write, which killed the consumer on that batch until --max-deliveries."""
+    (row,) = parse_entries([("1-0", {b"data": b'{"id": 18446744073709551616, "a": 1, "b": 2, "c": 3}'})], COLUMNS)
+    assert isinstance(row, InputRow)
+    assert json.loads(prediction_payload(row.input_id, 1, "3", 1.0))["id"] == 2**64
