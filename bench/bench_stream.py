@@ -5,8 +5,8 @@
 (`data`), and binary entries (`id`, `shape`, `data` as little-endian float32).
 
 - throughput (drain): BENCH_STREAM_ROWS inputs (default 20,000; demo test rows, cycled) XADDed before 1 or
-  2 consumers start; rows/s from their first prediction to their last (no producer competing for the
-  cores, start-up not counted), for each payload.
+  2 consumers start, hidden from their group until all have loaded the model; rows/s from their first
+  prediction to their last (no producer competing for the cores, start-up not counted), for each payload.
 - latency: a producer paced at half the best 1-consumer rate of the payload for BENCH_STREAM_PACED_S
   seconds (default 10); p50/p99 of the predictions' latency_ms (XADD -> prediction written).
 - soak (issue 21 item 7): BENCH_STREAM_SOAK_S seconds (default 60) of JSON inputs paced at 80% of the
@@ -134,8 +134,13 @@ def drain(client: Any, url: str, frame: Any, k: int, n: int, logs: Path, kind: s
     payloads = _payloads(frame, n, 0, kind)
     for start in range(0, n, 1000):
         _xadd(client, f"{group}:in", payloads[start:start + 1000])
+    # The backlog stays hidden from the group ($) until every consumer has loaded its model: a consumer still
+    # starting up while another drains would count its start-up in the window.
+    client.xgroup_create(f"{group}:in", group, id="$")
     procs = _start_consumers(url, group, k, logs)
     try:
+        _wait_ready(procs)
+        client.xgroup_setid(f"{group}:in", group, id="0")
         _wait_outputs(client, f"{group}:out", n, procs)
     finally:
         _stop(procs)

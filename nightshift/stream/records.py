@@ -182,7 +182,7 @@ def parse_entries(entries: Iterable[tuple[str, dict[bytes, bytes] | None]], colu
             continue
         try:
             obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+        except Exception:  # JSONDecodeError, MemoryError...: parse_entry names it (and catches what it must)
             slow.append(i)
             continue
         input_id = obj.get("id") if type(obj) is dict else None

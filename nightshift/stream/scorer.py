@@ -95,6 +95,11 @@ class VersionScorer:
         except MemoryError as err:
             raise ModelFailure(f"{self.model_name} v{self.version}: out of memory validating {len(rows)} rows",
                                rejected=[], valid=[]) from err
+        except Exception as err:  # the vectorised checks could not run on these rows: each row validated alone
+            log.warning("validating a batch of %d at once failed (%s: %s); validating row by row", len(rows),
+                        type(err).__name__, err)
+            good, rejected = self._validate_alone(rows)
+            values = self._matrix(good) if good else np.empty((0, len(self.columns)), dtype=np.float32)
         if not good:
             return Scored([], [], rejected)
         try:
@@ -104,6 +109,29 @@ class VersionScorer:
                                f"({type(err).__name__}: {_message(err)[:300]})", rejected=rejected,
                                valid=good) from err
         return Scored(good, labels, rejected)
+
+    def _validate_alone(self, rows: list[InputRow]) -> tuple[list[InputRow], list[Rejected]]:
+        """Each row through the served model's `validate` alone: (the rows it accepts, the others with its
+        reason). MemoryError is raised."""
+        import pandas as pd
+
+        good: list[InputRow] = []
+        rejected: list[Rejected] = []
+        for row in rows:
+            frame = (pd.DataFrame([list(row.values)], columns=list(self.columns)) if row.complete  # type: ignore[arg-type]
+                     else pd.DataFrame([row.features]))
+            try:
+                self.classifier.validate(frame)
+            except MemoryError:
+                raise
+            except Exception as err:  # the served model's own verdict on this row
+                rejected.append(Rejected(row.entry_id, row.input_id, _message(err), row.raw_text))
+                continue
+            if row.complete:
+                good.append(row)
+            else:
+                rejected.append(Rejected(row.entry_id, row.input_id, "missing columns", row.raw_text))
+        return good, rejected
 
     def _incomplete(self, rows: list[InputRow]) -> list[Rejected]:
         """Rows with a column missing: the served model's validation of each names what is missing."""
