@@ -30,8 +30,23 @@ def _score_stream(args: argparse.Namespace) -> dict[str, Any]:
                           champion_poll_s=args.champion_poll_s, max_deliveries=args.max_deliveries,
                           dedup_retention_s=parse_duration(args.dedup_retention, "--dedup-retention"),
                           wait_replicas=args.wait_replicas, wait_timeout_ms=args.wait_timeout_ms,
-                          model_retry_s=args.model_retry_s, threads=args.threads)
+                          model_retry_s=args.model_retry_s, threads=_threads(args.threads))
     return run_consumer(config, url, password=password)
+
+
+def _threads(flag: int | None) -> int:
+    """--threads, else OMP_NUM_THREADS (what an operator already sets for torch), else 1."""
+    if flag is not None:
+        return flag
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return 1
+    if not value.isdigit():
+        from nightshift.stream.errors import StreamConfigError
+
+        raise StreamConfigError(f"OMP_NUM_THREADS={value!r} is not a number of threads; set it to one, or pass "
+                                f"--threads")
+    return int(value)
 
 
 def _stream_trim(args: argparse.Namespace) -> dict[str, Any] | int:
@@ -107,8 +122,9 @@ def add_parser(subparsers: Any) -> None:
                         "before going on (0: don't wait)")
     p.add_argument("--wait-timeout-ms", type=int, default=1000,
                    help="one WAIT's timeout; short of replicas, the batch's write is retried with backoff (1000)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads for this consumer (1: scale out by starting more consumers)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for this consumer (default $OMP_NUM_THREADS, else 1: scale out by "
+                        "starting more consumers)")
     p.add_argument("--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=_score_stream)
 

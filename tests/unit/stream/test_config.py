@@ -108,3 +108,41 @@ def test_new_score_stream_options_and_stream_trim_are_wired() -> None:
     trim = build_parser().parse_args(["stream-trim", "--input", "i", "--output", "o", "--dead-letter", "d",
                                       "--max-age", "24h"])
     assert (trim.max_age, trim.dedup_retention) == ("24h", "7d")
+
+
+def test_the_consumer_process_gives_torch_its_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--threads reaches torch before the consumer runs (two consumers with torch's default threads each were
+    slower than one on 2 cores); without the flag OMP_NUM_THREADS, else 1; a bad OMP_NUM_THREADS is named."""
+    import torch
+
+    from nightshift.stream import consumer as consumer_mod
+    from nightshift.stream.cli import _threads
+
+    seen: dict[str, int] = {}
+
+    class Stub:
+        def __init__(self, config: StreamConfig, url: str, password: str | None = None) -> None:
+            pass
+
+        def run(self) -> dict[str, Any]:
+            seen["threads"] = torch.get_num_threads()
+            return {}
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(consumer_mod, "StreamConsumer", Stub)
+    saved = torch.get_num_threads()
+    try:
+        consumer_mod.run_consumer(StreamConfig(**{**BASE, "threads": 3}), "redis://127.0.0.1:1/0",
+                                  install_signals=False)
+    finally:
+        torch.set_num_threads(saved)
+    assert seen["threads"] == 3
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (_threads(None), _threads(2)) == (1, 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert _threads(None) == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "four")
+    with pytest.raises(StreamConfigError, match="OMP_NUM_THREADS='four'"):
+        _threads(None)
