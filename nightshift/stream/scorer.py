@@ -98,8 +98,12 @@ class VersionScorer:
         except Exception as err:  # the vectorised checks could not run on these rows: each row validated alone
             log.warning("validating a batch of %d at once failed (%s: %s); validating row by row", len(rows),
                         type(err).__name__, err)
-            good, rejected = self._validate_alone(rows)
-            values = self._matrix(good) if good else np.empty((0, len(self.columns)), dtype=np.float32)
+            try:
+                good, rejected = self._validate_alone(rows)
+                values = self._matrix(good) if good else np.empty((0, len(self.columns)), dtype=np.float32)
+            except Exception as again:  # MemoryError, or what no row check explains: the batch stays pending
+                raise ModelFailure(f"{self.model_name} v{self.version}: cannot validate {len(rows)} rows "
+                                   f"({type(again).__name__}: {again})", rejected=[], valid=[]) from again
         if not good:
             return Scored([], [], rejected)
         try:

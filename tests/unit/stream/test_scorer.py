@@ -73,3 +73,19 @@ def test_a_decoder_failure_other_than_a_syntax_error_falls_back_to_parse_entry(
     monkeypatch.setattr(records.orjson, "loads", fail)
     (row,) = parse_entries([("1-0", {b"data": b'{"id": 1, "a": 1, "b": 2}'})], COLUMNS)
     assert isinstance(row, InputRow) and row.input_id == 1 and list(row.values) == [1, 2]  # type: ignore[arg-type]
+
+
+def test_running_out_of_memory_in_the_row_by_row_fallback_leaves_the_batch_pending() -> None:
+    """The fallback's own failure is a ModelFailure with nothing settled (the consumer keeps the batch
+    pending and retries it), not an exception that ends the consumer."""
+    from nightshift.stream.errors import ModelFailure
+
+    scorer = _Scorer(vectorised_fails=True)
+
+    def out_of_memory(_frame: pd.DataFrame) -> Any:
+        raise MemoryError
+
+    scorer.classifier.validate = out_of_memory  # type: ignore[method-assign]
+    with pytest.raises(ModelFailure) as failure:
+        scorer.score([r for r in _rows() if isinstance(r, InputRow)])
+    assert (failure.value.rejected, failure.value.valid) == ([], [])
