@@ -3,9 +3,9 @@
 What this module rejects is the stream's own contract. An entry is either one `data` field holding a JSON
 object with an `id` and only the model's columns, each a JSON number; or, for producers that want to skip
 JSON, three fields (an entry with `id` and `shape` fields is binary): `id` (the input's id: a decimal
-integer is the integer id, anything else a string),
-`shape` (`N` or `1,N`, N the model's number of columns) and `data` (N little-endian float32 values in the
-model's column order, 4·N bytes). Whether the values suit the model
+integer is the integer id, anything else a string), `shape` (`N` or `1,N`, N the model's number of
+columns) and `data` (N little-endian float32 values in the model's column order, 4·N bytes). Whether the
+values suit the model
 (missing columns, NaN, range) is the served model's validation (`TorchTableClassifier.validate`), which the
 scorer applies; a row with missing columns is passed on incomplete so that that validation names them.
 """
@@ -46,11 +46,11 @@ class InputRow:
     input_id: str | int
     features: dict[str, Any]
     values: list[float] | tuple[float, ...] | np.ndarray | None
-    raw: bytes | str
+    raw: bytes | str | dict[bytes, bytes]  # a binary entry's fields, turned into text only for a dead letter
 
     @property
     def raw_text(self) -> str:
-        return _text(self.raw)
+        return _binary_raw(self.raw) if isinstance(self.raw, dict) else _text(self.raw)
 
     @property
     def complete(self) -> bool:
@@ -209,29 +209,29 @@ def parse_entries(entries: Iterable[tuple[str, dict[bytes, bytes] | None]], colu
 def parse_binary(entry_id: str, fields: dict[bytes, bytes], columns: tuple[str, ...]) -> InputRow | Rejected:
     """A binary entry (`id`, `shape`, `data` as little-endian float32) → an InputRow, or a Rejected naming
     what was wrong. Whether the values suit the model (finite, in range) is the model's validation."""
-    raw = _binary_raw(fields)
     n = len(columns)
     names = set(fields)
     if names != _BINARY_FIELDS:
         return Rejected(entry_id, None, f"a binary entry has exactly the fields id, shape and data (got "
-                        f"{sorted(_text(k) for k in names)}); send XADD STREAM * id ID shape {n} data BYTES", raw)
+                        f"{sorted(_text(k) for k in names)}); send XADD STREAM * id ID shape {n} data BYTES",
+                        _binary_raw(fields))
     try:
         text_id = fields[ID_FIELD].decode("utf-8")
     except UnicodeDecodeError:
-        return Rejected(entry_id, None, "'id' is not UTF-8 text; send ids that encode as UTF-8", raw)
+        return Rejected(entry_id, None, "'id' is not UTF-8 text; send ids that encode as UTF-8", _binary_raw(fields))
     if not 0 < len(text_id) <= MAX_ID_LENGTH:
         return Rejected(entry_id, None, f"'id' must be a non-empty string of at most {MAX_ID_LENGTH} "
-                        f"characters (got {len(text_id)})", raw)
+                        f"characters (got {len(text_id)})", _binary_raw(fields))
     input_id: str | int = int(text_id) if _INT_ID.fullmatch(text_id) else text_id
     shape = fields[SHAPE_FIELD].decode("ascii", errors="replace").replace(" ", "")
     if shape not in {str(n), f"1,{n}"}:
         return Rejected(entry_id, input_id, f"shape {_short(shape)}: one input of the model's {n} columns is "
-                        f"shape {n} (or 1,{n}); send one input per entry", raw)
+                        f"shape {n} (or 1,{n}); send one input per entry", _binary_raw(fields))
     data = fields[DATA_FIELD]
     if len(data) != 4 * n:
         return Rejected(entry_id, input_id, f"'data' holds {len(data)} bytes; shape {n} of little-endian float32 "
-                        f"is {4 * n} bytes", raw)
-    return InputRow(entry_id, input_id, {}, np.frombuffer(data, dtype="<f4"), raw)
+                        f"is {4 * n} bytes", _binary_raw(fields))
+    return InputRow(entry_id, input_id, {}, np.frombuffer(data, dtype="<f4"), fields)
 
 
 def _binary_raw(fields: dict[bytes, bytes]) -> str:

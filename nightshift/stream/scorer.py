@@ -90,7 +90,7 @@ class VersionScorer:
                 else:
                     good = complete
             if len(complete) < len(rows):
-                rejected += self._incomplete([r for r in rows if not r.complete])
+                rejected += self._validate_alone([r for r in rows if not r.complete])[1]
                 rejected.sort(key=lambda item: id_key(item.entry_id))
         except MemoryError as err:
             raise ModelFailure(f"{self.model_name} v{self.version}: out of memory validating {len(rows)} rows",
@@ -136,22 +136,6 @@ class VersionScorer:
             else:
                 rejected.append(Rejected(row.entry_id, row.input_id, "missing columns", row.raw_text))
         return good, rejected
-
-    def _incomplete(self, rows: list[InputRow]) -> list[Rejected]:
-        """Rows with a column missing: the served model's validation of each names what is missing."""
-        import pandas as pd
-
-        rejected = []
-        for row in rows:
-            try:
-                self.classifier.validate(pd.DataFrame([row.features]))
-                reason = "missing columns"  # validate accepted a row with a column missing: cannot happen
-            except MemoryError:
-                raise
-            except Exception as err:  # the served model's own verdict on this row
-                reason = _message(err)
-            rejected.append(Rejected(row.entry_id, row.input_id, reason, row.raw_text))
-        return rejected
 
     def predict_valid(self, rows: list[InputRow]) -> list[int]:
         """Labels for rows validation already accepted (a batch being bisected after a failure); ModelFailure
