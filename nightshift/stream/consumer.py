@@ -4,6 +4,11 @@ Each turn: maybe swap the model (between batches only), take a batch (this consu
 entries after a (re)connect, else entries other consumers left idle past `claim_idle_ms`, else new
 ones: at most `batch_rows`, waiting at most `batch_ms` after the first), score it, then write the
 predictions and dead letters and acknowledge the inputs in one script (redis_io.WRITE_AND_ACK).
+Once a batch is scored, the next one is read (without blocking, before the write: Redis serves one
+command at a time) and the write runs in a writer thread while that next batch is parsed and scored (one
+write in flight at most; writes stay in batch order): Redis runs the script on its own core meanwhile.
+Everything else (reading own pending entries, claiming, a model failure, a stop) first waits for the write
+in flight. With `wait_replicas` the writes are not overlapped.
 
 Redis going away is waited out with capped exponential backoff: a batch in hand is written when Redis is
 back (the script is idempotent, so a write whose reply was lost is simply written again); entries read
@@ -33,6 +38,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from nightshift.stream import announce, records, redis_io
@@ -99,6 +105,11 @@ class StreamConsumer:
         self._ttl_ms = str(int(config.dedup_retention_s * 1000))
         self._scored_prefix = redis_io.scored_key(config.output) + ":"
         self._seen_prefix = redis_io.dead_key(config.dead_letter) + ":"
+        # The write in flight (a scored batch) and how many inputs it holds; None: none, or not overlapped
+        self._writer: ThreadPoolExecutor | None = None
+        self._in_flight: Future[None] | None = None
+        self._in_flight_inputs = 0
+        self._ahead: list[Entry] = []  # new entries read before the write in flight was sent
 
     # --- control -----------------------------------------------------------------------------------
 
@@ -118,6 +129,8 @@ class StreamConsumer:
     def _room(self) -> int:
         if self.config.stop_after is None:
             return self.config.batch_rows
+        if self.stats.inputs + self._in_flight_inputs >= self.config.stop_after:
+            self._join_write()
         return max(0, min(self.config.batch_rows, self.config.stop_after - self.stats.inputs))
 
     # --- Redis with backoff ------------------------------------------------------------------------
@@ -378,13 +391,19 @@ class StreamConsumer:
         if limit == 0:
             return [], {}
         if self._recover:
+            self._ahead = []  # pending for this consumer: read again below
+            self._join_write()  # its entries are still pending: not read again while written
             entries, deliveries = self._read_own_pending(limit)
             if entries:
                 return entries, deliveries
             self._recover = False
+        if self._ahead:
+            entries, self._ahead = self._ahead, []
+            return entries, {}
         now = time.monotonic()
         if now - self._last_claim >= self.config.claim_interval_s:
             self._last_claim = now
+            self._join_write()
             if self._claim_idle(limit):
                 entries, deliveries = self._read_own_pending(limit)
                 if entries:
@@ -406,9 +425,7 @@ class StreamConsumer:
     # --- writing -----------------------------------------------------------------------------------
 
     def _write_args(self, good: list[records.InputRow], labels: list[int], rejected: list[records.Rejected],
-                    kinds: dict[str, str]) -> tuple[list[str], list[Any]]:
-        assert self.scorer is not None
-        version = self.scorer.version
+                    kinds: dict[str, str], version: str) -> tuple[list[str], list[Any]]:
         scored, seen = self._scored_prefix, self._seen_prefix
         now_ms = time.time() * 1000
         keys = [self.config.input, self.config.output, self.config.dead_letter]
@@ -477,12 +494,57 @@ class StreamConsumer:
         return totals[0], totals[1], foreign
 
     def _commit(self, good: list[records.InputRow], labels: list[int], rejected: list[records.Rejected]) -> None:
-        """Write predictions and dead letters and acknowledge their inputs (one script run); count them."""
+        """Write predictions and dead letters and acknowledge their inputs (one script run), after the write in
+        flight; count them."""
         assert self.scorer is not None
+        self._join_write()
+        self._commit_now(good, labels, rejected, self.scorer.version)
+
+    def _commit_behind(self, good: list[records.InputRow], labels: list[int]) -> None:
+        """`_commit` in the writer thread, after the write in flight: returns at once (the next batch, read
+        here first, is scored meanwhile). Its errors are raised by the next `_join_write`."""
+        assert self.scorer is not None
+        if self._writer is None:
+            self._commit(good, labels, [])
+            return
+        self._join_write()
+        self._read_ahead(len(good))
+        self._in_flight_inputs = len(good)
+        self._in_flight = self._writer.submit(self._commit_now, good, labels, [], self.scorer.version)
+
+    def _read_ahead(self, writing: int) -> None:
+        """New entries for the next batch, without blocking, while Redis has nothing else to do; not when the
+        next turn would read its own pending entries or claim, or is stopping."""
+        if self.stopping or self._recover or self._ahead or \
+                time.monotonic() - self._last_claim >= self.config.claim_interval_s:
+            return
+        room = self.config.batch_rows if self.config.stop_after is None else \
+            min(self.config.batch_rows, self.config.stop_after - self.stats.inputs - writing)
+        if room <= 0:
+            return
+        import redis
+
+        try:
+            self._ahead = self._read(">", room)
+        except (redis.RedisError, OSError) as err:  # the next turn's read meets it again (and waits it out)
+            log.debug("reading ahead failed (%s: %s)", type(err).__name__, err)
+            self._recover = True  # the reply may be lost with entries in it: they are pending for this consumer
+
+    def _join_write(self) -> None:
+        """Wait for the write in flight; raise what it raised."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            try:
+                future.result()
+            finally:
+                self._in_flight_inputs = 0
+
+    def _commit_now(self, good: list[records.InputRow], labels: list[int], rejected: list[records.Rejected],
+                    version: str) -> None:
         kinds: dict[str, str] = {}
         holding = [row.entry_id for row in good] + [item.entry_id for item in rejected]
         while True:
-            keys, args = self._write_args(good, labels, rejected, kinds)
+            keys, args = self._write_args(good, labels, rejected, kinds, version)
             written, dead, foreign = self._write(keys, args, holding)
             if not foreign:
                 break
@@ -493,7 +555,7 @@ class StreamConsumer:
         self.stats.predictions += written
         self.stats.duplicates += done - written - dead
         self.stats.dead_letters += dead
-        self.stats.by_version[self.scorer.version] += written
+        self.stats.by_version[version] += written
         for entry_id in holding:
             self._failures.pop(entry_id, None)
         last = max((batch[-1].entry_id for batch in (good, rejected) if batch), key=records.id_key)
@@ -541,7 +603,8 @@ class StreamConsumer:
         """Entries XAUTOCLAIM found deleted from the stream (and dropped from the pending list): a dead letter
         each, so that they leave a trace."""
         items = [records.Rejected(entry_id, None, DELETED_REASON, "") for entry_id in entry_ids]
-        keys, args = self._write_args([], [], items, dict.fromkeys(entry_ids, "g"))
+        assert self.scorer is not None
+        keys, args = self._write_args([], [], items, dict.fromkeys(entry_ids, "g"), self.scorer.version)
         _written, dead, _foreign = self._write(keys, args, [])
         self.stats.deleted += dead
         log.warning("%d pending inputs were deleted from %s before they were scored (first %s); dead-lettered to %s",
@@ -609,8 +672,10 @@ class StreamConsumer:
         rejected.extend(scored.rejected)
         if len(rejected) > 1:  # dead letters in input order
             rejected.sort(key=lambda item: records.id_key(item.entry_id))
-        if scored.rows or rejected:
+        if rejected:
             self._commit(scored.rows, scored.labels, rejected)
+        elif scored.rows:
+            self._commit_behind(scored.rows, scored.labels)
         if scored.rows:
             self._model_ok(scored.rows[0])
         return True
@@ -743,19 +808,40 @@ class StreamConsumer:
             lambda: self.client.get(announce.champion_key(self.config.model_name)))
         self._load(champion_version(self.config.model_name), "@champion in the registry")
         self._last_poll = time.monotonic()
+        if not self.config.wait_replicas:  # WAIT covers one connection's writes: not overlapped
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-writer")
+        try:
+            self._loop()
+            self._join_write()
+        finally:
+            if self._in_flight is not None:  # run() is raising: the write in flight still completes
+                try:
+                    self._join_write()
+                except Exception as err:
+                    log.error("the write in flight failed too (%s: %s)", type(err).__name__, err)
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+        return self.summary()
+
+    def _loop(self) -> None:
         errors = redis_io.retryable_errors()
         import redis
 
         while not self.stopping:
-            if self.config.stop_after is not None and self.stats.inputs >= self.config.stop_after:
-                self.stop(f"--stop-after {self.config.stop_after}")
-                break
+            if self.config.stop_after is not None and \
+                    self.stats.inputs + self._in_flight_inputs >= self.config.stop_after:
+                self._join_write()
+                if self.stats.inputs >= self.config.stop_after:
+                    self.stop(f"--stop-after {self.config.stop_after}")
+                    break
             self._maybe_swap()
             try:
                 entries, deliveries = self._next_batch()
             except errors as err:
                 if self.stopping:
                     break
+                self._join_write()
                 self._redis_down(err, "reading", interruptible=True)
                 continue
             except redis.ResponseError as err:
@@ -763,6 +849,7 @@ class StreamConsumer:
                     raise self._wrong_type(err) from err
                 if "NOGROUP" not in str(err):
                     raise
+                self._join_write()
                 if self._until_answered("reading the stream's length", lambda: self.client.xlen(self.config.input)):
                     raise self._group_gone() from err
                 log.warning("the consumer group %s on %s is gone and the stream is empty; creating it again",
@@ -772,7 +859,9 @@ class StreamConsumer:
             self._redis_up()
             if entries:
                 self._process(entries, deliveries)
-        return self.summary()
+        if self._ahead and not self._recover:  # read ahead before the stop: the batch in hand, finished
+            entries, self._ahead = self._ahead, []
+            self._process(entries, {})
 
     def summary(self) -> dict[str, Any]:
         s = self.stats
