@@ -131,7 +131,9 @@ class StreamConsumer:
             return self.config.batch_rows
         if self.stats.inputs + self._in_flight_inputs >= self.config.stop_after:
             self._join_write()
-        return max(0, min(self.config.batch_rows, self.config.stop_after - self.stats.inputs))
+        # The write in flight counts: its inputs are not in stats.inputs until it returns
+        return max(0, min(self.config.batch_rows,
+                          self.config.stop_after - self.stats.inputs - self._in_flight_inputs))
 
     # --- Redis with backoff ------------------------------------------------------------------------
 
@@ -292,7 +294,7 @@ class StreamConsumer:
         self.scorer = scorer
         if old is not None:
             self.stats.swaps.append({"from": old, "to": scorer.version, "why": why,
-                                     "after_inputs": str(self.stats.inputs)})
+                                     "after_inputs": str(self.stats.inputs + self._in_flight_inputs)})
             log.info("swapped %s v%s -> v%s between batches (%s, loaded in %.1f s)", self.config.model_name, old,
                      scorer.version, why, time.monotonic() - started)
         else:
@@ -390,16 +392,15 @@ class StreamConsumer:
         limit = self._room()
         if limit == 0:
             return [], {}
+        if self._ahead:  # new entries in hand (a first delivery each): before own pending, which they join
+            entries, self._ahead = self._ahead, []
+            return entries, {}
         if self._recover:
-            self._ahead = []  # pending for this consumer: read again below
             self._join_write()  # its entries are still pending: not read again while written
             entries, deliveries = self._read_own_pending(limit)
             if entries:
                 return entries, deliveries
             self._recover = False
-        if self._ahead:
-            entries, self._ahead = self._ahead, []
-            return entries, {}
         now = time.monotonic()
         if now - self._last_claim >= self.config.claim_interval_s:
             self._last_claim = now
@@ -659,6 +660,7 @@ class StreamConsumer:
         try:
             scored = self.scorer.score(rows)
         except ModelFailure as failure:
+            self._join_write()  # its errors surface now, not after the model's retries
             rejected.extend(failure.rejected)
             rejected.sort(key=lambda item: records.id_key(item.entry_id))
             if rejected:
@@ -836,6 +838,7 @@ class StreamConsumer:
                     self.stop(f"--stop-after {self.config.stop_after}")
                     break
             self._maybe_swap()
+            ahead = bool(self._ahead)  # served without asking Redis: says nothing of an outage the writer met
             try:
                 entries, deliveries = self._next_batch()
             except errors as err:
@@ -856,10 +859,11 @@ class StreamConsumer:
                             self.config.group, self.config.input)
                 self._ensure_group()
                 continue
-            self._redis_up()
+            if not ahead:
+                self._redis_up()
             if entries:
                 self._process(entries, deliveries)
-        if self._ahead and not self._recover:  # read ahead before the stop: the batch in hand, finished
+        if self._ahead:  # read ahead before the stop: the batch in hand, finished
             entries, self._ahead = self._ahead, []
             self._process(entries, {})
 

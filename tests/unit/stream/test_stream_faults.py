@@ -475,3 +475,133 @@ def test_wait_replicas_short_at_shutdown_does_not_claim_written_inputs_are_pendi
     error = result.get("error")
     assert not (isinstance(error, StreamUnavailable) and "stay pending" in str(error)), str(error)
     client.close()
+
+
+# --- the write in flight (a batch written in the writer thread while the next one, read ahead, is scored) ----
+
+
+def _in_writer() -> bool:
+    import threading
+
+    return threading.current_thread().name.startswith("stream-writer")
+
+
+def _slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Writes in the writer thread take `seconds` longer (a loaded Redis, a slow link)."""
+    real = StreamConsumer._commit_now
+
+    def slow(self: StreamConsumer, *args: Any) -> None:
+        if _in_writer():
+            time.sleep(seconds)
+        real(self, *args)
+
+    monkeypatch.setattr(StreamConsumer, "_commit_now", slow)
+
+
+def _run_in_thread(c: StreamConsumer) -> tuple[Any, dict[str, Any]]:
+    import threading
+
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result.update(c.run())
+        except BaseException as err:
+            result["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_stop_after_counts_the_inputs_of_the_write_in_flight(server: RedisServer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop_after 10, batches of 8: while batch 1's write is in flight, 8 more inputs arrive; the next batch
+    may take only 2 (before: stats.inputs was still 0 and it took 8: 16 inputs)."""
+    _slow_writes(monkeypatch, 1.0)
+    client = connect(server.url)
+    for i in range(8):
+        add(client, f"a{i}")
+    c = StreamConsumer(config(batch_rows=8, stop_after=10), server.url, scorer_factory=TinyScorer)
+    thread, result = _run_in_thread(c)
+    deadline = time.monotonic() + 20
+    while c._in_flight is None and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.01)
+    for i in range(8):
+        add(client, f"b{i}")
+    thread.join(30)
+    c.close()
+    assert "error" not in result, result
+    assert result["inputs"] == 10 and client.xlen("out") == 10, result
+    client.close()
+
+
+def test_a_write_retried_for_a_moment_costs_the_batch_read_ahead_no_delivery(server: RedisServer,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis answers OOM for 0.6 s right after the next batch was read ahead: the writer retries (and marks a
+    recovery). The batch read ahead is in hand, on its first delivery: scored, not dropped and read again from
+    the pending list (before: a second delivery each, and with --max-deliveries 1 eight good inputs were
+    dead-lettered as max-deliveries)."""
+    import threading
+
+    client = connect(server.url)
+    for i in range(16):
+        add(client, f"x{i}")
+    real_read_ahead = StreamConsumer._read_ahead
+    fired: list[bool] = []
+
+    def read_ahead(self: StreamConsumer, writing: int) -> None:
+        real_read_ahead(self, writing)
+        if self._ahead and not fired:
+            fired.append(True)
+            client.config_set("maxmemory", 1)  # noeviction (the default): writes refused with OOM
+            threading.Timer(0.6, lambda: client.config_set("maxmemory", 0)).start()
+
+    real_swap = StreamConsumer._maybe_swap
+
+    def maybe_swap(self: StreamConsumer) -> None:  # the turn's announcement read takes a moment: the writer
+        if len(fired) == 1:                         # meets the OOM before the next batch is taken
+            fired.append(True)
+            time.sleep(0.05)
+        real_swap(self)
+
+    monkeypatch.setattr(StreamConsumer, "_read_ahead", read_ahead)
+    monkeypatch.setattr(StreamConsumer, "_maybe_swap", maybe_swap)
+    c = StreamConsumer(config(batch_rows=8, stop_after=16, max_deliveries=1), server.url, scorer_factory=TinyScorer)
+    thread, result = _run_in_thread(c)
+    thread.join(30)
+    c.close()
+    assert "error" not in result, result
+    assert fired and result["redis_retries"], result  # the write was refused, then retried
+    assert read(client, "dlq") == [] and client.xlen("out") == 16 and pending(client) == 0
+    client.close()
+
+
+def test_a_swap_counts_the_batch_still_being_written_before_it(server: RedisServer,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deploy step announces v2 while v1's batch is still being written: the swap says it came after
+    those 8 inputs (before: after 0), and they are v1's predictions."""
+    from nightshift.stream import announce
+
+    _slow_writes(monkeypatch, 0.5)
+    client = connect(server.url)
+    real_read_ahead = StreamConsumer._read_ahead
+
+    def read_ahead(self: StreamConsumer, writing: int) -> None:
+        real_read_ahead(self, writing)
+        if not client.exists(announce.champion_key("m")):
+            client.set(announce.champion_key("m"), "2")
+            for i in range(8):
+                add(client, f"b{i}")
+
+    monkeypatch.setattr(StreamConsumer, "_read_ahead", read_ahead)
+    for i in range(8):
+        add(client, f"a{i}")
+    c = StreamConsumer(config(batch_rows=8, stop_after=16), server.url, scorer_factory=TinyScorer)
+    thread, result = _run_in_thread(c)
+    thread.join(30)
+    c.close()
+    assert "error" not in result, result
+    assert result["predictions_by_version"] == {"1": 8, "2": 8}
+    assert [s["after_inputs"] for s in result["swaps"]] == ["8"], result["swaps"]
+    client.close()
