@@ -24,6 +24,23 @@ CRON = None if _CRON.lower() in {"", "none"} else _CRON
 # With NIGHTSHIFT_EVENTS_REDIS_URL (or NIGHTSHIFT_EVENTS_CONN_ID) set, a "new data" event (`nightshift
 # publish-data DIR`) starts a run too: the cron or the event's Asset, whichever comes first (nightly_tasks.events).
 SCHEDULE = retrain_schedule(CRON)
+
+
+def _train_retry_delay() -> timedelta:
+    """NIGHTSHIFT_TRAIN_RETRY_DELAY_S (default 60): how long train waits before a retry resumes from the
+    checkpoint (doubled at each further retry, at most 10 min); shorter where a lost worker is replaced at once."""
+    text = os.environ.get("NIGHTSHIFT_TRAIN_RETRY_DELAY_S", "").strip() or "60"
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 3600:
+        raise ValueError(f"NIGHTSHIFT_TRAIN_RETRY_DELAY_S={text!r} is not a number of seconds between 0 and 3600 "
+                         f"(default 60)")
+    return timedelta(seconds=seconds)
+
+
+TRAIN_RETRY_DELAY = _train_retry_delay()
 TRAINER_IMAGE = os.environ.get("NIGHTSHIFT_TRAINER_IMAGE", "ghcr.io/nightshift/trainer:0.1.0")
 
 DATASET_ASSET = Asset("nightshift://datasets/digits", group="nightshift")
@@ -78,6 +95,9 @@ say which values came from where (and best.json's study and trial). A malformed 
 also each "new data" event (`nightshift publish-data DIR`, the Asset `nightshift://events/new-data` with an
 AssetWatcher reading a Redis stream with a consumer group): such a run validates, stages and trains on the
 event's directory.
+
+**Retries**: a failed `train` is retried twice, each retry resuming from the checkpoint, after
+`NIGHTSHIFT_TRAIN_RETRY_DELAY_S` seconds (default 60, doubled for the second).
 
 Assets: `stage_dataset` emits `nightshift://datasets/digits` (extra: the version hash), `deploy` emits
 `nightshift://models/nightshift-digits/champion` (extra: the model version and URL).
@@ -241,7 +261,7 @@ with DAG(
                                     "nightshift.training_options": "{{ " + TRAINING + " | tojson }}",
                                 }),
         execution_timeout=timedelta(hours=6),
-        retry_delay=timedelta(minutes=1),
+        retry_delay=TRAIN_RETRY_DELAY,
     )
 
     @task

@@ -36,12 +36,14 @@ serialized = json.dumps(DagSerialization.to_dict(dag), default=str)
 cron = getattr(tt, "timetable", tt)
 print(json.dumps({{"timetable": type(tt).__name__, "cron": getattr(cron, "expression", None),
                   "watchers": watchers, "messaging_imported": messaging, "heavy": loaded,
-                  "serialized_watcher": {stream_trigger!r} in serialized}}))
+                  "serialized_watcher": {stream_trigger!r} in serialized,
+                  "train_retry_delay_s": dag.get_task("train").retry_delay.total_seconds()}}))
 """
 
 
 def _schedule(env: dict[str, str], **settings: str) -> dict[str, Any]:
-    env = {k: v for k, v in env.items() if not k.startswith(("NIGHTSHIFT_EVENTS_", "NIGHTSHIFT_RETRAIN_CRON"))}
+    env = {k: v for k, v in env.items()
+           if not k.startswith(("NIGHTSHIFT_EVENTS_", "NIGHTSHIFT_RETRAIN_CRON", "NIGHTSHIFT_TRAIN_RETRY_DELAY_S"))}
     env.update(settings)
     code = SCHEDULE.format(dags=str(DAGS), dag_file=str(DAGS / "nightly_retrain.py"), heavy=HEAVY,
                            stream_trigger=STREAM_TRIGGER)
@@ -52,6 +54,7 @@ def test_without_events_the_dag_keeps_its_cron_alone(airflow_env: dict[str, str]
     out = _schedule(airflow_env)
     assert out["timetable"] == "CronTriggerTimetable" and out["cron"] == "0 2 * * *"
     assert out["watchers"] == [] and not out["serialized_watcher"]
+    assert out["train_retry_delay_s"] == 60  # NIGHTSHIFT_TRAIN_RETRY_DELAY_S's default
     assert not out["messaging_imported"], "the event trigger was imported with events off"
     assert out["heavy"] == []
 
@@ -71,7 +74,9 @@ def test_with_a_redis_url_the_cron_or_the_new_data_asset_starts_a_run(airflow_en
 
 def test_without_a_cron_the_event_alone_and_a_connection_of_ones_own(airflow_env: dict[str, str]) -> None:
     out = _schedule(airflow_env, NIGHTSHIFT_RETRAIN_CRON="none", NIGHTSHIFT_EVENTS_CONN_ID="team_redis",
-                    NIGHTSHIFT_EVENTS_STREAM="team.landed", NIGHTSHIFT_EVENTS_POLL_S="0.5")
+                    NIGHTSHIFT_EVENTS_STREAM="team.landed", NIGHTSHIFT_EVENTS_POLL_S="0.5",
+                    NIGHTSHIFT_TRAIN_RETRY_DELAY_S="5")
+    assert out["train_retry_delay_s"] == 5
     assert out["timetable"] == "AssetTriggeredTimetable" and out["cron"] is None
     assert out["watchers"][0]["trigger"] == [STREAM_TRIGGER, {"stream": "team.landed", "group": "airflow-new-data",
                                                               "consumer": "airflow-triggerer",
@@ -92,6 +97,15 @@ def test_a_bad_events_setting_fails_the_import_naming_it(airflow_env: dict[str, 
                           check=False)
     assert proc.returncode != 0
     assert f"EventsMisconfigured: {name}" in proc.stderr and message in proc.stderr
+
+
+def test_a_bad_train_retry_delay_fails_the_import_naming_it(airflow_env: dict[str, str]) -> None:
+    env = {**airflow_env, "NIGHTSHIFT_TRAIN_RETRY_DELAY_S": "a minute"}
+    code = f"import runpy, sys\nsys.path.insert(0, {str(DAGS)!r})\nrunpy.run_path({str(DAGS / 'nightly_retrain.py')!r})"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode != 0
+    assert "NIGHTSHIFT_TRAIN_RETRY_DELAY_S='a minute' is not a number of seconds between 0 and 3600" in proc.stderr
 
 
 EVENT_SOURCE = """

@@ -10,7 +10,7 @@ global_keyprefix`; its keys are deleted after).
 One run, triggered through the REST API with a small conf, loses the worker running `train`: once the first
 checkpoint exists, that worker and everything under it (the task runner, horovodrun and the ranks, which
 live in sessions of their own) are SIGKILLed, as when its machine goes away. The scheduler finds the task's
-heartbeat gone, Airflow retries it (the DAG's retry delay: 60 s for this task), the other worker runs the
+heartbeat gone, Airflow retries it (after NIGHTSHIFT_TRAIN_RETRY_DELAY_S, 5 s here), the other worker runs the
 retry, the trainer resumes from the checkpoint in the dag/run/task-keyed directory, and the run succeeds.
 """
 
@@ -118,6 +118,8 @@ def celery_airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryA
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
+            # The lost worker is replaced at once here: its retry need not wait the default minute
+            "NIGHTSHIFT_TRAIN_RETRY_DELAY_S": "5",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         })
