@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -228,3 +228,76 @@ class Api:
                 pass
             assert time.monotonic() < deadline, f"Airflow not ready after {timeout:.0f}s: {describe()}"
             time.sleep(2)
+
+
+# --- airflow standalone ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Standalone:
+    """An `airflow standalone` (scripts/airflow.sh) a test module started: its process group, REST client,
+    environment, NIGHTSHIFT_HOME and log."""
+
+    proc: subprocess.Popen[bytes]
+    api: Api
+    env: dict[str, str]
+    home: Path
+    log: Path
+    database: AirflowDatabase | None
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+# Unset for every standalone: what a developer's shell may hold that would point it elsewhere.
+_NOT_INHERITED = ("MLFLOW_TRACKING_URI", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "NIGHTSHIFT_MLFLOW_UI_URL")
+
+
+@contextmanager
+def airflow_standalone(home: Path, *, ready: Iterable[str], env: dict[str, str] | None = None,
+                       unset: Iterable[str] = (), unset_prefixes: tuple[str, ...] = (),
+                       database_prefix: str | None = "nightshift_test", timeout: float = 300,
+                       api_class: type[Api] = Api) -> Iterator[Standalone]:
+    """`scripts/airflow.sh standalone` on 127.0.0.1 with NIGHTSHIFT_HOME `home`, free ports, every user an admin
+    (SIMPLE_AUTH_MANAGER_ALL_ADMINS), no MLflow UI unless `env` gives NIGHTSHIFT_MLFLOW_UI_PORT; `env` on top.
+    The metadata database: a PostgreSQL database of its own (`database_prefix`, dropped after) when the server
+    answers, else SQLite; `database_prefix=None`: as `env` says. Ready when the API (an `api_class`) knows every
+    DAG in `ready`.
+    Stopped (its whole process group), then any model server a deploy task started, also on failure."""
+    from nightshift.netutil import free_port
+
+    port = free_port()
+    full = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED and k not in set(unset)
+            and not (unset_prefixes and k.startswith(unset_prefixes))}
+    full.update({
+        "NIGHTSHIFT_HOME": str(home),
+        "AIRFLOW_HOME": str(home / "airflow-home"),
+        "AIRFLOW_PORT": str(port),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "NIGHTSHIFT_MLFLOW_UI_PORT": "none",
+        "NIGHTSHIFT_VENV_BIN": str(BIN),
+    })
+    full.update(env or {})
+    log_path = home / "standalone.log"
+    databases = airflow_database(database_prefix) if database_prefix else nullcontext(None)
+    with databases as database:
+        if database is not None:
+            full.update(database.env)
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=full, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            running = Standalone(proc, api_class(f"http://{HOST}:{port}"), full, home, log_path, database)
+            deadline = time.monotonic() + timeout
+            for dag_id in ready:
+                running.api.wait_ready(dag_id, lambda: proc.poll() is None, max(1.0, deadline - time.monotonic()),
+                                       running.tail)
+            yield running
+        finally:
+            # Airflow first, then the model server: a deploy task still running could start one after the stop
+            try:
+                stop_group(proc)
+            finally:
+                stop_model_server(full)

@@ -8,10 +8,7 @@ run (screenshots in `$NIGHTSHIFT_ARTIFACTS/browser`, default `.artifacts/browser
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +18,8 @@ import pytest
 
 from nightshift.netutil import free_port
 from tests.integration import airflow_helpers
-from tests.integration.airflow_helpers import (
-    REPO,
-    airflow_database,
-    registered_versions,
-    stop_group,
-    stop_model_server,
-)
+from tests.integration.airflow_helpers import airflow_standalone, registered_versions
+from tests.integration.browser_helpers import needs_browser
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -36,11 +28,6 @@ pytestmark = pytest.mark.integration
 
 DAG_ID = "nightly_retrain"
 HOST = "127.0.0.1"
-
-
-# Kept under these names: other modules (test_dag_bundle) import them from here.
-_free_port = free_port
-_stop_group = stop_group
 
 
 class Api(airflow_helpers.Api):
@@ -63,52 +50,17 @@ class Api(airflow_helpers.Api):
 
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    home = tmp_path_factory.mktemp("nightshift-standalone")
-    port = _free_port()
-    env = dict(os.environ)
-    env.update({
-        "NIGHTSHIFT_HOME": str(home),
-        "AIRFLOW_HOME": str(home / "airflow-home"),
-        "AIRFLOW_PORT": str(port),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(_free_port()),
-        "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
+    env = {
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "NIGHTSHIFT_MLFLOW_UI_PORT": str(_free_port()),
+        "NIGHTSHIFT_MLFLOW_UI_PORT": str(free_port()),  # the extra links' target
         "NIGHTSHIFT_RETRAIN_CRON": "none",
-    })
-    for name in ("MLFLOW_TRACKING_URI", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "NIGHTSHIFT_MLFLOW_UI_URL"):
-        env.pop(name, None)
-    log_path = home / "standalone.log"
-    # PostgreSQL (a database of this module's own, dropped after) when it answers, else SQLite.
-    with airflow_database() as database:
-        env.update(database.env)
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            api = Api(f"http://{HOST}:{port}")
-            deadline = time.monotonic() + 240
-            while True:
-                assert proc.poll() is None, f"standalone exited {proc.returncode}: {log_path.read_text()[-3000:]}"
-                try:
-                    api.login()
-                    if api.get(f"/api/v2/dags/{DAG_ID}").status_code == 200:
-                        break
-                except Exception:
-                    pass
-                assert time.monotonic() < deadline, f"standalone not ready: {log_path.read_text()[-3000:]}"
-                time.sleep(2)
-            api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
-            # runs: what the browser tests look at, by what happened to them ("success", "refused").
-            yield {"api": api, "home": home, "env": env, "log": log_path, "database": database, "runs": {}}
-        finally:
-            # Airflow first, then the model server: a deploy task still running could start one after the stop
-            try:
-                _stop_group(proc)
-            finally:
-                stop_model_server(env)
+    }
+    with airflow_standalone(tmp_path_factory.mktemp("nightshift-standalone"), ready=[DAG_ID], env=env,
+                            timeout=240, api_class=Api) as running:
+        running.api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
+        # runs: what the browser tests look at, by what happened to them ("success", "refused").
+        yield {"api": running.api, "home": running.home, "env": running.env, "log": running.log,
+               "database": running.database, "runs": {}}
 
 
 def _trigger(api: Api, conf: dict[str, Any]) -> str:
@@ -202,45 +154,6 @@ def test_require_approval_waits_for_a_person_then_deploys(standalone: dict[str, 
     states = api.task_states(run_id)
     assert states["approve"] == "success" and states["deploy"] == "success", states
     assert registered_versions(standalone["home"]) == ["1", "2"]
-
-
-# Headless Chromium against the React UI: Debian's chromium and chromium-driver (`make setup` installs them
-# as root), driven by selenium; nothing is downloaded at run time.
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1920,1080")
-BROWSER_BINARIES = {name: shutil.which(name) for name in ("chromium", "chromedriver")}
-MISSING_BROWSER = [name for name, path in BROWSER_BINARIES.items() if path is None]
-# A marker, not a skip inside a fixture: the module's Airflow would start before a function fixture skips.
-needs_browser = pytest.mark.skipif(
-    bool(MISSING_BROWSER),
-    reason=f"{' and '.join(MISSING_BROWSER)} not found: apt-get install chromium chromium-driver (make setup does, "
-           "as root)")
-
-
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[WebDriver]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(BROWSER_BINARIES["chromium"])
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"):
-        options.add_argument(flag)
-    service = Service(str(BROWSER_BINARIES["chromedriver"]), log_output=str(tmp_path / "chromedriver.log"))
-    driver = webdriver.Chrome(options=options, service=service)  # quit() ends chromium, then chromedriver
-    try:
-        driver.set_page_load_timeout(60)
-        yield driver
-    finally:
-        driver.quit()
-
-
-@pytest.fixture
-def artifacts() -> Path:
-    root = Path(os.environ.get("NIGHTSHIFT_ARTIFACTS") or REPO / ".artifacts")
-    (root / "browser").mkdir(parents=True, exist_ok=True)
-    return root / "browser"
 
 
 def _screenshot_dialog(driver: WebDriver, path: Path) -> None:

@@ -9,7 +9,6 @@ version and where the commit goes (training tag, model version tags)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -20,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.airflow_helpers import REPO
-from tests.integration.test_airflow_standalone import HOST, Api, _free_port, _stop_group
+from tests.integration.airflow_helpers import REPO, Api, airflow_standalone
 
 PROBE = "bundle_probe"
 PROBE_FILE = Path(__file__).parent / "bundle" / "bundle_probe.py"
@@ -149,50 +147,20 @@ def bundle_repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def standalone_on_git(tmp_path_factory: pytest.TempPathFactory,
                       bundle_repo: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    home = tmp_path_factory.mktemp("nightshift-bundle")
-    port = _free_port()
-    env = dict(os.environ)
-    env.update({
-        "NIGHTSHIFT_HOME": str(home),
-        "AIRFLOW_HOME": str(home / "airflow-home"),
-        "AIRFLOW_PORT": str(port),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(_free_port()),
+    env = {
         "AIRFLOW__DAG_PROCESSOR__BUNDLE_REFRESH_CHECK_INTERVAL": "2",
-        "NIGHTSHIFT_MLFLOW_UI_PORT": "none",  # the probe needs no MLflow UI
         "NIGHTSHIFT_RETRAIN_CRON": "none",
         "NIGHTSHIFT_DAG_BUNDLE": "git",
         "NIGHTSHIFT_DAG_BUNDLE_REPO": str(bundle_repo["bare"]),
         "NIGHTSHIFT_DAG_BUNDLE_BRANCH": "main",
         "NIGHTSHIFT_DAG_BUNDLE_REFRESH": "3",
-        # Where scripts/airflow.sh runs Airflow on PostgreSQL: a database of this test's own (dropped after).
-        "NIGHTSHIFT_AIRFLOW_PG_DB": f"nightshift_bundle_{os.getpid()}",
-    })
-    for name in ("MLFLOW_TRACKING_URI", "AIRFLOW__CORE__DAGS_FOLDER", "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST",
-                 "AIRFLOW_CONN_NIGHTSHIFT_GIT", "NIGHTSHIFT_GIT_COMMIT", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"):
-        env.pop(name, None)
-    log_path = home / "standalone.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        api = Api(f"http://{HOST}:{port}")
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"standalone exited {proc.returncode}: {log_path.read_text()[-3000:]}"
-            try:
-                api.login()
-                if api.get(f"/api/v2/dags/{PROBE}").status_code == 200:
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, f"standalone not ready: {log_path.read_text()[-3000:]}"
-            time.sleep(2)
-        api.call("PATCH", f"/dags/{PROBE}", {"is_paused": False})
-        yield {"api": api, "home": home, "log": log_path}
-    finally:
-        _stop_group(proc)
+    }
+    unset = ("AIRFLOW__CORE__DAGS_FOLDER", "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST",
+             "AIRFLOW_CONN_NIGHTSHIFT_GIT", "NIGHTSHIFT_GIT_COMMIT")
+    with airflow_standalone(tmp_path_factory.mktemp("nightshift-bundle"), ready=[PROBE], env=env, unset=unset,
+                            database_prefix="nightshift_bundle") as running:
+        running.api.call("PATCH", f"/dags/{PROBE}", {"is_paused": False})
+        yield {"api": running.api, "home": running.home, "log": running.log}
 
 
 def _wait(what: str, predicate: Any, timeout: float, log: Path) -> Any:

@@ -9,18 +9,14 @@ The `gpu` pool has 8 slots here.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from nightshift.netutil import free_port as _free_port
-from tests.integration.airflow_helpers import REPO, Api, airflow_database
-from tests.integration.airflow_helpers import stop_group as _stop_group
+from tests.integration.airflow_helpers import REPO, Api, airflow_standalone
 
 pytestmark = pytest.mark.integration
 
@@ -36,47 +32,13 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     dags = home / "dags"
     dags.mkdir()
     shutil.copy(REPO / "tests" / "integration" / "dags" / "gpu_pool_slots.py", dags)
-    port = _free_port()
-    env = dict(os.environ)
-    env.update({
-        "NIGHTSHIFT_HOME": str(home),
-        "AIRFLOW_HOME": str(home / "airflow-home"),
-        "AIRFLOW_PORT": str(port),
+    env = {
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(_free_port()),
-        "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "NIGHTSHIFT_GPU_SLOTS": str(POOL_SLOTS),
-        "NIGHTSHIFT_MLFLOW_UI_PORT": str(_free_port()),
-    })
-    for name in ("MLFLOW_TRACKING_URI", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "NIGHTSHIFT_MLFLOW_UI_URL"):
-        env.pop(name, None)
-    log_path = home / "standalone.log"
-    # PostgreSQL (a database of this module's own, dropped after) when it answers, else SQLite.
-    with airflow_database() as database:
-        env.update(database.env)
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            api = Api(f"http://{HOST}:{port}")
-            deadline = time.monotonic() + 240
-            while True:
-                assert proc.poll() is None, f"standalone exited {proc.returncode}: {log_path.read_text()[-3000:]}"
-                try:
-                    api.login()
-                    if all(api.session.get(f"{api.base}/api/v2/dags/{dag}", timeout=30).status_code == 200
-                           for dag in (DAG_ID, SCHEDULED_DAG_ID)):
-                        break
-                except Exception:
-                    pass
-                assert time.monotonic() < deadline, f"standalone not ready: {log_path.read_text()[-3000:]}"
-                time.sleep(2)
-            yield {"api": api, "log": log_path, "database": database}
-        finally:
-            _stop_group(proc)
+    }
+    with airflow_standalone(home, ready=[DAG_ID, SCHEDULED_DAG_ID], env=env, timeout=240) as running:
+        yield {"api": running.api, "log": running.log, "database": running.database}
 
 
 def test_a_triggered_run_takes_the_slots_its_conf_asks_for(standalone: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_train_horovod import TRAIN_ARGS, assert_bitwise_equal, run, weights
+from tests.integration.horovod_helpers import TRAIN_ARGS, assert_bitwise_equal, run, weights
 from tests.unit.operators import fake_kubernetes as fk
 from tests.unit.operators import fake_kueue as fq
 from tests.unit.operators.conftest import horovod_operator, make_context

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from nightshift.netutil import free_port
-from tests.integration.airflow_helpers import REPO, Api, airflow_database, stop_group, stop_model_server
+from tests.integration.airflow_helpers import REPO, Api, airflow_standalone, stop_group
 from tests.integration.redis_helpers import RedisServer, redis_server
 
 pytestmark = pytest.mark.integration
@@ -41,51 +41,26 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[dict[str, Any]]:
-    home = tmp_path_factory.mktemp("nightshift-events")
-    port = free_port()
     stream = f"nightshift.new-data.test-{secrets.token_hex(4)}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NIGHTSHIFT_EVENTS_", "AIRFLOW_CONN_"))}
-    for name in ("MLFLOW_TRACKING_URI", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "NIGHTSHIFT_MLFLOW_UI_URL"):
-        env.pop(name, None)
-    env.update({
-        "NIGHTSHIFT_HOME": str(home),
-        "AIRFLOW_HOME": str(home / "airflow-home"),
-        "AIRFLOW_PORT": str(port),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
-        "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
+    env = {
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "NIGHTSHIFT_MLFLOW_UI_PORT": "none",
-        "NIGHTSHIFT_VENV_BIN": str(BIN),
         # The event alone starts runs: no cron run can be mistaken for the event's.
         "NIGHTSHIFT_RETRAIN_CRON": "none",
         "NIGHTSHIFT_EVENTS_REDIS_URL": redis.url,
         "NIGHTSHIFT_EVENTS_STREAM": stream,
         "NIGHTSHIFT_EVENTS_POLL_S": "0.5",
-    })
-    log_path = home / "standalone.log"
+    }
     extra: list[subprocess.Popen[bytes]] = []  # a triggerer a test started in place of the standalone's
-    with airflow_database("nightshift_events_test") as database:
-        env.update(database.env)
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen([str(REPO / "scripts" / "airflow.sh"), "standalone"], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    with airflow_standalone(tmp_path_factory.mktemp("nightshift-events"), ready=[DAG_ID], env=env,
+                            unset_prefixes=("NIGHTSHIFT_EVENTS_", "AIRFLOW_CONN_"),
+                            database_prefix="nightshift_events_test") as running:
         try:
-            api = Api(f"http://127.0.0.1:{port}")
-            api.wait_ready(DAG_ID, lambda: proc.poll() is None, 300,
-                           lambda: log_path.read_text(errors="replace")[-3000:])
-            api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
-            yield {"api": api, "home": home, "env": env, "log": log_path, "stream": stream, "redis": redis,
-                   "proc": proc, "extra": extra}
+            running.api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
+            yield {"api": running.api, "home": running.home, "env": running.env, "log": running.log,
+                   "stream": stream, "redis": redis, "proc": running.proc, "extra": extra}
         finally:
-            # Airflow first, then the model server: a deploy task still running could start one after the stop
-            try:
-                for started in extra:
-                    stop_group(started)
-                stop_group(proc)
-            finally:
-                stop_model_server(env)
+            for started in extra:
+                stop_group(started)
 
 
 def _unacknowledged(standalone: dict[str, Any]) -> int | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from nightshift.search.report_html import write_report
-from tests.integration.test_airflow_standalone import artifacts, browser, needs_browser
+from tests.integration.browser_helpers import needs_browser
 from tests.unit.nightshift.test_search_report import HOSTILE, SETTINGS, small_study
 
 if TYPE_CHECKING:
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.integration
 
-__all__ = ["artifacts", "browser"]  # the shared fixtures, used here by name
 FIGURES = ("history", "intermediate-complete", "intermediate-pruned", "importances", "parallel")
 
 
