@@ -165,18 +165,14 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
         raise
 
 
-def wait_started(client: Any, names: list[str], procs: list[subprocess.Popen[bytes]], log_dir: Path) -> None:
-    """Until every consumer in `names` has loaded its model and read from the group (XINFO CONSUMERS lists it
-    after its first XREADGROUP): a test about several consumers must not let one of them do all the work
-    while another is still starting (seen under load: a consumer that started after the swap never swapped)."""
-    import redis
-
+def wait_started(names: list[str], procs: list[subprocess.Popen[bytes]], log_dir: Path) -> None:
+    """Until every consumer in `names` has loaded its model (its log says "scoring with"; XINFO CONSUMERS lists a
+    consumer only once it has read an entry): a test about several consumers must not let one of them do all
+    the work while another is still starting (seen under load: a consumer that started after the swap never
+    swapped)."""
     def started() -> bool:
-        try:
-            listed = {c["name"] for c in client.xinfo_consumers("in", "g")}
-        except redis.ResponseError:  # no group yet
-            return False
-        return {name.encode() for name in names} <= {n if isinstance(n, bytes) else n.encode() for n in listed}
+        logs = [log_dir / f"{name}.err" for name in names]
+        return all(log.exists() and "scoring with" in log.read_text(errors="replace") for log in logs)
 
     wait_for(started, 300, f"consumers {names} started", procs, log_dir)
 
@@ -361,7 +357,7 @@ def test_champion_swap_mid_stream_loses_and_repeats_nothing(world: dict[str, Any
     procs = [start_consumer(world, server.url, name, tmp_path / "logs", "--batch-rows", "64",
                             "--champion-poll-s", "3600") for name in ("c1", "c2")]
     try:
-        wait_started(client, ["c1", "c2"], procs, tmp_path / "logs")
+        wait_started(["c1", "c2"], procs, tmp_path / "logs")
         add_inputs(client, frame, ids[: n // 2], chunk=500)
         wait_for(lambda: client.xlen("out") >= n // 4, 240, "v1 predictions", procs, tmp_path / "logs")
         registry.set_alias(MODEL, registry.CHAMPION, world["v2"])
@@ -399,7 +395,7 @@ def test_redis_restart_mid_stream_loses_nothing(world: dict[str, Any], tmp_path:
                                 "--claim-idle-ms", "5000") for name in ("c1", "c2")]
         try:
             client = connect(srv.url)
-            wait_started(client, ["c1", "c2"], procs, tmp_path / "logs")
+            wait_started(["c1", "c2"], procs, tmp_path / "logs")
             add_inputs(client, frame, ids[: n // 2], chunk=500)
             wait_for(lambda: client.xlen("out") >= n // 8, 240, "first predictions", procs, tmp_path / "logs")
             restarted = threading.Event()
@@ -442,7 +438,7 @@ def test_kill9_of_one_of_two_consumers_mid_batch_scores_every_input_once(
     procs = {name: start_consumer(world, server.url, name, logs, "--batch-rows", "256", "--claim-idle-ms", "2000")
              for name in ("c1", "c2")}
     try:
-        wait_started(client, ["c1", "c2"], list(procs.values()), logs)
+        wait_started(["c1", "c2"], list(procs.values()), logs)
         add_inputs(client, frame, ids, chunk=5000)
         wait_for(lambda: client.xlen("out") >= n // 5, 600, "a fifth of the predictions", list(procs.values()), logs)
         # Stopped (SIGSTOP) while it holds a batch, then killed: between seeing the batch pending and the kill
