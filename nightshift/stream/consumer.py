@@ -129,8 +129,6 @@ class StreamConsumer:
     def _room(self) -> int:
         if self.config.stop_after is None:
             return self.config.batch_rows
-        if self.stats.inputs + self._in_flight_inputs >= self.config.stop_after:
-            self._join_write()
         # The write in flight counts: its inputs are not in stats.inputs until it returns
         return max(0, min(self.config.batch_rows,
                           self.config.stop_after - self.stats.inputs - self._in_flight_inputs))
@@ -509,18 +507,17 @@ class StreamConsumer:
             self._commit(good, labels, [])
             return
         self._join_write()
-        self._read_ahead(len(good))
-        self._in_flight_inputs = len(good)
+        self._in_flight_inputs = len(good)  # counted by _room before the write is sent, as after
+        self._read_ahead()
         self._in_flight = self._writer.submit(self._commit_now, good, labels, [], self.scorer.version)
 
-    def _read_ahead(self, writing: int) -> None:
+    def _read_ahead(self) -> None:
         """New entries for the next batch, without blocking, while Redis has nothing else to do; not when the
         next turn would read its own pending entries or claim, or is stopping."""
         if self.stopping or self._recover or self._ahead or \
                 time.monotonic() - self._last_claim >= self.config.claim_interval_s:
             return
-        room = self.config.batch_rows if self.config.stop_after is None else \
-            min(self.config.batch_rows, self.config.stop_after - self.stats.inputs - writing)
+        room = self._room()
         if room <= 0:
             return
         import redis

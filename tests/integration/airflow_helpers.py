@@ -267,8 +267,9 @@ def airflow_standalone(home: Path, *, ready: Iterable[str], env: dict[str, str] 
     from nightshift.netutil import free_port
 
     port = free_port()
-    full = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED and k not in set(unset)
-            and not (unset_prefixes and k.startswith(unset_prefixes))}
+    dropped = {*_NOT_INHERITED, *unset}
+    full = {k: v for k, v in os.environ.items()
+            if k not in dropped and not (unset_prefixes and k.startswith(unset_prefixes))}
     full.update({
         "NIGHTSHIFT_HOME": str(home),
         "AIRFLOW_HOME": str(home / "airflow-home"),

@@ -442,19 +442,9 @@ def test_redis_cluster_is_refused_at_start_not_crash_looped(tmp_path: Path) -> N
         srv.stop()
 
 
-def test_wait_replicas_short_at_shutdown_does_not_claim_written_inputs_are_pending(server: RedisServer) -> None:
-    """--wait-replicas 1 with no replica: the batch is written and acknowledged, WAIT stays short, the write
-    is retried for ever (a hang nothing at start warns about: no replica is connected at all). On SIGTERM the
-    consumer gives up after drain_timeout_s with StreamUnavailable (exit 3, no summary) saying 'the batch's
-    inputs stay pending' although they were written and acknowledged."""
+def _run_in_thread(c: StreamConsumer) -> tuple[Any, dict[str, Any]]:
     import threading
 
-    from nightshift.stream.errors import StreamUnavailable
-
-    client = connect(server.url)
-    add(client, "a")
-    c = StreamConsumer(config(stop_after=1, wait_replicas=1, wait_timeout_ms=50, drain_timeout_s=1), server.url,
-                       scorer_factory=TinyScorer)
     result: dict[str, Any] = {}
 
     def target() -> None:
@@ -465,6 +455,21 @@ def test_wait_replicas_short_at_shutdown_does_not_claim_written_inputs_are_pendi
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
+    return thread, result
+
+
+def test_wait_replicas_short_at_shutdown_does_not_claim_written_inputs_are_pending(server: RedisServer) -> None:
+    """--wait-replicas 1 with no replica: the batch is written and acknowledged, WAIT stays short, the write
+    is retried for ever (a hang nothing at start warns about: no replica is connected at all). On SIGTERM the
+    consumer gives up after drain_timeout_s with StreamUnavailable (exit 3, no summary) saying 'the batch's
+    inputs stay pending' although they were written and acknowledged."""
+    from nightshift.stream.errors import StreamUnavailable
+
+    client = connect(server.url)
+    add(client, "a")
+    c = StreamConsumer(config(stop_after=1, wait_replicas=1, wait_timeout_ms=50, drain_timeout_s=1), server.url,
+                       scorer_factory=TinyScorer)
+    thread, result = _run_in_thread(c)
     deadline = time.monotonic() + 20
     while c.stats.redis_retries["ReplicasBehind"] < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -496,22 +501,6 @@ def _slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
         real(self, *args)
 
     monkeypatch.setattr(StreamConsumer, "_commit_now", slow)
-
-
-def _run_in_thread(c: StreamConsumer) -> tuple[Any, dict[str, Any]]:
-    import threading
-
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result.update(c.run())
-        except BaseException as err:
-            result["error"] = err
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, result
 
 
 def test_stop_after_counts_the_inputs_of_the_write_in_flight(server: RedisServer,
@@ -550,8 +539,8 @@ def test_a_write_retried_for_a_moment_costs_the_batch_read_ahead_no_delivery(ser
     real_read_ahead = StreamConsumer._read_ahead
     fired: list[bool] = []
 
-    def read_ahead(self: StreamConsumer, writing: int) -> None:
-        real_read_ahead(self, writing)
+    def read_ahead(self: StreamConsumer) -> None:
+        real_read_ahead(self)
         if self._ahead and not fired:
             fired.append(True)
             client.config_set("maxmemory", 1)  # noeviction (the default): writes refused with OOM
@@ -587,8 +576,8 @@ def test_a_swap_counts_the_batch_still_being_written_before_it(server: RedisServ
     client = connect(server.url)
     real_read_ahead = StreamConsumer._read_ahead
 
-    def read_ahead(self: StreamConsumer, writing: int) -> None:
-        real_read_ahead(self, writing)
+    def read_ahead(self: StreamConsumer) -> None:
+        real_read_ahead(self)
         if not client.exists(announce.champion_key("m")):
             client.set(announce.champion_key("m"), "2")
             for i in range(8):
