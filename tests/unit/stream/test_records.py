@@ -111,12 +111,20 @@ def test_a_huge_integer_below_the_decoder_limit_is_a_wrong_value_not_a_crash() -
     assert "a is out of range" in rejected.reason and rejected.input_id == "k"
 
 
+def test_a_float_past_range_next_to_an_integer_is_passed_on_as_infinite_not_called_an_integer() -> None:
+    """1e400 is a float (json reads it as inf, for the served model's finiteness check to name); with an
+    integer in the same row it was called "an integer of 3 digits" (the digits of "inf")."""
+    row = parse_entry("3-0", {b"data": b'{"id": 1, "a": -1e400, "b": 1, "c": 2}'}, COLUMNS)
+    assert isinstance(row, InputRow) and row.values == [float("-inf"), 1, 2]
+
+
 # --- issue 21 item 6: the batch parser is parse_entry, faster -------------------------------------------
 
 _ODD_PAYLOADS = [
     b'{"id": 1, "a": 1.5, "b": 2.0, "c": 3.0}', b'{"id": "x", "a": 1, "b": 2, "c": 3}',
     b'{"c": 3.0, "b": 2.0, "a": 1.0, "id": 9}', b'{"id": 1, "a": NaN, "b": 1.0, "c": Infinity}',
-    b'{"id": 1, "a": 1e400, "b": 1.0, "c": 1.0}', b'{"id": 1, "a": ' + b"9" * 400 + b', "b": 1, "c": 2}',
+    b'{"id": 1, "a": 1e400, "b": 1.0, "c": 1.0}', b'{"id": 1, "a": -1e400, "b": 1, "c": 2}',
+    b'{"id": 1, "a": ' + b"9" * 400 + b', "b": 1, "c": 2}',
     b'{"id": 1, "a": ' + b"9" * 30 + b', "b": 1, "c": 2}', b'{"id": ' + b"9" * 30 + b', "a": 1, "b": 1, "c": 2}',
     b'{"id": "\\ud800", "a": 1, "b": 1, "c": 2}', b'{"id": true, "a": 1, "b": 1, "c": 2}',
     b'{"id": "", "a": 1, "b": 1, "c": 2}', b'{"id": "' + b"k" * 513 + b'", "a": 1, "b": 1, "c": 2}',
