@@ -1,6 +1,6 @@
 """Where a test run's CPU goes: samples /proc once a second while a command (e.g. `make test`) runs and charges
-each process's CPU time (user + system, at its last sample) to the test module that started it (the
-PYTEST_CURRENT_TEST it inherited) and to a kind of process (Airflow's scheduler, a trainer, redis-server...).
+each process's CPU time (user + system, at its last sample) to the test and the test module that started it
+(the PYTEST_CURRENT_TEST it inherited) and to a kind of process (Airflow's scheduler, a trainer, redis-server...).
 
     python -m bench.suite_cpu OUT.json -- make test PYTEST_ARGS=...
 
@@ -15,6 +15,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 TICK = os.sysconf("SC_CLK_TCK")
 KINDS = (  # first match of a substring of the command line
@@ -37,10 +38,11 @@ def kind_of(cmdline: str) -> str:
     return cmdline.split(" ", 1)[0].rsplit("/", 1)[-1] or "?"
 
 
-def module_of(environ: bytes) -> str:
+def test_of(environ: bytes) -> str:
+    """The test (module::name[params]) whose PYTEST_CURRENT_TEST a process inherited, without the phase."""
     for entry in environ.split(b"\0"):
         if entry.startswith(b"PYTEST_CURRENT_TEST="):
-            return entry.split(b"=", 1)[1].decode(errors="replace").split("::", 1)[0]
+            return entry.split(b"=", 1)[1].decode(errors="replace").rsplit(" (", 1)[0]
     return "-"
 
 
@@ -57,8 +59,9 @@ def sample(seen: dict[int, dict[str, object]]) -> None:
             key = pid * 10**12 + start  # a reused pid is another process
             if key not in seen:
                 cmd = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                seen[key] = {"cmd": cmd[:300], "kind": kind_of(cmd),
-                             "module": module_of((pid_dir / "environ").read_bytes())}
+                test = test_of((pid_dir / "environ").read_bytes())
+                seen[key] = {"cmd": cmd[:300], "kind": kind_of(cmd), "test": test,
+                             "module": test.split("::", 1)[0]}
             seen[key]["cpu"] = cpu
         except (OSError, ValueError, IndexError):
             continue
@@ -81,7 +84,9 @@ def main(argv: list[str]) -> int:
     by_module: dict[str, float] = defaultdict(float)
     by_kind: dict[str, float] = defaultdict(float)
     by_both: dict[str, float] = defaultdict(float)
+    by_test: dict[str, float] = defaultdict(float)
     for row in rows:
+        by_test[str(row["test"])] += float(row["cpu"])  # type: ignore[arg-type]
         by_module[str(row["module"])] += float(row["cpu"])  # type: ignore[arg-type]
         by_kind[str(row["kind"])] += float(row["cpu"])  # type: ignore[arg-type]
         by_both[f"{row['module']} | {row['kind']}"] += float(row["cpu"])  # type: ignore[arg-type]
@@ -89,8 +94,9 @@ def main(argv: list[str]) -> int:
     def ranked(d: dict[str, float]) -> list[tuple[str, float]]:
         return sorted(((k, round(v, 1)) for k, v in d.items()), key=lambda kv: -kv[1])
 
-    report = {"wall_s": round(wall, 1), "rc": proc.returncode, "cpu_s": round(sum(by_kind.values()), 1),
-              "by_module": ranked(by_module), "by_kind": ranked(by_kind), "by_module_kind": ranked(by_both)[:80]}
+    report: dict[str, Any] = {"wall_s": round(wall, 1), "rc": proc.returncode, "cpu_s": round(sum(by_kind.values()), 1),
+              "by_module": ranked(by_module), "by_kind": ranked(by_kind), "by_module_kind": ranked(by_both)[:80],
+              "by_test": ranked(by_test)[:80]}
     out.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: report[k] for k in ("wall_s", "rc", "cpu_s")}))
     for name, cpu in report["by_kind"][:15]:
