@@ -144,10 +144,9 @@ def parse_entry(entry_id: str, fields: dict[bytes, bytes] | None, columns: tuple
         return Rejected(entry_id, input_id, f"wrong type: {key} is a JSON {_json_type(value)} "
                         f"({_short(value)}); feature values must be JSON numbers", _text(raw))
     if int in types:  # float32 conversion raises OverflowError on an integer past the float range
-        key, value = next(((k, v) for k, v in obj.items() if type(v) is int and abs(v) > _FLOAT_LIMIT),
-                          (None, None))
-        if key is not None:
-            return Rejected(entry_id, input_id, f"{key} is out of range (an integer of {len(str(abs(value)))} "
+        big = next(((k, v) for k, v in obj.items() if type(v) is int and abs(v) > _FLOAT_LIMIT), None)
+        if big is not None:
+            return Rejected(entry_id, input_id, f"{big[0]} is out of range (an integer of {len(str(abs(big[1])))} "
                             f"digits); feature values must be finite numbers", _text(raw))
     values = [obj[c] for c in columns] if len(obj) == len(columns) else None
     return InputRow(entry_id, input_id, obj, values, raw)
