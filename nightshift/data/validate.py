@@ -356,14 +356,15 @@ def validate_frame(
     return bool(validation.success), failures, page
 
 
-def check_data(path: str | Path, data_docs: bool = True) -> ValidationReport:
+def check_data(path: str | Path, data_docs: bool = True, suite_file: str | Path | None = None) -> ValidationReport:
     """Validate a Parquet file or each Parquet file of a directory; report, never raise on failed rules.
 
+    `suite_file`: a suite JSON file (a pipeline's, or one `nightshift suite init` wrote) instead of gx/'s.
     Raises DataError when the input is missing or unreadable.
     """
     files = parquet_files(path)
     frames = [(file, read_table(file)) for file in files]  # read all first: unreadable input fails early
-    suite = load_suite()
+    suite = load_suite_file(suite_file) if suite_file is not None else load_suite()
     context = _context(_new_site_dir())
     reports: list[FileReport] = []
     for file, frame in frames:
