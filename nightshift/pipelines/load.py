@@ -161,8 +161,8 @@ def _schema_problem(error: Any) -> list[str]:
         choices = ", ".join("null" if v is None else str(v) for v in error.validator_value)
         return [f"{where}: {_kind(error.instance)} is not allowed; use one of {choices}"]
     if kind == "pattern":
-        expected = _first_sentence(str(schema_node.get("description", error.validator_value)))
-        return [f"{where}: {error.instance!r} is not valid here; expected {expected}"]
+        expected = str(schema_node.get("description", f"a value matching {error.validator_value}")).rstrip(".")
+        return [f"{where}: {error.instance!r} is not valid here; expected: {expected}"]
     if kind == "oneOf" and path.endswith("data"):
         return [f"{where}: give either directory, or all of train, validation and test (not both)"]
     if kind in {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:

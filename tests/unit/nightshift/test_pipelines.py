@@ -162,6 +162,12 @@ def test_several_problems_are_each_a_line(folder: Path) -> None:
     )
 
 
+def test_a_malformed_name_says_what_is_allowed(folder: Path) -> None:
+    path = declare(folder, dag_id="my dag")
+    assert problems_of(path) == (f"{path}: dag_id: 'my dag' is not valid here; expected: The Airflow DAG id of this "
+                                 f"pipeline; unique across the pipelines folder. Letters, digits, '_', '.' and '-'",)
+
+
 def test_a_primary_metric_must_fit_the_task(folder: Path) -> None:
     path = declare(folder, gate={"primary": "rmse"})
     assert problems_of(path) == (f"{path}: gate.primary: metric 'rmse' does not fit a binary task; use one of "
