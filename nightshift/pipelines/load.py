@@ -171,12 +171,16 @@ def _schema_problem(error: Any) -> list[str]:
     return [f"{where}: {error.message}"]
 
 
-def schema_problems(data: Any) -> list[str]:
-    """Each way `data` breaks the published schema, one line each (without the file), sorted by key path."""
+@cache
+def _validator() -> Any:
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(schema())
-    errors = sorted(validator.iter_errors(data), key=lambda e: (_key_path(e.absolute_path), e.validator))
+    return jsonschema.Draft202012Validator(schema())
+
+
+def schema_problems(data: Any) -> list[str]:
+    """Each way `data` breaks the published schema, one line each (without the file), sorted by key path."""
+    errors = sorted(_validator().iter_errors(data), key=lambda e: (_key_path(e.absolute_path), e.validator))
     typed = {_key_path(e.absolute_path) for e in errors if e.validator == "type"}
     problems: list[str] = []
     for error in errors:
