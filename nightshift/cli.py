@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.search.cli",
     "nightshift.events",
     "nightshift.stream.cli",
+    "nightshift.pipelines.cli",
 )
 # Subcommands that use MLflow: main configures it (nightshift.tracking.configure) before they run. `train`
 # configures it itself, in rank 0 only.

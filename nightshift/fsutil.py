@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write_bytes(path: str | Path, payload: bytes) -> Path:
+def atomic_write_bytes(path: str | Path, payload: bytes, *, overwrite: bool = True) -> Path:
     """Write `payload` to a temporary file beside `path`, fsync it, rename it over `path`, fsync the folder.
 
-    The temporary file is named `.<name>.<random>.tmp` and removed if anything fails.
+    The temporary file is named `.<name>.<random>.tmp` and removed if anything fails. With `overwrite=False`
+    the file is linked into place instead of renamed, so an existing `path` is never replaced (FileExistsError),
+    even one created a moment before.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -23,7 +25,11 @@ def atomic_write_bytes(path: str | Path, payload: bytes) -> Path:
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+            os.unlink(tmp)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -35,9 +41,10 @@ def atomic_write_bytes(path: str | Path, payload: bytes) -> Path:
     return path
 
 
-def atomic_write_json(path: str | Path, payload: Any) -> Path:
+def atomic_write_json(path: str | Path, payload: Any, *, overwrite: bool = True) -> Path:
     """`atomic_write_bytes` of `payload` as indented, key-sorted JSON with a final newline."""
-    return atomic_write_bytes(path, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode())
+    return atomic_write_bytes(path, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode(),
+                              overwrite=overwrite)
 
 
 _SAFE = re.compile(r"[A-Za-z0-9_.=@+-]{1,120}")

@@ -19,6 +19,12 @@ def home() -> Path:
     return Path(os.environ.get("NIGHTSHIFT_HOME", Path.home() / ".nightshift")).expanduser()
 
 
+def gx_dir() -> Path:
+    """The GX file context kept in git: `NIGHTSHIFT_GX_DIR`, else `gx/` next to the `nightshift` package."""
+    override = os.environ.get("NIGHTSHIFT_GX_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[1] / "gx"
+
+
 def data_roots() -> list[Path]:
     """Where a run's `data_source` may lie: NIGHTSHIFT_DATA_ROOTS (paths separated by ':'), else the demo
     data and `data/` under NIGHTSHIFT_HOME."""

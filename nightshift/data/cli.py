@@ -18,6 +18,8 @@ def add_parser(subparsers: Any) -> None:
     validate = subparsers.add_parser("validate", help="check data against the GX suite (exit 1 on failure)")
     validate.add_argument("data", help="a Parquet file or a directory of them")
     validate.add_argument("--no-data-docs", action="store_true", help="skip building the Data Docs pages")
+    validate.add_argument("--suite", metavar="FILE", help="a suite JSON file (e.g. from `nightshift suite init`) "
+                                                          "instead of the project's gx/ suite")
     validate.set_defaults(func=_validate)
 
     stage = subparsers.add_parser("stage", help="validate, version with DVC, materialise in a workspace")
@@ -35,7 +37,7 @@ def _validate(args: argparse.Namespace) -> dict[str, Any]:
     from nightshift.data.validate import check_data, describe_failures
     from nightshift.errors import DataValidationFailed
 
-    report = check_data(args.data, data_docs=not args.no_data_docs)
+    report = check_data(args.data, data_docs=not args.no_data_docs, suite_file=args.suite)
     if not report["success"]:
         emit(report)  # the full report on stdout; the one-line summary goes to stderr
         raise DataValidationFailed(describe_failures(report))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -73,12 +72,7 @@ class ValidationReport(TypedDict):
     files: list[FileReport]
 
 
-def gx_dir() -> Path:
-    """The GX file context kept in git: `NIGHTSHIFT_GX_DIR`, else `gx/` next to the `nightshift` package."""
-    override = os.environ.get("NIGHTSHIFT_GX_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "gx"
-
-
+gx_dir = settings.gx_dir
 data_docs_dir = settings.data_docs_dir
 
 
@@ -90,21 +84,31 @@ def _new_site_dir() -> Path:
 
 
 @lru_cache(maxsize=8)
-def _suite_json(path: str) -> str:
+def _suite_json(path: str, mtime_ns: int, size: int) -> str:
+    # Keyed by the file's mtime and size too: a suite rewritten (`nightshift suite init --force`) is read again.
     return Path(path).read_text()
 
 
 def load_suite(name: str = SUITE) -> gx.ExpectationSuite:
     """The suite `name` from `gx/expectations/` as a GX object (e.g. for the Airflow provider)."""
+    path = gx_dir() / "expectations" / f"{name}.json"
+    if not path.is_file():
+        raise UsageError(f"expectation suite {name!r} not found at {path}; set NIGHTSHIFT_GX_DIR to gx/")
+    return load_suite_file(path)
+
+
+def load_suite_file(path: str | Path) -> gx.ExpectationSuite:
+    """The suite JSON file `path` (a pipeline's suite, or one `nightshift suite init` wrote) as a GX object."""
     quiet_gx_logging()
     import great_expectations as gx
 
     import nightshift.data.expectations  # noqa: F401  (registers the custom expectations the suite uses)
 
-    path = gx_dir() / "expectations" / f"{name}.json"
+    path = Path(path)
     if not path.is_file():
-        raise UsageError(f"expectation suite {name!r} not found at {path}; set NIGHTSHIFT_GX_DIR to gx/")
-    data = json.loads(_suite_json(str(path)))
+        raise UsageError(f"expectation suite file {path} not found")
+    stat = path.stat()
+    data = json.loads(_suite_json(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
     data.pop("id", None)
     for expectation in data["expectations"]:
         expectation.pop("id", None)
@@ -352,14 +356,15 @@ def validate_frame(
     return bool(validation.success), failures, page
 
 
-def check_data(path: str | Path, data_docs: bool = True) -> ValidationReport:
+def check_data(path: str | Path, data_docs: bool = True, suite_file: str | Path | None = None) -> ValidationReport:
     """Validate a Parquet file or each Parquet file of a directory; report, never raise on failed rules.
 
+    `suite_file`: a suite JSON file (a pipeline's, or one `nightshift suite init` wrote) instead of gx/'s.
     Raises DataError when the input is missing or unreadable.
     """
     files = parquet_files(path)
     frames = [(file, read_table(file)) for file in files]  # read all first: unreadable input fails early
-    suite = load_suite()
+    suite = load_suite_file(suite_file) if suite_file is not None else load_suite()
     context = _context(_new_site_dir())
     reports: list[FileReport] = []
     for file, frame in frames:

@@ -26,6 +26,16 @@ def test_a_failed_write_keeps_the_old_file_and_cleans_up(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
+def test_without_overwrite_an_existing_file_is_kept(tmp_path: Path) -> None:
+    target = tmp_path / "suite.json"
+    atomic_write_json(target, {"a": 1}, overwrite=False)
+    assert json.loads(target.read_text()) == {"a": 1}
+    with pytest.raises(FileExistsError):
+        atomic_write_json(target, {"a": 2}, overwrite=False)
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["suite.json"]
+
+
 def test_safe_name_is_injective_and_never_climbs(tmp_path: Path) -> None:
     """Issue 20.16: run ids `a:b`, `a+b`, `a_b` mapped to one workspace, and run id `.` to the DAG's own."""
     from nightshift.fsutil import safe_name

@@ -1,0 +1,79 @@
+"""Subcommands `pipeline check` (declarations against the schema, each other and their data) and `suite init`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    pipeline = subparsers.add_parser("pipeline", help="pipeline declarations (pipelines/*.yaml)")
+    actions = pipeline.add_subparsers(dest="action", required=True)
+    check = actions.add_parser("check", help="check declarations: one line per problem on stderr, exit 1 if any")
+    check.add_argument("paths", nargs="+", metavar="FILE_OR_DIR",
+                       help="a declaration, or a folder whose *.yaml declarations are checked together")
+    check.add_argument("--no-data", action="store_true",
+                       help="skip the checks against the data (label column, suite columns, numeric features)")
+    check.set_defaults(func=_check)
+
+    suite = subparsers.add_parser("suite", help="GX expectation suites")
+    suite_actions = suite.add_subparsers(dest="action", required=True)
+    init = suite_actions.add_parser("init", help="draw a suite from a known-good sample, for review")
+    init.add_argument("data", help="a Parquet file, or a directory of them (e.g. train/validation/test.parquet)")
+    init.add_argument("--label", required=True, help="the label column")
+    init.add_argument("--out", required=True, help="the suite JSON file to write")
+    init.add_argument("--name", help="the suite's name (default: the file name without .json)")
+    init.add_argument("--force", action="store_true", help="replace --out when it exists")
+    init.set_defaults(func=_init)
+
+
+def check_paths(paths: list[str], *, data: bool = True) -> tuple[list[str], list[str]]:
+    """(the dag_ids of the valid declarations, one line per problem) for files and folders of declarations."""
+    from nightshift.errors import UsageError
+    from nightshift.pipelines import PipelineInvalid, check_against_data, load_pipeline, load_pipelines
+
+    good = []
+    problems: list[str] = []
+    for given in paths:
+        path = Path(given)
+        try:
+            if path.is_dir():
+                loaded, errors = load_pipelines(path)
+                good.extend(loaded)
+                problems.extend(line for err in errors for line in err.problems)
+            else:
+                good.append(load_pipeline(path))
+        except PipelineInvalid as err:
+            problems.extend(err.problems)
+        except UsageError as err:
+            problems.append(f"{given}: {err}")
+    valid = []
+    for pipeline in good:
+        found = check_against_data(pipeline) if data else []
+        problems.extend(found)
+        if not found:
+            valid.append(pipeline.dag_id)
+    return valid, problems
+
+
+def _check(args: argparse.Namespace) -> dict[str, Any] | int:
+    valid, problems = check_paths(args.paths, data=not args.no_data)
+    for line in problems:
+        print(line, file=sys.stderr)
+    from nightshift.cli import emit
+
+    emit({"valid": valid, "problems": problems})
+    return 1 if problems else 0
+
+
+def _init(args: argparse.Namespace) -> dict[str, Any]:
+    from nightshift.data.suite_init import init_suite
+
+    written = init_suite(args.data, args.label, args.out, force=args.force, name=args.name)
+    print(f"wrote {written['out']} ({len(written['expectations'])} expectations from {written['rows']} rows); "
+          f"review it before use:", file=sys.stderr)
+    for line in written["expectations"]:
+        print(f"  {line}", file=sys.stderr)
+    return written

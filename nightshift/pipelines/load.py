@@ -1,0 +1,375 @@
+"""Read pipeline declarations: YAML files checked against the published schema, then against what a schema
+cannot say (a metric that fits the task, a suite file that exists inside the declaration's folder and is a
+GX suite, one dag_id and model name per pipeline across a folder).
+
+Every problem is one line, `FILE: KEY.PATH: what is wrong; what to do`. `load_pipelines` reads a whole
+folder and returns the good pipelines with the problems of the others, so one bad file never hides the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nightshift.errors import UsageError
+from nightshift.pipelines.spec import (
+    GX_PREFIX,
+    DataLocation,
+    DatasetSpec,
+    DeploySpec,
+    GateSpec,
+    ModelSpec,
+    Pipeline,
+    TrainingSpec,
+    frozen,
+)
+from nightshift.tasks import metric
+
+SCHEMA_PATH = Path(__file__).with_name("pipeline.schema.json")
+PATTERNS = ("*.yaml", "*.yml")
+# A GX suite name after `gx:`: one file name in gx/expectations, never a path.
+_SUITE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+class PipelineInvalid(UsageError):
+    """A pipeline declaration is not valid; `problems` holds one line per problem, the message the first."""
+
+    def __init__(self, source: str, problems: Iterable[str]) -> None:
+        self.source = source
+        self.problems = tuple(f"{source}: {problem}" for problem in problems)
+        super().__init__(self.problems[0] if self.problems else f"{source}: invalid pipeline declaration")
+
+
+@cache
+def schema() -> dict[str, Any]:
+    """The published JSON Schema of a declaration (nightshift/pipelines/pipeline.schema.json)."""
+    return dict(json.loads(SCHEMA_PATH.read_text()))
+
+
+# ---- YAML --------------------------------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+
+def _unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # an unhashable key: construct_mapping reports it
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} given twice (first on line {seen[key]}); keep one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """The declaration in `text` as a dict; PipelineInvalid naming the line when it is not YAML or not a mapping."""
+    try:
+        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}" if mark is not None else "(top level)"
+        problem = err.problem or err.context or "cannot be parsed"
+        raise PipelineInvalid(source, [f"{where}: invalid YAML: {problem}; fix the syntax"]) from err
+    except yaml.YAMLError as err:
+        raise PipelineInvalid(source, [f"(top level): invalid YAML: {err}; fix the syntax"]) from err
+    if data is None:
+        raise PipelineInvalid(source, ["(top level): the file is empty; declare a pipeline (see the schema "
+                                       f"{SCHEMA_PATH.name})"])
+    if not isinstance(data, dict):
+        raise PipelineInvalid(source, [f"(top level): must be a mapping of keys (dag_id, model_name, ...), got "
+                                       f"{_kind(data)}"])
+    return data
+
+
+# ---- schema ------------------------------------------------------------------------------------------------
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {value!r}".lower()
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"number {value}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__
+
+
+def _key_path(parts: Iterable[Any]) -> str:
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _first_sentence(text: str) -> str:
+    head, _, _ = text.partition(". ")
+    return head.rstrip(".")
+
+
+_TYPE_NAMES = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "true or false",
+               "null": "null", "object": "a mapping", "array": "a list"}
+
+
+def _schema_problem(error: Any) -> list[str]:
+    """One line per problem of one jsonschema error."""
+    path = _key_path(error.absolute_path)
+    where = path or "(top level)"
+    schema_node: dict[str, Any] = error.schema if isinstance(error.schema, dict) else {}
+    kind = error.validator
+    if kind == "additionalProperties" and isinstance(error.instance, Mapping):
+        if not isinstance(error.validator_value, bool):  # a schema for the values (guards): not an unknown key
+            return [f"{where}: {error.message}"]
+        allowed = list(schema_node.get("properties", {}))
+        extra = [key for key in error.instance if key not in allowed]
+        return [f"{_join(path, key)}: unknown key; allowed keys here: {', '.join(allowed)}" for key in extra]
+    if kind == "required":
+        properties = schema_node.get("properties", {})
+        return [f"{_join(path, key)}: missing required key; add it "
+                f"({_first_sentence(properties.get(key, {}).get('description', ''))})"
+                for key in error.validator_value if key not in error.instance]
+    if kind == "type":
+        wanted = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+        names = " or ".join(_TYPE_NAMES.get(str(t), str(t)) for t in wanted)
+        return [f"{where}: must be {names}, got {_kind(error.instance)}"]
+    if kind == "enum":
+        choices = ", ".join("null" if v is None else str(v) for v in error.validator_value)
+        return [f"{where}: {_kind(error.instance)} is not allowed; use one of {choices}"]
+    if kind == "pattern":
+        expected = str(schema_node.get("description", f"a value matching {error.validator_value}")).rstrip(".")
+        return [f"{where}: {error.instance!r} is not valid here; expected: {expected}"]
+    if kind == "oneOf" and path.endswith("data"):
+        return [f"{where}: give either directory, or all of train, validation and test (not both)"]
+    if kind in {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:
+        sign = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}[kind]
+        return [f"{where}: must be {sign} {error.validator_value}, got {error.instance}"]
+    return [f"{where}: {error.message}"]
+
+
+@cache
+def _validator() -> Any:
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(schema())
+
+
+def schema_problems(data: Any) -> list[str]:
+    """Each way `data` breaks the published schema, one line each (without the file), sorted by key path."""
+    errors = sorted(_validator().iter_errors(data), key=lambda e: (_key_path(e.absolute_path), e.validator))
+    typed = {_key_path(e.absolute_path) for e in errors if e.validator == "type"}
+    problems: list[str] = []
+    for error in errors:
+        # A value of the wrong type also fails its enum, pattern and oneOf: its type error says it all.
+        if error.validator != "type" and _key_path(error.absolute_path) in typed:
+            continue
+        for line in _schema_problem(error):
+            if line not in problems:
+                problems.append(line)
+    return problems
+
+
+def _with_defaults(instance: Any, node: Mapping[str, Any]) -> Any:
+    """`instance` with the schema's `default`s filled in for absent keys, recursively (a copy)."""
+    if not isinstance(instance, Mapping):
+        return instance
+    properties = node.get("properties", {})
+    filled = {key: _with_defaults(value, properties.get(key, {})) for key, value in instance.items()}
+    for key, sub in properties.items():
+        if key not in filled and "default" in sub:
+            filled[key] = _with_defaults(json.loads(json.dumps(sub["default"])), sub)
+    return filled
+
+
+# ---- what the schema cannot say ----------------------------------------------------------------------------
+
+def _metric_problems(data: Mapping[str, Any]) -> list[str]:
+    task, gate = data["task"], data["gate"]
+    problems = []
+    for key, name in [("gate.primary", gate["primary"]), *((f"gate.guards.{g}", g) for g in gate["guards"])]:
+        try:
+            metric(task, name)
+        except UsageError as err:
+            problems.append(f"{key}: {err}")
+    for key in ("floor", "min_improvement"):
+        if not math.isfinite(gate[key]):
+            problems.append(f"gate.{key}: must be a finite number, got {gate[key]}")
+    problems.extend(f"gate.guards.{name}: tolerance must be a finite number, got {value}"
+                    for name, value in gate["guards"].items() if not math.isfinite(value))
+    return problems
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
+
+
+def resolve_suite(suite: str, base_dir: Path) -> Path:
+    """The suite file `suite` names: 'gx:NAME' in the project's GX folder, else a path inside `base_dir`.
+
+    UsageError (without the key, which the caller adds) when it names no file, leaves `base_dir` (through
+    '..', an absolute path or a symbolic link), or is not a GX suite.
+    """
+    from nightshift.settings import gx_dir
+
+    if suite.startswith(GX_PREFIX):
+        name = suite.removeprefix(GX_PREFIX)
+        if not name or not set(name) <= _SUITE_NAME_CHARS or name.startswith("."):
+            raise UsageError(f"{suite!r} is not a GX suite name; write gx:NAME for gx/expectations/NAME.json "
+                             f"(letters, digits, '_', '.', '-')")
+        folder = gx_dir() / "expectations"
+        path = folder / f"{name}.json"
+        if not path.is_file():
+            raise UsageError(f"GX suite {name!r} not found at {path}; create it (nightshift suite init) or set "
+                             f"NIGHTSHIFT_GX_DIR to the project's gx/ folder")
+    else:
+        folder = base_dir
+        given = Path(suite).expanduser()
+        path = given if given.is_absolute() else base_dir / given
+        if ".." in given.parts or not _inside(path, base_dir):
+            raise UsageError(f"{suite!r} leaves the declaration's folder {base_dir}; keep suites inside it "
+                             f"(e.g. suites/NAME.json) or name a suite of the project's gx/ folder as gx:NAME")
+        if not path.is_file():
+            raise UsageError(f"{suite!r}: no such file {path}; write one with `nightshift suite init DATA "
+                             f"--label COL --out {suite}` or fix the path")
+    _check_suite_file(path)
+    return path.resolve()
+
+
+def _check_suite_file(path: Path) -> None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{path} is not a GX expectation suite: not readable JSON ({err})") from err
+    expectations = data.get("expectations") if isinstance(data, dict) else None
+    if (not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(expectations, list)
+            or not all(isinstance(e, dict) and isinstance(e.get("type"), str) and isinstance(e.get("kwargs"), dict)
+                       for e in expectations)):
+        raise UsageError(f"{path} is not a GX expectation suite: expected a JSON object with a 'name' and a "
+                         f"list of 'expectations', each with a 'type' and 'kwargs' (see gx/expectations/*.json "
+                         f"or write one with `nightshift suite init`)")
+
+
+def _data_problems(data: Mapping[str, Any]) -> list[str]:
+    return [f"dataset.data.{key}: {value!r} climbs out with '..'; give a path under NIGHTSHIFT_HOME or an "
+            f"absolute path under the data roots"
+            for key, value in data["dataset"]["data"].items() if ".." in Path(value).parts]
+
+
+def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None = None,
+                       source: str | Path | None = None) -> Pipeline:
+    """See Pipeline.from_dict."""
+    label = str(source) if source is not None else "<pipeline>"
+    folder = Path(base_dir) if base_dir is not None else (Path(source).parent if source is not None else Path.cwd())
+    problems = schema_problems(data)
+    if problems:
+        raise PipelineInvalid(label, problems)
+    filled = _with_defaults(data, schema())
+    problems = _metric_problems(filled) + _data_problems(filled)
+    suite_path = None
+    try:
+        suite_path = resolve_suite(filled["suite"], folder)
+    except UsageError as err:
+        problems.append(f"suite: {err}")
+    if problems or suite_path is None:
+        raise PipelineInvalid(label, problems)
+    dataset, gate, training, deploy = filled["dataset"], filled["gate"], filled["training"], filled["deploy"]
+    return Pipeline(
+        dag_id=filled["dag_id"],
+        model_name=filled["model_name"],
+        task=filled["task"],
+        description=filled["description"],
+        schedule=filled["schedule"],
+        dataset=DatasetSpec(
+            loader=dataset["loader"], label=dataset["label"], data=DataLocation(**dataset["data"]),
+            asset=dataset["asset"] or filled["dag_id"],
+            features=tuple(dataset["features"]) if dataset["features"] is not None else None,
+            options=frozen(dataset["options"])),
+        model=ModelSpec(name=filled["model"]["name"], kwargs=frozen(filled["model"]["kwargs"])),
+        gate=GateSpec(primary=gate["primary"], floor=float(gate["floor"]),
+                      min_improvement=float(gate["min_improvement"]),
+                      guards=frozen({k: float(v) for k, v in gate["guards"].items()})),
+        suite=filled["suite"],
+        suite_path=suite_path,
+        training=TrainingSpec(**training),
+        deploy=DeploySpec(target=deploy["target"], require_approval=deploy["require_approval"],
+                          options=frozen(deploy["options"])),
+        source=Path(source) if source is not None else None,
+    )
+
+
+# ---- files and folders -------------------------------------------------------------------------------------
+
+def load_pipeline(path: str | Path) -> Pipeline:
+    """The pipeline declared in the YAML file `path`; PipelineInvalid (a UsageError) naming the file, the key
+    and what to do when it is not valid."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise PipelineInvalid(str(path), [f"(top level): cannot be read ({err}); pass a readable YAML file"]) \
+            from err
+    return pipeline_from_dict(parse_yaml(text, str(path)), source=path)
+
+
+def declaration_files(folder: str | Path) -> list[Path]:
+    """The declarations of a pipelines folder: its *.yaml and *.yml files (not hidden ones), sorted."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"pipelines folder {folder} does not exist or is not a directory")
+    files = {p for pattern in PATTERNS for p in folder.glob(pattern) if not p.name.startswith(".")}
+    return sorted(files)
+
+
+def load_pipelines(folder: str | Path) -> tuple[list[Pipeline], list[PipelineInvalid]]:
+    """Every declaration of `folder`: (the valid pipelines, one PipelineInvalid per file that is not).
+
+    Two files that declare the same dag_id or model_name are both refused, each naming the other: which one
+    was meant is not for the loader to guess.
+    """
+    good: list[Pipeline] = []
+    bad: dict[Path, list[str]] = {}
+    errors: dict[Path, PipelineInvalid] = {}
+    for file in declaration_files(folder):
+        try:
+            good.append(load_pipeline(file))
+        except PipelineInvalid as err:
+            errors[file] = err
+    for key in ("dag_id", "model_name"):
+        owners: dict[str, list[Pipeline]] = {}
+        for pipeline in good:
+            owners.setdefault(getattr(pipeline, key), []).append(pipeline)
+        for value, same in owners.items():
+            if len(same) < 2:
+                continue
+            for pipeline in same:
+                others = ", ".join(str(p.source) for p in same if p is not pipeline)
+                bad.setdefault(Path(str(pipeline.source)), []).append(
+                    f"{key}: {value!r} is also the {key} of {others}; give each pipeline its own {key}")
+    for file, problems in bad.items():
+        errors[file] = PipelineInvalid(str(file), problems)
+    good = [p for p in good if Path(str(p.source)) not in bad]
+    return good, [errors[file] for file in sorted(errors)]

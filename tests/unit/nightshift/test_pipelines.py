@@ -1,0 +1,503 @@
+"""Pipeline declarations (issue 22): the schema, the one-line problems, folders, the data checks, the CLI,
+and pipelines/digits.yaml against what nightly_retrain does today."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import yaml
+
+from nightshift import tasks
+from nightshift.cli import COMMAND_MODULES, _Parser
+from nightshift.errors import UsageError
+from nightshift.pipelines import (
+    SCHEMA_PATH,
+    Pipeline,
+    PipelineInvalid,
+    check_against_data,
+    load_pipeline,
+    load_pipelines,
+    schema,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+SUITE = {"name": "cancer", "meta": {}, "notes": None, "expectations": [
+    {"type": "expect_column_values_to_not_be_null", "kwargs": {"column": "mean_radius"}, "meta": {"rule": "r"}},
+    {"type": "expect_table_columns_to_match_set", "kwargs": {"column_set": ["mean_radius", "diagnosis"]}},
+]}
+DECLARATION: dict[str, Any] = {
+    "dag_id": "cancer_retrain",
+    "model_name": "cancer",
+    "task": "binary",
+    "schedule": "0 3 * * *",
+    "dataset": {"loader": "tabular", "label": "diagnosis", "data": {"directory": "data/cancer"}},
+    "model": {"name": "mlp", "kwargs": {"hidden": 16}},
+    "gate": {"primary": "roc_auc", "min_improvement": 0.002, "floor": 0.9, "guards": {"log_loss": 0.05}},
+    "suite": "suites/cancer.json",
+}
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """A pipelines folder holding a suite at suites/cancer.json."""
+    root = tmp_path / "pipelines"
+    (root / "suites").mkdir(parents=True)
+    (root / "suites" / "cancer.json").write_text(json.dumps(SUITE))
+    return root
+
+
+def declare(folder: Path, name: str = "cancer.yaml", **changes: Any) -> Path:
+    """Write DECLARATION with `changes` (key=None removes the key; a dict value is merged one level)."""
+    data = copy.deepcopy(DECLARATION)
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        elif isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    path = folder / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def problems_of(path: Path) -> tuple[str, ...]:
+    with pytest.raises(PipelineInvalid) as caught:
+        load_pipeline(path)
+    assert isinstance(caught.value, UsageError)
+    assert "\n" not in str(caught.value) and str(caught.value) == caught.value.problems[0]
+    assert all("\n" not in line and line.startswith(f"{path}: ") for line in caught.value.problems)
+    return caught.value.problems
+
+
+# ---- a good declaration --------------------------------------------------------------------------------------
+
+def test_a_declaration_loads_with_its_defaults_and_round_trips(folder: Path) -> None:
+    path = declare(folder)
+    pipeline = load_pipeline(path)
+    assert (pipeline.dag_id, pipeline.model_name, pipeline.task) == ("cancer_retrain", "cancer", "binary")
+    assert pipeline.suite_path == (folder / "suites" / "cancer.json").resolve()
+    assert pipeline.source == path
+    assert pipeline.primary_metric == tasks.metric("binary", "roc_auc")
+    assert pipeline.gate.config() == {"primary": "roc_auc", "min_improvement": 0.002, "floor": 0.9,
+                                      "guards": {"log_loss": 0.05}}
+    # defaults from the schema
+    assert pipeline.training.epochs == 5 and pipeline.training.workers == 2 and pipeline.training.backend is None
+    assert (pipeline.deploy.target, pipeline.deploy.require_approval) == ("local", False)
+    assert pipeline.dataset.asset == "cancer_retrain"
+    assert pipeline.dataset_asset_uri == "nightshift://datasets/cancer_retrain"
+    assert pipeline.champion_asset_uri == "nightshift://models/cancer/champion"
+    assert pipeline.dataset.loader_options() == {"label": "diagnosis"}
+    # to_dict: schema-valid, JSON, and the same pipeline back
+    as_dict = pipeline.to_dict()
+    import jsonschema
+
+    jsonschema.validate(as_dict, schema())
+    assert json.loads(pipeline.to_json()) == as_dict
+    assert Pipeline.from_dict(as_dict, source=path) == pipeline
+
+
+def test_a_pipeline_is_read_only(folder: Path) -> None:
+    pipeline = load_pipeline(declare(folder))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pipeline.dag_id = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        pipeline.model.kwargs["hidden"] = 1  # type: ignore[index]
+    with pytest.raises(TypeError):
+        pipeline.gate.guards["f1"] = 0.1  # type: ignore[index]
+
+
+def test_data_paths_are_taken_from_nightshift_home(folder: Path, nightshift_home: Path) -> None:
+    pipeline = load_pipeline(declare(folder))
+    assert pipeline.dataset.data.paths()["test"] == nightshift_home / "data/cancer/test.parquet"
+    split = load_pipeline(declare(folder, dataset={"data": {"train": "/srv/a.parquet", "validation": "v.parquet",
+                                                            "test": "t.parquet"}}))
+    assert split.dataset.data.paths() == {"train": Path("/srv/a.parquet"), "validation": nightshift_home / "v.parquet",
+                                          "test": nightshift_home / "t.parquet"}
+
+
+# ---- one line per problem ----------------------------------------------------------------------------------------
+
+def test_unknown_keys_are_named_with_the_allowed_ones(folder: Path) -> None:
+    path = declare(folder, colour="red", gate={"primry": "accuracy"})
+    problems = problems_of(path)
+    assert f"{path}: colour: unknown key; allowed keys here: dag_id, description, model_name, " in problems[0]
+    assert f"{path}: gate.primry: unknown key; allowed keys here: primary, min_improvement, floor, guards" \
+        in problems
+
+
+def test_deploy_options_are_those_of_the_target(folder: Path) -> None:
+    problems = problems_of(declare(folder, deploy={"target": "local", "options": {"namespace": "ml"}}))
+    assert problems == (f"{folder / 'cancer.yaml'}: deploy.options.namespace: unknown key; allowed keys here: "
+                        f"canary_rows, tolerance, startup_timeout",)
+    pipeline = load_pipeline(declare(folder, deploy={"target": "kserve", "options": {"namespace": "ml"}}))
+    assert dict(pipeline.deploy.options) == {"namespace": "ml"}
+
+
+def test_a_wrong_type_names_the_key_and_the_type_wanted(folder: Path) -> None:
+    path = declare(folder, training={"epochs": "five"})
+    assert problems_of(path) == (f"{path}: training.epochs: must be an integer, got string 'five'",)
+
+
+def test_a_missing_required_key_is_named(folder: Path) -> None:
+    path = declare(folder, model_name=None)
+    (line,) = problems_of(path)
+    assert line.startswith(f"{path}: model_name: missing required key; add it (The MLflow registered model name")
+
+
+def test_several_problems_are_each_a_line(folder: Path) -> None:
+    path = declare(folder, model_name=None, training={"workers": 0})
+    assert problems_of(path) == (
+        f"{path}: model_name: missing required key; add it (The MLflow registered model name the pipeline "
+        f"registers versions under and moves @challenger and @champion on; unique across the pipelines folder)",
+        f"{path}: training.workers: must be >= 1, got 0",
+    )
+
+
+def test_a_malformed_name_says_what_is_allowed(folder: Path) -> None:
+    path = declare(folder, dag_id="my dag")
+    assert problems_of(path) == (f"{path}: dag_id: 'my dag' is not valid here; expected: The Airflow DAG id of this "
+                                 f"pipeline; unique across the pipelines folder. Letters, digits, '_', '.' and '-'",)
+
+
+def test_a_primary_metric_must_fit_the_task(folder: Path) -> None:
+    path = declare(folder, gate={"primary": "rmse"})
+    assert problems_of(path) == (f"{path}: gate.primary: metric 'rmse' does not fit a binary task; use one of "
+                                 f"accuracy, log_loss, roc_auc, f1",)
+
+
+def test_a_guard_metric_must_fit_the_task(folder: Path) -> None:
+    path = declare(folder, task="regression", gate={"primary": "rmse", "guards": {"mae": 0.1, "macro_f1": 0.01}})
+    assert problems_of(path) == (f"{path}: gate.guards.macro_f1: metric 'macro_f1' does not fit a regression task; "
+                                 f"use one of rmse, mae, r2",)
+
+
+def test_an_unknown_task_is_refused(folder: Path) -> None:
+    path = declare(folder, task="ranking")
+    assert problems_of(path) == (f"{path}: task: string 'ranking' is not allowed; use one of binary, multiclass, "
+                                 f"regression",)
+
+
+def test_data_is_a_directory_or_three_splits(folder: Path) -> None:
+    path = declare(folder, dataset={"data": {"directory": "d", "train": "t.parquet"}})
+    assert problems_of(path) == (f"{path}: dataset.data: give either directory, or all of train, validation and "
+                                 f"test (not both)",)
+    path = declare(folder, dataset={"data": {"directory": "../../etc"}})
+    assert problems_of(path)[0].startswith(f"{path}: dataset.data.directory: '../../etc' climbs out with '..'")
+
+
+def test_a_missing_suite_says_how_to_write_one(folder: Path) -> None:
+    path = declare(folder, suite="suites/other.json")
+    (line,) = problems_of(path)
+    assert line.startswith(f"{path}: suite: 'suites/other.json': no such file ")
+    assert "nightshift suite init DATA --label COL --out suites/other.json" in line
+
+
+@pytest.mark.parametrize("suite", ["../outside.json", "suites/../../outside.json", "ABSOLUTE", "suites/link.json"])
+def test_a_suite_may_not_leave_the_declarations_folder(folder: Path, suite: str) -> None:
+    outside = folder.parent / "outside.json"
+    outside.write_text(json.dumps(SUITE))
+    (folder / "suites" / "link.json").symlink_to(outside)
+    path = declare(folder, suite=str(outside) if suite == "ABSOLUTE" else suite)
+    (line,) = problems_of(path)
+    assert line.startswith(f"{path}: suite: ") and "leaves the declaration's folder" in line
+
+
+def test_an_absolute_suite_inside_the_folder_is_allowed(folder: Path) -> None:
+    pipeline = load_pipeline(declare(folder, suite=str(folder / "suites" / "cancer.json")))
+    assert pipeline.suite_path == (folder / "suites" / "cancer.json").resolve()
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    ("{not json", "not readable JSON"),
+    (json.dumps({"name": "x", "expectations": [{"kwargs": {}}]}), "each with a 'type' and 'kwargs'"),
+    (json.dumps([1, 2]), "expected a JSON object"),
+])
+def test_a_suite_must_be_a_gx_suite(folder: Path, content: str, reason: str) -> None:
+    (folder / "suites" / "bad.json").write_text(content)
+    path = declare(folder, suite="suites/bad.json")
+    (line,) = problems_of(path)
+    assert line.startswith(f"{path}: suite: ") and "is not a GX expectation suite" in line and reason in line
+
+
+def test_gx_suites_are_named_in_the_projects_gx_folder(folder: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    gx = tmp_path / "gx"
+    (gx / "expectations").mkdir(parents=True)
+    (gx / "expectations" / "cancer.json").write_text(json.dumps(SUITE))
+    monkeypatch.setenv("NIGHTSHIFT_GX_DIR", str(gx))
+    assert load_pipeline(declare(folder, suite="gx:cancer")).suite_path == (gx / "expectations/cancer.json").resolve()
+    for bad in ("gx:../cancer", "gx:sub/cancer", "gx:"):
+        (line,) = problems_of(declare(folder, suite=bad))
+        assert "is not a GX suite name" in line
+    (line,) = problems_of(declare(folder, suite="gx:missing"))
+    assert "GX suite 'missing' not found" in line
+
+
+def test_invalid_yaml_names_the_line(folder: Path) -> None:
+    path = folder / "broken.yaml"
+    path.write_text("dag_id: a\nmodel_name: b\ngate: {primary: accuracy\ntask: binary\n")
+    (line,) = problems_of(path)
+    assert line.startswith(f"{path}: line 4: invalid YAML: ") and line.endswith("; fix the syntax")
+
+
+def test_a_key_given_twice_in_yaml_is_refused(folder: Path) -> None:
+    path = folder / "twice.yaml"
+    path.write_text(yaml.safe_dump(DECLARATION, sort_keys=False) + "task: multiclass\n")
+    (line,) = problems_of(path)
+    assert line == f"{path}: line {len(path.read_text().splitlines())}: invalid YAML: key 'task' given twice " \
+                   f"(first on line 3); keep one; fix the syntax"
+
+
+@pytest.mark.parametrize(("text", "expected"), [("", "the file is empty"), ("- a\n- b\n", "must be a mapping")])
+def test_a_declaration_must_be_a_mapping(folder: Path, text: str, expected: str) -> None:
+    path = folder / "odd.yaml"
+    path.write_text(text)
+    (line,) = problems_of(path)
+    assert line.startswith(f"{path}: (top level): {expected}")
+
+
+# ---- a folder ------------------------------------------------------------------------------------------------
+
+def test_a_bad_file_never_hides_the_others(folder: Path) -> None:
+    good = declare(folder, "a.yaml")
+    bad = declare(folder, "b.yml", dag_id="other", model_name="other", gate={"primary": "rmse"})
+    (folder / ".hidden.yaml").write_text("not: [valid")
+    (folder / "notes.txt").write_text("ignored")
+    pipelines, errors = load_pipelines(folder)
+    assert [p.source for p in pipelines] == [good]
+    assert [e.source for e in errors] == [str(bad)]
+    assert errors[0].problems[0].startswith(f"{bad}: gate.primary: metric 'rmse'")
+
+
+@pytest.mark.parametrize("key", ["dag_id", "model_name"])
+def test_a_dag_id_or_model_name_declared_twice_refuses_both_files(folder: Path, key: str) -> None:
+    first = declare(folder, "a.yaml", **{"dag_id": "a", "model_name": "a", key: "same"})
+    second = declare(folder, "b.yaml", **{"dag_id": "b", "model_name": "b", key: "same"})
+    third = declare(folder, "c.yaml", dag_id="c", model_name="c")
+    pipelines, errors = load_pipelines(folder)
+    assert [p.source for p in pipelines] == [third]
+    assert [e.problems for e in errors] == [
+        (f"{first}: {key}: 'same' is also the {key} of {second}; give each pipeline its own {key}",),
+        (f"{second}: {key}: 'same' is also the {key} of {first}; give each pipeline its own {key}",),
+    ]
+
+
+def test_a_missing_folder_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="does not exist"):
+        load_pipelines(tmp_path / "nope")
+
+
+# ---- against the data --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cancer_data(nightshift_home: Path) -> Path:
+    directory = nightshift_home / "data" / "cancer"
+    directory.mkdir(parents=True)
+    frame = pd.DataFrame({"mean_radius": [1.0, 2.0, 3.0], "diagnosis": [0, 1, 0]})
+    for split in ("train", "validation", "test"):
+        frame.to_parquet(directory / f"{split}.parquet", index=False)
+    return directory
+
+
+def test_a_pipeline_that_fits_its_data_has_no_problems(folder: Path, cancer_data: Path) -> None:
+    assert check_against_data(load_pipeline(declare(folder))) == []
+
+
+def test_the_label_must_be_a_column_of_the_train_split(folder: Path, cancer_data: Path) -> None:
+    path = declare(folder, dataset={"label": "target"})
+    problems = check_against_data(load_pipeline(path))
+    assert problems == [f"{path}: dataset.label: column 'target' is not in {cancer_data / 'train.parquet'} "
+                        f"(columns: mean_radius, diagnosis); set dataset.label to the column holding the target"]
+
+
+def test_a_suite_for_other_columns_is_named(folder: Path, cancer_data: Path) -> None:
+    suite = {**SUITE, "expectations": [*SUITE["expectations"], {"type": "expect_column_values_to_be_in_set",
+                                                                "kwargs": {"column": "pixel_3", "value_set": [1]}}]}
+    (folder / "suites" / "cancer.json").write_text(json.dumps(suite))
+    path = declare(folder)
+    (line,) = check_against_data(load_pipeline(path))
+    assert line.startswith(f"{path}: suite: expect_column_values_to_be_in_set names columns pixel_3 that ")
+    assert "a suite for other columns?" in line
+
+
+def test_tabular_features_must_be_numeric(folder: Path, cancer_data: Path) -> None:
+    frame = pd.DataFrame({"mean_radius": [1.0, 2.0], "site": ["a", "b"], "diagnosis": [0, 1]})
+    frame.to_parquet(cancer_data / "train.parquet", index=False)
+    path = declare(folder)
+    (line,) = check_against_data(load_pipeline(path))
+    assert line.startswith(f"{path}: dataset.features: column 'site' of ") and "not numeric" in line
+    # the same columns through a registered loader of its own: its business, not the tabular rule's
+    assert check_against_data(load_pipeline(declare(folder, dataset={"loader": "digits"}))) == []
+
+
+def test_data_outside_the_data_roots_is_refused(folder: Path, tmp_path: Path) -> None:
+    path = declare(folder, dataset={"data": {"directory": str(tmp_path / "elsewhere")}})
+    (line,) = check_against_data(load_pipeline(path))
+    assert line.startswith(f"{path}: dataset.data: ") and "outside the allowed data roots" in line
+
+
+def test_missing_data_is_a_problem_not_a_crash(folder: Path, nightshift_home: Path) -> None:
+    path = declare(folder)
+    (line,) = check_against_data(load_pipeline(path))
+    assert line.startswith(f"{path}: dataset.data: the train split ") and "does not exist" in line
+
+
+# ---- the CLI -------------------------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    """`nightshift ARGV` with only this module's subcommands (the full parser imports torch)."""
+    from nightshift.pipelines import cli
+
+    assert cli.__name__ in COMMAND_MODULES
+    parser = _Parser(prog="nightshift")
+    cli.add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_cli_check_prints_one_line_per_problem_and_fails(folder: Path, cancer_data: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    declare(folder, "a.yaml")
+    assert main(["pipeline", "check", str(folder)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"valid": ["cancer_retrain"], "problems": []}
+
+    bad = declare(folder, "b.yaml", dag_id="b", model_name="b", gate={"primary": "r2"}, colour="red")
+    assert main(["pipeline", "check", str(folder / "a.yaml"), str(bad), str(folder / "none.yaml")]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0] == f"{bad}: colour: unknown key; allowed keys here: dag_id, description, model_name, task, " \
+                       f"schedule, dataset, model, gate, suite, training, deploy"
+    assert len(lines) == 2 and lines[1].startswith(f"{folder / 'none.yaml'}: (top level): cannot be read")
+    assert json.loads(captured.out)["valid"] == ["cancer_retrain"]
+
+
+def test_cli_check_can_skip_the_data(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = declare(folder)
+    assert main(["pipeline", "check", str(path)]) == 1  # no data yet
+    assert main(["pipeline", "check", "--no-data", str(path)]) == 0
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+# ---- the schema stays in step with the code ------------------------------------------------------------------
+
+def test_the_schema_lists_what_the_code_knows() -> None:
+    from nightshift.deploy import TARGETS
+
+    # operators.horovod_config's BACKENDS, read from its source (importing it imports Airflow)
+    horovod_config = _assignments(REPO / "operators" / "horovod_config.py")
+    backends = ast.literal_eval(horovod_config["BACKENDS"])
+    properties = schema()["properties"]
+    assert tuple(properties["task"]["enum"]) == tasks.TASKS
+    assert set(properties["training"]["properties"]["backend"]["enum"]) == {*backends, None}
+    assert tuple(properties["deploy"]["properties"]["target"]["enum"]) == TARGETS
+    primary = properties["gate"]["properties"]["primary"]["description"]
+    for task in tasks.TASKS:
+        assert f"{task}: {', '.join(tasks.metric_names(task))}" in primary
+
+
+def test_every_key_is_described() -> None:
+    def walk(node: dict[str, Any], where: str) -> None:
+        for key, sub in node.get("properties", {}).items():
+            assert sub.get("description"), f"{where}{key} has no description"
+            walk(sub, f"{where}{key}.")
+
+    walk(schema(), "")
+
+
+def test_the_schema_ships_in_the_wheel() -> None:
+    assert SCHEMA_PATH.is_file() and SCHEMA_PATH.parent == REPO / "nightshift" / "pipelines"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "pipeline.schema.json" in project["tool"]["setuptools"]["package-data"]["nightshift.pipelines"]
+    assert any(d.startswith("jsonschema") for d in project["project"]["dependencies"])
+
+
+# ---- pipelines/digits.yaml is today's nightly_retrain ---------------------------------------------------------
+
+def _assignments(path: Path) -> dict[str, ast.expr]:
+    """The module-level `NAME = value` expressions of a Python file."""
+    tree = ast.parse(path.read_text())
+    found: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            found[node.targets[0].id] = node.value
+    return found
+
+
+def _env_default(node: ast.expr, variable: str) -> Any:
+    """The default of the `os.environ.get(variable, default)` call inside `node`."""
+    for call in ast.walk(node):
+        if (isinstance(call, ast.Call) and ast.unparse(call.func) == "os.environ.get"
+                and ast.literal_eval(call.args[0]) == variable):
+            return ast.literal_eval(call.args[1]) if len(call.args) > 1 else None
+    raise AssertionError(f"no os.environ.get({variable!r}) in {ast.unparse(node)}")
+
+
+def test_digits_yaml_declares_todays_nightly_retrain() -> None:
+    pipeline = load_pipeline(REPO / "pipelines" / "digits.yaml")
+    dag = _assignments(REPO / "dags" / "nightly_retrain.py")
+    steps = {k: ast.literal_eval(v) for k, v in _assignments(REPO / "dags" / "nightly_tasks" / "steps.py").items()
+             if k in {"MODEL_NAME", "EXPERIMENT", "DEMO_DATASET"}}
+    params = {ast.literal_eval(k): v for k, v in zip(dag["PARAMS"].keys, dag["PARAMS"].values, strict=True)}  # type: ignore[attr-defined]
+
+    def param(name: str) -> Any:
+        return ast.literal_eval(params[name].args[0])  # type: ignore[attr-defined]
+
+    assert pipeline.dag_id == ast.literal_eval(dag["DAG_ID"]) == steps["EXPERIMENT"]
+    assert pipeline.schedule == _env_default(dag["_CRON"], "NIGHTSHIFT_RETRAIN_CRON")
+    assert pipeline.model_name == steps["MODEL_NAME"]
+    assert pipeline.dataset_asset_uri == ast.literal_eval(dag["DATASET_ASSET"].args[0])  # type: ignore[attr-defined]
+    assert ast.unparse(dag["CHAMPION_ASSET"]).startswith("Asset(f'nightshift://models/{steps.MODEL_NAME}/champion'")
+    assert pipeline.champion_asset_uri == f"nightshift://models/{steps['MODEL_NAME']}/champion"
+    assert pipeline.dataset.data.directory == steps["DEMO_DATASET"]
+    assert (pipeline.training.epochs, pipeline.training.workers, pipeline.training.gpus_per_worker) == (
+        param("epochs"), param("workers"), param("gpus_per_worker"))
+    # backend and queue: null in the declaration, the deployment's environment in the DAG
+    assert pipeline.training.backend is None and _env_default(params["backend"], "NIGHTSHIFT_BACKEND") == "local"
+    assert pipeline.training.queue is None and _env_default(params["queue"], "NIGHTSHIFT_KUEUE_QUEUE") is None
+    assert (pipeline.deploy.target, pipeline.deploy.require_approval) == (param("deploy_target"),
+                                                                         param("require_approval"))
+    assert pipeline.gate.min_improvement == param("min_improvement")
+    # the trainer's defaults the DAG leaves in place
+    from nightshift.train.config import TrainConfig
+
+    assert (pipeline.dataset.loader, pipeline.model.name) == (TrainConfig.dataset, TrainConfig.model)
+    assert dict(pipeline.model.kwargs) == {}
+    # the gate: nightshift.evaluate.GateConfig's defaults (read from its source: importing it loads MLflow)
+    gate = next(node for node in ast.parse((REPO / "nightshift" / "evaluate.py").read_text()).body
+                if isinstance(node, ast.ClassDef) and node.name == "GateConfig")
+    defaults: dict[str, Any] = {}
+    for item in gate.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None:
+            value = item.value
+            if isinstance(value, ast.Call):  # field(default_factory=lambda: {...})
+                value = value.keywords[0].value.body  # type: ignore[attr-defined]
+            defaults[item.target.id] = ast.literal_eval(value)
+    assert pipeline.gate.config() == defaults
+    assert pipeline.task == tasks.MULTICLASS and pipeline.dataset.label == "label"
+    # the suite: the one validate_data loads (nightshift.data.validate.SUITE in gx/)
+    validate = _assignments(REPO / "nightshift" / "data" / "validate.py")
+    assert pipeline.suite == f"gx:{ast.literal_eval(validate['SUITE'])}"
+    assert pipeline.suite_path == (REPO / "gx" / "expectations" / "digits.json").resolve()
+
+
+def test_digits_yaml_fits_the_demo_datas_columns(nightshift_home: Path) -> None:
+    # The demo dataset's columns (DESIGN.md; nightshift.data.demo writes them, but importing it imports torch).
+    target = nightshift_home / "demo-data" / "digits"
+    target.mkdir(parents=True)
+    frame = pd.DataFrame({"label": [0, 1], **{f"pixel_{i}": [0.0, 16.0] for i in range(64)}})
+    frame.to_parquet(target / "train.parquet", index=False)
+    assert check_against_data(load_pipeline(REPO / "pipelines" / "digits.yaml")) == []
+    frame.drop(columns=["pixel_63"]).to_parquet(target / "train.parquet", index=False)
+    problems = check_against_data(load_pipeline(REPO / "pipelines" / "digits.yaml"))
+    assert [p.split(": ")[2].split(" names")[0] for p in problems] == [
+        "expect_table_columns_to_match_set", "expect_table_column_types_to_be", "expect_columns_values_to_not_be_null",
+        "expect_columns_values_to_be_finite_between", "expect_compound_columns_to_be_unique_by_hash"]
