@@ -399,7 +399,8 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
                     input_example=example,
                     pip_requirements=[*pip_requirements(), *plugin_requirements],
                     metadata={"nightshift.task": classifier.task,
-                              "nightshift.feature_columns": list(features.columns)},
+                              "nightshift.feature_columns": list(features.columns),
+                              **({"nightshift.label_column": preprocessing["label"]} if preprocessing else {})},
                 )
             mlflow.set_tags({MODEL_URI_TAG: info.model_uri, COMPLETE_TAG: "true"})
     except Exception as err:

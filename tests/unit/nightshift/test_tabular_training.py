@@ -88,6 +88,8 @@ def test_a_logged_tabular_model_is_a_pyfunc_that_keeps_its_column_contract(cance
     uri = tracking.run_model_uri(run_id)
     model = mlflow.pyfunc.load_model(uri)
     assert model.metadata.metadata["nightshift.task"] == "binary"
+    assert model.metadata.metadata["nightshift.label_column"] == "diagnosis"
+    assert model.metadata.get_input_schema() is None  # MLflow would drop an extra column before the model saw it
     rows = pd.read_parquet(cancer["data"] / "test.parquet").drop(columns=["diagnosis"]).head(10)
     answer = model.predict(rows)
     pd.testing.assert_frame_equal(answer, model.predict(rows[list(reversed(rows.columns))]))
