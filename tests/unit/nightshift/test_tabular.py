@@ -325,3 +325,27 @@ def test_the_trainer_takes_a_task_and_dataset_options_defaulting_to_the_digits()
     with pytest.raises(UsageError, match="--task must be one of binary, multiclass, regression"):
         TrainConfig(data=Path("d"), out=Path("o"), checkpoint_dir=Path("c"), task="ranking")
 
+
+
+def test_the_evaluate_command_passes_the_task_and_label_column(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nightshift.evaluate
+    from nightshift.cli import build_parser
+
+    seen: dict[str, Any] = {}
+
+    def fake_evaluate(run_id: str, **kwargs: Any) -> dict[str, Any]:
+        seen.update(kwargs, run_id=run_id)
+        return {"passed": True}
+
+    monkeypatch.setattr(nightshift.evaluate, "evaluate", fake_evaluate)
+
+    def command(*extra: str) -> int:  # the subcommand itself, without the MLflow set-up of `nightshift`'s main
+        args = build_parser().parse_args(["evaluate", "--run-id", "r1", "--data", "d", "--task", "regression",
+                                          *extra])
+        return int(args.func(args))
+
+    assert command("--label-column", "progression") == 0
+    gate = seen["gate"]
+    assert (gate.task, gate.primary, gate.floor, seen["label_column"]) == ("regression", "rmse", None, "progression")
+    with pytest.raises(UsageError, match="'accuracy' does not fit a regression task"):
+        command("--primary", "accuracy")
