@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,107 +18,200 @@ import numpy as np
 from nightshift import tracking
 from nightshift.datasets import read_split_frame
 from nightshift.errors import EvaluationError, UsageError
+from nightshift.tasks import BINARY, MULTICLASS, REGRESSION, check_task, metric, metric_names
 
 DEFAULT_MODEL_NAME = "nightshift-digits"
 LABEL_COLUMN = "label"
-# Metrics where a lower value is better; every other metric is higher-is-better.
-LOWER_IS_BETTER = frozenset({"log_loss"})
-SCALAR_METRICS = ("accuracy", "macro_f1", "log_loss")
+
+# A task's gate when none is given: (primary, guards and their tolerances, floor without a champion). A
+# regression metric has the target's units, so no floor fits every dataset: the first model passes.
+DEFAULT_GATES: dict[str, tuple[str, dict[str, float], float | None]] = {
+    MULTICLASS: ("accuracy", {"macro_f1": 0.01, "log_loss": 0.05}, 0.8),
+    BINARY: ("accuracy", {"f1": 0.01, "log_loss": 0.05}, 0.8),
+    REGRESSION: ("rmse", {}, None),
+}
 
 
 @dataclass(frozen=True)
 class GateConfig:
-    """When a challenger may replace the champion.
+    """When a challenger may replace the champion, for a model of `task` (nightshift.tasks).
 
     `primary` must improve by at least `min_improvement` over the champion; each guard metric may regress
-    by at most its tolerance; with no champion the primary metric must reach `floor`.
+    by at most its tolerance; with no champion the primary metric must reach `floor` (None: no floor).
+    Which way a metric improves comes from nightshift.tasks. `primary`, `guards` and `floor` left out take
+    the task's defaults (DEFAULT_GATES); a metric the task does not have is refused.
     """
 
-    primary: str = "accuracy"
+    primary: str = ""
     min_improvement: float = 0.001
-    guards: dict[str, float] = field(default_factory=lambda: {"macro_f1": 0.01, "log_loss": 0.05})
-    floor: float = 0.8
+    guards: dict[str, float] | None = None
+    floor: float | None = None
+    task: str = MULTICLASS
 
     def __post_init__(self) -> None:
-        for name in (self.primary, *self.guards):
-            if name not in SCALAR_METRICS:
-                raise UsageError(f"gate metric {name!r} is unknown; use one of {', '.join(SCALAR_METRICS)}")
+        check_task(self.task)
+        primary, guards, floor = DEFAULT_GATES[self.task]
+        if not self.primary:
+            object.__setattr__(self, "primary", primary)
+        if self.guards is None:
+            object.__setattr__(self, "guards", dict(guards))
+        if self.floor is None:
+            object.__setattr__(self, "floor", floor)
+        for name in (self.primary, *(self.guards or {})):
+            try:
+                metric(self.task, name)
+            except UsageError as err:
+                raise UsageError(f"gate {err}") from err
         if not math.isfinite(self.min_improvement) or self.min_improvement < 0:
             raise UsageError(f"min_improvement must be a finite number >= 0, got {self.min_improvement}")
-        for name, tolerance in self.guards.items():
+        for name, tolerance in (self.guards or {}).items():
             if not math.isfinite(tolerance) or tolerance < 0:
                 raise UsageError(f"guard tolerance for {name} must be >= 0, got {tolerance}")
-
-
-def _gain(metric: str, new: float, old: float) -> float:
-    """How much better `new` is than `old` (positive = better), whatever the metric's direction."""
-    return old - new if metric in LOWER_IS_BETTER else new - old
+        if self.floor is not None and not math.isfinite(self.floor):
+            raise UsageError(f"floor must be a finite number, got {self.floor}")
 
 
 def decide(challenger: dict[str, Any], champion: dict[str, Any] | None, config: GateConfig) -> dict[str, Any]:
     """The gate: {"passed": bool, "reasons": [one sentence per check]} from two metric dicts."""
     reasons: list[str] = []
     passed = True
-    primary = config.primary
-    value = float(challenger[primary])
+    primary = metric(config.task, config.primary)
+    value = float(challenger[primary.name])
     if champion is None:
-        ok = (value <= config.floor) if primary in LOWER_IS_BETTER else (value >= config.floor)
-        passed &= ok
-        reasons.append(f"no champion: {primary} {value:.4f} {'meets' if ok else 'misses'} the floor "
+        if config.floor is None:
+            reasons.append(f"no champion and no floor: {primary.name} {value:.4f} is accepted")
+            return {"passed": True, "reasons": reasons}
+        ok = primary.gain(value, config.floor) >= 0
+        reasons.append(f"no champion: {primary.name} {value:.4f} {'meets' if ok else 'misses'} the floor "
                        f"{config.floor:.4f}")
-        return {"passed": passed, "reasons": reasons}
-    gain = _gain(primary, value, float(champion[primary]))
+        return {"passed": ok, "reasons": reasons}
+    gain = primary.gain(value, float(champion[primary.name]))
     ok = gain >= config.min_improvement
     passed &= ok
-    reasons.append(f"{primary} {value:.4f} vs champion {float(champion[primary]):.4f}: improvement "
+    reasons.append(f"{primary.name} {value:.4f} vs champion {float(champion[primary.name]):.4f}: improvement "
                    f"{gain:+.4f} {'>=' if ok else '<'} min_improvement {config.min_improvement:.4f}")
-    for metric, tolerance in sorted(config.guards.items()):
-        gain = _gain(metric, float(challenger[metric]), float(champion[metric]))
+    for name, tolerance in sorted((config.guards or {}).items()):
+        gain = metric(config.task, name).gain(float(challenger[name]), float(champion[name]))
         ok = gain >= -tolerance
         passed &= ok
-        reasons.append(f"guard {metric} {float(challenger[metric]):.4f} vs champion "
-                       f"{float(champion[metric]):.4f}: change {gain:+.4f} "
+        reasons.append(f"guard {name} {float(challenger[name]):.4f} vs champion "
+                       f"{float(champion[name]):.4f}: change {gain:+.4f} "
                        f"{'within' if ok else 'beyond'} tolerance {tolerance:.4f}")
     return {"passed": bool(passed), "reasons": reasons}
 
 
-def predict_proba(model_uri: str, frame: Any) -> np.ndarray:
-    """Class probabilities of the pyfunc at `model_uri` for a raw feature table, in server-sized batches."""
+def _load(model_uri: str) -> Any:
     import mlflow.pyfunc
 
     try:
-        model = mlflow.pyfunc.load_model(model_uri)
+        return mlflow.pyfunc.load_model(model_uri)
     except Exception as err:
         raise EvaluationError(f"cannot load model {model_uri} ({type(err).__name__}: {err}); check the "
                               f"artifact store") from err
-    parts = []
-    for start in range(0, len(frame), tracking.MAX_ROWS):
-        out = model.predict(frame.iloc[start:start + tracking.MAX_ROWS])
-        parts.append(out[[c for c in out.columns if c.startswith("prob_")]].to_numpy(np.float64))
-    return np.concatenate(parts)
 
 
-def score(model_uri: str, data_dir: str | Path, split: str = "test") -> dict[str, Any]:
-    """Accuracy, macro-F1, log loss, per-class recall and the confusion matrix of one model on one split."""
-    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, log_loss, recall_score
+def _predict(model: Any, frame: Any) -> Any:
+    """The pyfunc's answer for a raw feature table, in server-sized batches."""
+    import pandas as pd
 
+    parts = [model.predict(frame.iloc[start:start + tracking.MAX_ROWS])
+             for start in range(0, len(frame), tracking.MAX_ROWS)]
+    return pd.concat(parts, ignore_index=True)
+
+
+def predict_proba(model_uri: str, frame: Any) -> np.ndarray:
+    """Class probabilities of the pyfunc at `model_uri` for a raw feature table, in server-sized batches."""
+    out = _predict(_load(model_uri), frame)
+    return out[[c for c in out.columns if c.startswith("prob_")]].to_numpy(np.float64)
+
+
+def input_columns(model: Any) -> list[str] | None:
+    """The feature columns a logged pyfunc takes: its input signature's, else those its metadata records (a
+    tabular model declares no input signature), else None (take every column but the label)."""
+    schema = model.metadata.get_input_schema()
+    if schema is not None and schema.has_input_names():
+        return list(schema.input_names())
+    recorded = (model.metadata.metadata or {}).get("nightshift.feature_columns")
+    return [str(c) for c in recorded] if recorded else None
+
+
+def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: str = MULTICLASS,
+          label_column: str = LABEL_COLUMN) -> dict[str, Any]:
+    """The metrics of `task` (nightshift.tasks) of one model on one split, through its pyfunc. Classification
+    also gives per-class recall and the confusion matrix (rows: true class, columns: predicted)."""
+    check_task(task)
+    path = f"{data_dir}/{split}.parquet"
     frame = read_split_frame(data_dir, split)
-    if LABEL_COLUMN not in frame.columns:
-        raise EvaluationError(f"{data_dir}/{split}.parquet has no {LABEL_COLUMN!r} column to score against")
-    labels = frame[LABEL_COLUMN].to_numpy(np.int64)
-    proba = predict_proba(model_uri, frame.drop(columns=[LABEL_COLUMN]))
+    if label_column not in frame.columns:
+        raise EvaluationError(f"{path} has no {label_column!r} column to score against; pass the label column "
+                              f"the model was trained with")
+    model = _load(model_uri)
+    trained_for = (model.metadata.metadata or {}).get("nightshift.task")
+    if trained_for and trained_for != task:
+        raise EvaluationError(f"model {model_uri} was trained for a {trained_for} task, not {task}; evaluate "
+                              f"it with task {trained_for}")
+    columns = input_columns(model) or [c for c in frame.columns if c != label_column]
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise EvaluationError(f"{path} lacks the model's feature columns {missing[:5]}; is this the dataset "
+                              f"the model was trained on?")
+    out = _predict(model, frame[columns])
+    head = {"model_uri": model_uri, "rows": len(frame)}
+    if task == REGRESSION:
+        if tracking.VALUE_COLUMN not in out.columns:
+            raise EvaluationError(f"model {model_uri} answers no {tracking.VALUE_COLUMN!r}: it is not a "
+                                  f"regression model")
+        return {**head, **regression_metrics(frame[label_column].to_numpy(np.float64),
+                                             out[tracking.VALUE_COLUMN].to_numpy(np.float64))}
+    prob_columns = [c for c in out.columns if str(c).startswith("prob_")]
+    if not prob_columns:
+        raise EvaluationError(f"model {model_uri} answers no class probabilities (prob_*): is it a regression "
+                              f"model? evaluate it with task regression")
+    names = [str(c)[len("prob_"):] for c in prob_columns]
+    index = {name: i for i, name in enumerate(names)}
+    truth = frame[label_column].astype(str).to_numpy()
+    unseen = sorted(set(truth) - set(index))
+    if unseen:
+        raise EvaluationError(f"{path}: label column {label_column!r} holds {unseen[:5]}, classes the model "
+                              f"does not know ({', '.join(names)})")
+    labels = np.asarray([index[t] for t in truth], dtype=np.int64)
+    metrics = classification_metrics(task, labels, out[prob_columns].to_numpy(np.float64))
+    recall = metrics.pop("recall")
+    return {**head, **metrics, "per_class_recall": dict(zip(names, recall, strict=True))}
+
+
+def classification_metrics(task: str, labels: np.ndarray, proba: np.ndarray) -> dict[str, Any]:
+    """Class indices and probabilities → the task's metrics, `recall` per class and `confusion_matrix`.
+    Binary: the positive class is index 1 (the second of the sorted class values)."""
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, log_loss, recall_score, roc_auc_score
+
     classes = list(range(proba.shape[1]))
+    proba = proba / proba.sum(axis=1, keepdims=True)
     predicted = proba.argmax(axis=1)
-    recall = recall_score(labels, predicted, labels=classes, average=None, zero_division=0)
-    return {
-        "model_uri": model_uri,
-        "rows": len(labels),
+    out: dict[str, Any] = {
         "accuracy": float(accuracy_score(labels, predicted)),
-        "macro_f1": float(f1_score(labels, predicted, labels=classes, average="macro", zero_division=0)),
-        "log_loss": float(log_loss(labels, proba / proba.sum(axis=1, keepdims=True), labels=classes)),
-        "per_class_recall": {str(k): float(r) for k, r in zip(classes, recall, strict=True)},
-        "confusion_matrix": confusion_matrix(labels, predicted, labels=classes).tolist(),
+        "log_loss": float(log_loss(labels, proba, labels=classes)),
     }
+    if task == BINARY:
+        if len(np.unique(labels)) < 2:
+            raise EvaluationError("the split holds one class only: ROC AUC is undefined; evaluate on a split "
+                                  "with both classes")
+        out["roc_auc"] = float(roc_auc_score(labels, proba[:, 1]))
+        out["f1"] = float(f1_score(labels, predicted, pos_label=1, average="binary", zero_division=0))
+    else:
+        out["macro_f1"] = float(f1_score(labels, predicted, labels=classes, average="macro", zero_division=0))
+    out["recall"] = [float(r) for r in recall_score(labels, predicted, labels=classes, average=None,
+                                                    zero_division=0)]
+    out["confusion_matrix"] = confusion_matrix(labels, predicted, labels=classes).tolist()
+    return out
+
+
+def regression_metrics(target: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
+    """RMSE, MAE (the target's units) and R² (1 - residual / total sum of squares)."""
+    residual = target - predicted
+    total = float(((target - target.mean()) ** 2).sum())
+    return {"rmse": float(np.sqrt((residual ** 2).mean())), "mae": float(np.abs(residual).mean()),
+            "r2": 1.0 - float((residual ** 2).sum()) / total if total > 0 else 0.0}
 
 
 def confusion_png(matrix: list[list[int]], path: Path, title: str) -> Path:
@@ -158,43 +251,48 @@ def champion_uri(model_name: str) -> tuple[str, str] | None:
 
 
 def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MODEL_NAME, split: str = "test",
-             gate: GateConfig | dict[str, Any] | None = None) -> dict[str, Any]:
+             gate: GateConfig | dict[str, Any] | None = None, label_column: str = LABEL_COLUMN) -> dict[str, Any]:
     """Score the model of training run `run_id` and the current champion; log and return the decision.
 
-    Returns {"passed", "reasons", "run_id", "model_name", "split", "challenger": metrics,
-    "champion": metrics + "version" or None, "gate": config, "confusion_matrix_artifact"}. The test
-    metrics (prefixed `test_`), the confusion-matrix PNG and `evaluation.json` go to the training run.
+    The gate's `task` says which metrics are computed. Returns {"passed", "reasons", "run_id", "model_name",
+    "split", "challenger": metrics, "champion": metrics + "version" or None, "gate": config,
+    "confusion_matrix_artifact" (None for regression)}. The test metrics (prefixed `<split>_`), the
+    confusion-matrix PNG (classification) and `evaluation.json` go to the training run.
     """
     import mlflow
 
-    if isinstance(gate, dict):  # plain arguments from a DAG: {"primary": ..., "min_improvement": ...}
+    if isinstance(gate, dict):  # plain arguments from a DAG: {"primary": ..., "min_improvement": ..., "task": ...}
         gate = GateConfig(**gate)
     gate = gate or GateConfig()
+    task = gate.task
     model_uri = tracking.run_model_uri(run_id)
-    challenger = score(model_uri, data_dir, split)
+    challenger = score(model_uri, data_dir, split, task=task, label_column=label_column)
     champion: dict[str, Any] | None = None
     current = champion_uri(model_name)
     if current is not None:
         version, uri = current
-        champion = {"version": version, **score(uri, data_dir, split)}
+        champion = {"version": version, **score(uri, data_dir, split, task=task, label_column=label_column)}
     decision = decide(challenger, champion, gate)
+    classification = task != REGRESSION
     result: dict[str, Any] = {
         **decision, "run_id": run_id, "model_name": model_name, "split": split,
         "challenger": challenger, "champion": champion, "gate": asdict(gate),
-        "confusion_matrix_artifact": f"evaluation/confusion_matrix_{split}.png",
+        "confusion_matrix_artifact": f"evaluation/confusion_matrix_{split}.png" if classification else None,
     }
-    metrics = {f"{split}_{k}": challenger[k] for k in SCALAR_METRICS}
-    metrics.update({f"{split}_recall_class_{k}": v for k, v in challenger["per_class_recall"].items()})
+    metrics = {f"{split}_{k}": challenger[k] for k in metric_names(task)}
+    if classification:
+        metrics.update({f"{split}_recall_class_{k}": v for k, v in challenger["per_class_recall"].items()})
     try:
         with mlflow.start_run(run_id=run_id):
             mlflow.log_metrics(metrics)
             mlflow.set_tags({"nightshift.gate": "passed" if decision["passed"] else "failed",
                              "nightshift.gate_reasons": " | ".join(decision["reasons"])[:5000]})
             with tempfile.TemporaryDirectory() as tmp:
-                png = confusion_png(challenger["confusion_matrix"],
-                                    Path(tmp) / f"confusion_matrix_{split}.png",
-                                    f"{model_name} run {run_id[:8]} on {split}")
-                mlflow.log_artifact(str(png), artifact_path="evaluation")
+                if classification:
+                    png = confusion_png(challenger["confusion_matrix"],
+                                        Path(tmp) / f"confusion_matrix_{split}.png",
+                                        f"{model_name} run {run_id[:8]} on {split}")
+                    mlflow.log_artifact(str(png), artifact_path="evaluation")
                 report = Path(tmp) / "evaluation.json"
                 report.write_text(json.dumps(result, indent=2, sort_keys=True))
                 mlflow.log_artifact(str(report), artifact_path="evaluation")

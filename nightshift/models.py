@@ -39,7 +39,8 @@ class DigitsCNN(nn.Module):
 
 @register_model("mlp")
 class MLP(nn.Module):
-    """A dense baseline: flat features → hidden → classes."""
+    """A dense baseline: flat features → hidden → outputs (its width and outputs come from the data: the
+    trainer passes the split's `input_shape` and `num_classes`, which is 1 for a regression task)."""
 
     def __init__(self, input_shape: tuple[int, ...] = (64,), num_classes: int = 10, hidden: int = 128) -> None:
         super().__init__()

@@ -11,6 +11,9 @@ from typing import Any
 from nightshift import tracking
 from nightshift.errors import ChallengerRejected, RegistryError
 from nightshift.ledger import code_version
+from nightshift.tasks import METRICS
+
+METRIC_NAMES = tuple(dict.fromkeys(m.name for metrics in METRICS.values() for m in metrics))
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -41,7 +44,7 @@ def lineage_tags(run_id: str, lineage: dict[str, Any] | None,
         tags[f"{TAG_PREFIX}gate"] = "passed" if evaluation.get("passed") else "failed"
         tags[f"{TAG_PREFIX}gate_reasons"] = " | ".join(evaluation.get("reasons", []))
         challenger = evaluation.get("challenger") or {}
-        for key in ("accuracy", "macro_f1", "log_loss"):
+        for key in METRIC_NAMES:  # every task's scalar metrics (nightshift.tasks) the evaluation holds
             if key in challenger:
                 tags[f"{TAG_PREFIX}eval.{key}"] = repr(float(challenger[key]))
         if evaluation.get("split"):

@@ -6,8 +6,11 @@ plain virtualenv) loads the model with the model's own `requirements.txt` alone.
 therefore kept to torch, numpy, pandas, mlflow and the few Nightshift modules in `SERVED_MODULES`:
 nothing here may import GX, DVC, Horovod, scikit-learn or Airflow (a test checks it in a subprocess).
 
-The classifier takes the dataset's raw table columns (for the demo, `pixel_0`…`pixel_63` in 0-16) and
-answers `predicted_label` and `prob_<k>` per row; bad input is an MLflow 400.
+The served model takes the dataset's raw table columns (for the demo, `pixel_0`…`pixel_63` in 0-16) and
+answers, per row, `predicted_label` and `prob_<class>` for a classification task, `predicted_value` for
+regression; bad input is an MLflow 400. A tabular model (one whose `model.json` records `preprocessing`)
+takes exactly its training columns: a missing or an extra column is refused by name, columns in another
+order are reordered, and the features are standardised with the train split's statistics it carries.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from nightshift.errors import DataError, TrackingError
 # Rows one request may carry. A larger batch is a client bug or an abuse; the server answers 400.
 MAX_ROWS = int(os.environ.get("NIGHTSHIFT_SERVING_MAX_ROWS", "4096"))
 PREDICTION_COLUMN = "predicted_label"
+VALUE_COLUMN = "predicted_value"  # what a regression model answers
+# A tabular model refuses feature values farther outside the train split's [min, max] than this many times
+# that range: a unit or column mix-up, not new data. (Refusing anything beyond the observed range would refuse
+# the held-out split's own extremes.)
+RANGE_MARGIN = 1.0
 # Written beside model.pt/model.json in the logged model: the feature columns and the plugin modules,
 # resolved when the model was logged, so serving depends on no registry or environment variable.
 SERVING_INFO = "serving.json"
@@ -48,26 +56,56 @@ SERVED_MODULES = (
 )
 
 
+Bound = float | tuple[float, ...]
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
-    """The raw table columns a served model accepts, their valid range and how the trainer scaled them."""
+    """The raw table columns a served model accepts, their valid range and how the trainer scaled them.
+
+    `low` and `high` are one bound for every column or a tuple, one per column. `strict`: a column not in
+    `columns` is refused (a tabular model) rather than ignored (the demo).
+    """
 
     columns: tuple[str, ...]
     scale: float = 1.0
-    low: float = -math.inf
-    high: float = math.inf
+    low: Bound = -math.inf
+    high: Bound = math.inf
+    strict: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """JSON has no infinity: an open bound is null."""
-        return {"columns": list(self.columns), "scale": self.scale,
-                "low": None if math.isinf(self.low) else self.low,
-                "high": None if math.isinf(self.high) else self.high}
+        out = {"columns": list(self.columns), "scale": self.scale, "low": _bound_json(self.low),
+               "high": _bound_json(self.high)}
+        if self.strict:
+            out["strict"] = True
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FeatureSpec:
-        low, high = data.get("low"), data.get("high")
         return cls(columns=tuple(str(c) for c in data["columns"]), scale=float(data.get("scale", 1.0)),
-                   low=-math.inf if low is None else float(low), high=math.inf if high is None else float(high))
+                   low=_bound(data.get("low"), -math.inf), high=_bound(data.get("high"), math.inf),
+                   strict=bool(data.get("strict", False)))
+
+    @classmethod
+    def from_preprocessing(cls, prep: dict[str, Any]) -> FeatureSpec:
+        """A tabular model's columns, strict, with bounds RANGE_MARGIN train ranges beyond the train split's."""
+        low, high = np.asarray(prep["min"], dtype=np.float64), np.asarray(prep["max"], dtype=np.float64)
+        span = np.where(high > low, high - low, np.maximum(np.abs(high), 1.0)) * RANGE_MARGIN
+        return cls(columns=tuple(str(c) for c in prep["features"]), low=tuple((low - span).tolist()),
+                   high=tuple((high + span).tolist()), strict=True)
+
+
+def _bound_json(bound: Bound) -> Any:
+    if isinstance(bound, tuple):
+        return [None if math.isinf(b) else b for b in bound]
+    return None if math.isinf(bound) else bound
+
+
+def _bound(value: Any, open_end: float) -> Bound:
+    if isinstance(value, list):
+        return tuple(open_end if b is None else float(b) for b in value)
+    return open_end if value is None else float(value)
 
 
 FEATURE_SPECS: dict[str, FeatureSpec] = {
@@ -75,8 +113,12 @@ FEATURE_SPECS: dict[str, FeatureSpec] = {
 }
 
 
-def feature_spec(dataset: str, input_shape: list[int] | tuple[int, ...] | None = None) -> FeatureSpec:
-    """The serving columns of `dataset`; an unknown dataset gets `x_0`… over its flattened input."""
+def feature_spec(dataset: str, input_shape: list[int] | tuple[int, ...] | None = None,
+                 preprocessing: dict[str, Any] | None = None) -> FeatureSpec:
+    """The serving columns of a model: those its `preprocessing` recorded (tabular), else those of `dataset`;
+    an unknown dataset gets `x_0`… over its flattened input."""
+    if preprocessing is not None:
+        return FeatureSpec.from_preprocessing(preprocessing)
     if dataset in FEATURE_SPECS:
         return FEATURE_SPECS[dataset]
     size = int(np.prod(input_shape)) if input_shape else 0
@@ -110,22 +152,33 @@ _NOT_FINITE = "feature values must be finite numbers"
 
 
 class TorchTableClassifier:
-    """Loads `model.pt` + `model.json` and classifies rows of the raw table; bad input → 400."""
+    """Loads `model.pt` + `model.json` and predicts rows of the raw table (classes, or a value for a
+    regression task); bad input → 400."""
 
     def __init__(self, model_dir: str | Path) -> None:
         from nightshift.train.artifacts import load_trained_model, read_model_info
 
         spec = read_model_info(model_dir)
         served = read_serving_info(model_dir)
+        # A tabular model's columns, scaling and classes, recorded by the trainer from the train split.
+        self.preprocessing: dict[str, Any] | None = spec.get("preprocessing")
+        self.task = str(spec.get("task") or "multiclass")
         if served is not None:
             # The modules that registered the model's name at training time (NIGHTSHIFT_PLUGINS then).
             for module_name in served.get("plugins") or ():
                 importlib.import_module(module_name)
             self.features = FeatureSpec.from_json(served["features"])
         else:
-            self.features = feature_spec(spec["dataset"], spec.get("input_shape"))
+            self.features = feature_spec(spec["dataset"], spec.get("input_shape"), self.preprocessing)
         self.num_classes = int(spec["num_classes"])
+        prep = self.preprocessing or {}
+        # Class values in output order (the demo's are its indices 0…9), named in the `prob_<class>` columns.
+        self.classes: list[Any] = list(prep.get("classes") or range(self.num_classes))
         self.model = load_trained_model(model_dir)  # weights_only load, eval mode
+
+    @property
+    def is_regression(self) -> bool:
+        return self.task == "regression"
 
     def validate(self, frame: Any) -> np.ndarray:
         if not isinstance(frame, pd.DataFrame):
@@ -138,43 +191,87 @@ class TorchTableClassifier:
         missing = [c for c in self.features.columns if c not in frame.columns]
         if missing:
             raise _invalid(f"missing columns {missing[:5]}{'…' if len(missing) > 5 else ''}")
+        if self.features.strict:
+            known = set(self.features.columns)
+            extra = [str(c) for c in frame.columns if c not in known]
+            if extra:
+                raise _invalid(f"unexpected columns {extra[:5]}{'…' if len(extra) > 5 else ''}; this model takes "
+                               f"exactly the columns it was trained on: {', '.join(self.features.columns[:8])}"
+                               f"{'…' if len(self.features.columns) > 8 else ''}")
         try:
             values = frame[list(self.features.columns)].to_numpy(dtype=np.float32)
         except (TypeError, ValueError) as err:
             raise _invalid(f"feature columns must be numbers ({err})") from err
         faults = set(self.invalid_rows(values).values())
         if faults:  # a value that is not finite is named first, as it always was
-            raise _invalid(_NOT_FINITE if _NOT_FINITE in faults else faults.pop())
+            raise _invalid(_NOT_FINITE if _NOT_FINITE in faults else sorted(faults)[0])
         return values
 
     def invalid_rows(self, values: np.ndarray) -> dict[int, str]:
         """Row index → why, for the rows of a float32 matrix (the feature columns in order) that `validate`
         refuses for their values (not finite, out of range); in row order. One vectorised pass: what a stream
         consumer checks its batches with."""
+        low, high = np.asarray(self.features.low), np.asarray(self.features.high)
         finite = np.isfinite(values).all(axis=1)
-        in_range = ((values >= self.features.low) & (values <= self.features.high)).all(axis=1)
+        inside = (values >= low) & (values <= high)
+        in_range = inside.all(axis=1)
         if finite.all() and in_range.all():
             return {}
-        out_of_range = f"feature values must lie in [{self.features.low:g}, {self.features.high:g}]"
-        return {int(i): _NOT_FINITE if not finite[i] else out_of_range
-                for i in np.flatnonzero(~(finite & in_range))}
+        if low.ndim == 0 and high.ndim == 0:
+            out_of_range = f"feature values must lie in [{self.features.low:g}, {self.features.high:g}]"
+            return {int(i): _NOT_FINITE if not finite[i] else out_of_range
+                    for i in np.flatnonzero(~(finite & in_range))}
+        faults: dict[int, str] = {}
+        for i in np.flatnonzero(~(finite & in_range)):
+            if not finite[i]:
+                faults[int(i)] = _NOT_FINITE
+                continue
+            j = int(np.flatnonzero(~inside[i])[0])
+            faults[int(i)] = (f"feature {self.features.columns[j]} must lie in [{float(low[j]):g}, "
+                              f"{float(high[j]):g}] (the training data's range, widened)")
+        return faults
+
+    def _outputs(self, values: np.ndarray) -> np.ndarray:
+        import torch
+
+        if self.preprocessing is not None:
+            prep = self.preprocessing
+            values = ((values - np.asarray(prep["mean"], dtype=np.float32))
+                      / np.asarray(prep["std"], dtype=np.float32)).astype(np.float32)
+        else:
+            values = values / np.float32(self.features.scale)
+        with torch.inference_mode():
+            output = self.model(torch.from_numpy(np.ascontiguousarray(values)))
+            if self.is_regression:
+                return output.reshape(-1).numpy()
+            return torch.softmax(output, dim=1).numpy()
 
     def proba(self, values: np.ndarray) -> np.ndarray:
         """Class probabilities for a float32 matrix that `validate` (or `invalid_rows`) accepted."""
-        import torch
+        if self.is_regression:
+            raise TypeError("a regression model has no class probabilities; use predictions()")
+        return self._outputs(values)
 
-        values = values / np.float32(self.features.scale)
-        with torch.inference_mode():
-            logits = self.model(torch.from_numpy(np.ascontiguousarray(values)))
-            return torch.softmax(logits, dim=1).numpy()
+    def predictions(self, values: np.ndarray) -> np.ndarray:
+        """What the model answers for a float32 matrix `validate` accepted: class values (the demo: labels
+        0…9), or for regression the predicted value in the target's units."""
+        if self.is_regression:
+            prep = self.preprocessing or {}
+            return (self._outputs(values).astype(np.float64) * float(prep.get("target_std", 1.0))
+                    + float(prep.get("target_mean", 0.0)))
+        return np.asarray(self.classes)[self.proba(values).argmax(axis=1)]
 
     def predict_proba(self, frame: pd.DataFrame) -> np.ndarray:
         return self.proba(self.validate(frame))
 
     def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
-        proba = self.predict_proba(frame)
-        out = pd.DataFrame(proba, columns=[f"prob_{k}" for k in range(self.num_classes)])
-        out.insert(0, PREDICTION_COLUMN, proba.argmax(axis=1).astype(np.int64))
+        values = self.validate(frame)
+        if self.is_regression:
+            return pd.DataFrame({VALUE_COLUMN: self.predictions(values)})
+        proba = self.proba(values)
+        out = pd.DataFrame(proba, columns=[f"prob_{k}" for k in self.classes])
+        predicted = np.asarray(self.classes)[proba.argmax(axis=1)]
+        out.insert(0, PREDICTION_COLUMN, predicted.astype(np.int64) if self.preprocessing is None else predicted)
         return out
 
 

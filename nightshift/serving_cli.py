@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from nightshift.errors import UsageError
+from nightshift.tasks import MULTICLASS, TASKS
 
 DEFAULT_MODEL_NAME = "nightshift-digits"
 
@@ -48,10 +49,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     from nightshift.evaluate import GateConfig, evaluate
 
     guards = {k: float(v) for k, v in _pairs(args.guard, "--guard").items()} if args.guard else None
-    gate = GateConfig(primary=args.primary, min_improvement=args.min_improvement, floor=args.floor,
-                      **({"guards": guards} if guards is not None else {}))
+    gate = GateConfig(primary=args.primary or "", min_improvement=args.min_improvement, floor=args.floor,
+                      guards=guards, task=args.task)
     result = evaluate(_run_id(args), data_dir=args.data, model_name=args.model_name, split=args.split,
-                      gate=gate)
+                      gate=gate, label_column=args.label_column)
     emit(result)
     return 0 if result["passed"] else 1
 
@@ -94,12 +95,17 @@ def add_parser(subparsers: Any) -> None:
     _add_run(ev)
     ev.add_argument("--data", required=True, help="staged dataset directory")
     ev.add_argument("--split", default="test")
-    ev.add_argument("--primary", default="accuracy")
+    ev.add_argument("--task", choices=TASKS, default=MULTICLASS,
+                    help=f"what the model predicts: which metrics are computed and gated ({MULTICLASS})")
+    ev.add_argument("--label-column", default="label", help="the split's target column (label)")
+    ev.add_argument("--primary", default=None,
+                    help="gate metric (default: the task's, accuracy for classification, rmse for regression)")
     ev.add_argument("--min-improvement", type=float, default=0.001)
-    ev.add_argument("--floor", type=float, default=0.8,
-                    help="primary metric needed when there is no champion")
+    ev.add_argument("--floor", type=float, default=None,
+                    help="primary metric needed when there is no champion (default: the task's, 0.8 for "
+                         "classification, none for regression)")
     ev.add_argument("--guard", action="append", metavar="METRIC=TOLERANCE",
-                    help="guard metric and the regression it may show (repeatable)")
+                    help="guard metric and the regression it may show (repeatable; default: the task's)")
     ev.set_defaults(func=_evaluate)
 
     reg = subparsers.add_parser("register",

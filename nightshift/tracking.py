@@ -36,6 +36,7 @@ from nightshift.served_model import (  # noqa: F401  (re-exported)
     PREDICTION_COLUMN,
     SERVED_MODULES,
     SERVING_INFO,
+    VALUE_COLUMN,
     FeatureSpec,
     NightshiftPyfunc,
     TorchTableClassifier,
@@ -187,10 +188,33 @@ def flat_params(spec: dict[str, Any]) -> dict[str, str]:
 
 def example_frame(spec: FeatureSpec, rows: int = 3) -> pd.DataFrame:
     """A deterministic input example inside the feature range."""
+    if isinstance(spec.low, tuple) or isinstance(spec.high, tuple):  # one range per column: each its own grid
+        lows = np.broadcast_to(np.asarray(spec.low, dtype=np.float64), (len(spec.columns),))
+        highs = np.broadcast_to(np.asarray(spec.high, dtype=np.float64), (len(spec.columns),))
+        lows = np.where(np.isinf(lows), np.where(np.isinf(highs), 0.0, highs - 1.0), lows)
+        highs = np.where(np.isinf(highs), lows + 1.0, highs)
+        return pd.DataFrame(np.linspace(lows, highs, num=rows), columns=list(spec.columns))
     low = 0.0 if math.isinf(spec.low) else spec.low
     high = 1.0 if math.isinf(spec.high) else spec.high
     grid = np.linspace(low, high, num=len(spec.columns) * rows, dtype=np.float64).reshape(rows, -1)
     return pd.DataFrame(grid, columns=list(spec.columns))
+
+
+def tabular_example(preprocessing: dict[str, Any]) -> pd.DataFrame:
+    """A tabular model's input example: rows at the train split's minimum, mean and maximum of every column."""
+    return pd.DataFrame([preprocessing["min"], preprocessing["mean"], preprocessing["max"]],
+                        columns=[str(c) for c in preprocessing["features"]], dtype=np.float64)
+
+
+def model_signature(features: FeatureSpec, example: pd.DataFrame, prediction: pd.DataFrame) -> Any:
+    """The logged model's signature. A strict (tabular) model declares its outputs only: MLflow's input
+    enforcement drops a column the signature does not name before the model sees it, and a tabular model
+    must refuse such a column by name. Its columns are recorded in the model's metadata
+    (`nightshift.feature_columns`) and `serving.json`, and its own validation checks them."""
+    from mlflow.models import ModelSignature, infer_signature
+
+    inferred = infer_signature(example, prediction)
+    return ModelSignature(outputs=inferred.outputs) if features.strict else inferred
 
 
 def pip_requirements() -> list[str]:
@@ -305,7 +329,6 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
     (the run and any model version made from it stay) and this output is logged as a new run.
     """
     import mlflow
-    from mlflow.models import infer_signature
 
     from nightshift.models import MODELS
     from nightshift.train.artifacts import METRICS_LOG, METRICS_SUMMARY, MODEL_FILE, MODEL_INFO
@@ -337,14 +360,15 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
                             "(train key %s, now %s): not reusing it; its run key is now %s", run.info.run_id,
                             run_key, run.data.tags.get(TRAIN_KEY_TAG, "none"), train_key or "none", superseded)
 
-    features = feature_spec(spec["dataset"], spec.get("input_shape"))
+    preprocessing = spec.get("preprocessing")
+    features = feature_spec(spec["dataset"], spec.get("input_shape"), preprocessing)
     classifier = TorchTableClassifier(out)
     plugins = _plugin_modules(spec)
     factory = MODELS.get(str(spec["model"]))
     ship, plugin_requirements = _plugin_requirements(
         {m.split(".")[0] for m in (*plugins, str(getattr(factory, "__module__", "nightshift")))})
-    example = example_frame(features)
-    signature = infer_signature(example, classifier.predict(example))
+    example = tabular_example(preprocessing) if preprocessing is not None else example_frame(features)
+    signature = model_signature(features, example, classifier.predict(example))
     run = mlflow_client.create_run(experiment_id, run_name=run_name, tags=tags)
     run_id = str(run.info.run_id)
     try:
@@ -374,6 +398,9 @@ def log_training_run(out_dir: str | Path, *, experiment: str, run_name: str | No
                     signature=signature,
                     input_example=example,
                     pip_requirements=[*pip_requirements(), *plugin_requirements],
+                    metadata={"nightshift.task": classifier.task,
+                              "nightshift.feature_columns": list(features.columns),
+                              **({"nightshift.label_column": preprocessing["label"]} if preprocessing else {})},
                 )
             mlflow.set_tags({MODEL_URI_TAG: info.model_uri, COMPLETE_TAG: "true"})
     except Exception as err:

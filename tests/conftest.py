@@ -47,6 +47,7 @@ SLOW_MODULES = frozenset({
     "tests/unit/nightshift/test_settings.py",
     "tests/unit/nightshift/test_stage.py",
     "tests/unit/nightshift/test_stage_faults.py",
+    "tests/unit/nightshift/test_tabular_training.py",
     "tests/unit/nightshift/test_tracking.py",
     "tests/unit/nightshift/test_train_cli.py",
     "tests/unit/operators/test_plan.py",

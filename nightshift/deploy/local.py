@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nightshift import registry, settings, tracking
-from nightshift.deploy.smoke import canary_batch, post_json, smoke_test
+from nightshift.deploy.smoke import canary_batch, model_contract, post_json, smoke_test
 from nightshift.errors import DeploymentFailed, UsageError
 from nightshift.fsutil import atomic_write_json
 from nightshift.netutil import free_port
@@ -247,9 +247,14 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
                     "model_path": old.get("model_path"), "smoke": None, "previous": None}
 
         expected = registry.evaluated_accuracy(selected)
-        frame, labels = canary_batch(data_dir, canary_rows)
-        port = free_port()
         staging = _download(model_name, version)
+        try:
+            contract = model_contract(staging)  # a tabular model's columns, label and task
+            frame, labels = canary_batch(data_dir, canary_rows, contract=contract)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        port = free_port()
         model_path = staging.with_name(f"{model_name}-v{version}-{port}")
         staging.rename(model_path)
         url = f"http://{HOST}:{port}"
@@ -257,7 +262,8 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
         proc = start_server(model_path, port, log_path, server)
         try:
             wait_healthy(url, proc, log_path, startup_timeout)
-            smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance)
+            smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance,
+                               task=contract.task)
             record = {"model_name": model_name, "version": version, "url": url, "port": port, "server": server,
                       "pid": proc.pid, "model_path": str(model_path), "log_path": str(log_path),
                       "started_at": datetime.now(UTC).isoformat(timespec="seconds")}

@@ -66,9 +66,10 @@ class VersionScorer:
 
     def predict_labels(self, values: np.ndarray) -> list[int]:
         """The model's predicted labels for a float32 matrix its validation accepted: the served model's
-        prediction (`TorchTableClassifier.proba`, argmax as the pyfunc's `prediction` column) without going
-        through the pyfunc's signature enforcement, which re-checks by column what `invalid_rows` checked."""
-        return self.classifier.proba(values).argmax(axis=1).tolist()
+        prediction (`TorchTableClassifier.predictions`, as the pyfunc answers) without going
+        through the pyfunc's signature enforcement, which re-checks by column what `invalid_rows` checked.
+        A tabular classifier answers its class values; a regression model its predicted values."""
+        return self.classifier.predictions(values).tolist()
 
     def score(self, rows: list[InputRow]) -> Scored:
         """Predicted labels for the rows the served model accepts; the others rejected with its reason.

@@ -25,8 +25,13 @@ RUN_RECORD = "mlflow_run.json"
 
 
 def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kwargs: dict[str, Any],
-                       dataset: str, params: dict[str, Any], train_key: str | None = None) -> Path:
-    """Write the weights, then the description that makes them loadable; return the weights' path."""
+                       dataset: str, params: dict[str, Any], train_key: str | None = None,
+                       task: str = "multiclass", preprocessing: dict[str, Any] | None = None) -> Path:
+    """Write the weights, then the description that makes them loadable; return the weights' path.
+
+    `model.json` records `task` and, for a dataset that has it (tabular), `preprocessing`: the feature columns
+    in order, their train-split mean, std, min and max, and the classes or the target's mean and std.
+    """
     import io
 
     out.mkdir(parents=True, exist_ok=True)
@@ -40,8 +45,11 @@ def save_trained_model(out: Path, model: nn.Module, *, model_name: str, model_kw
         "dataset": dataset,
         "input_shape": list(model_kwargs.get("input_shape", ())),
         "num_classes": model_kwargs.get("num_classes"),
+        "task": task,
         "params": params,
     }
+    if preprocessing is not None:
+        info["preprocessing"] = json.loads(json.dumps(preprocessing))
     if train_key:  # the digest of the resume key: data version, code version, parameters, world size, device
         info["train_key"] = train_key
     atomic_write_json(out / MODEL_INFO, info)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from nightshift.cli import json_object
 from nightshift.errors import NightshiftError, UsageError
+from nightshift.tasks import TASKS
 from nightshift.train.config import COMPRESSIONS, DEVICES, PRECISIONS, TrainConfig
 
 if TYPE_CHECKING:
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=d.model, help=f"registered model name or module:factory ({d.model})")
     parser.add_argument("--model-kwargs", type=json_object, default={}, help="JSON object of model arguments")
     parser.add_argument("--dataset", default=d.dataset, help=f"registered dataset name ({d.dataset})")
+    parser.add_argument("--dataset-options", type=json_object, default={},
+                        help='JSON object of dataset options, e.g. for tabular {"label": "y", "features": [...]}')
+    parser.add_argument("--task", choices=TASKS, default=d.task,
+                        help=f"what the model predicts: the loss, validation metric and served answer ({d.task})")
     parser.add_argument("--epochs", type=int, default=d.epochs, help=f"({d.epochs})")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help=f"per process ({d.batch_size})")
     parser.add_argument("--lr", type=float, default=d.lr, help=f"base learning rate, × world size ({d.lr})")
@@ -69,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         data=args.data, out=args.out, checkpoint_dir=args.checkpoint_dir, model=args.model,
-        model_kwargs=args.model_kwargs, dataset=args.dataset, epochs=args.epochs, batch_size=args.batch_size,
+        model_kwargs=args.model_kwargs, dataset=args.dataset, dataset_options=args.dataset_options,
+        task=args.task, epochs=args.epochs, batch_size=args.batch_size,
         lr=args.lr, momentum=args.momentum, seed=args.seed, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, log_every=args.log_every, threads=args.threads,
         device=args.device, precision=args.precision, compression=args.compression,
@@ -95,8 +101,9 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
     # The data's content hash, before and after reading it: the resume key and the MLflow run must name the
     # bytes the model was trained on, so files that change while they are read fail the run, not mislabel it.
     before = data_digest(config.data)
-    train = load_split(config.dataset, config.data, "train")
-    validation = load_split(config.dataset, config.data, "validation")
+    train = load_split(config.dataset, config.data, "train", task=config.task, options=config.dataset_options)
+    validation = load_split(config.dataset, config.data, "validation", task=config.task,
+                            options=config.dataset_options)
     config = config.with_identity()
     if config.data_version != before:
         raise DataError(f"the files under --data {config.data} changed while the trainer read them ({before} "

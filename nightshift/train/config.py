@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from nightshift.errors import UsageError
+from nightshift.tasks import MULTICLASS, TASKS
 
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -22,8 +23,8 @@ COMPRESSIONS = ("none", "fp16")
 # that trains. `device` enters the key resolved ("cpu" or "cuda", never "auto"): CPU and GPU kernels
 # round differently. A checkpoint whose key differs is set aside and the run trains from step 0. The
 # torch thread count is not in the key; see `threads_conflict`.
-RESUME_FIELDS = ("model", "model_kwargs", "dataset", "data_version", "code_version", "trainer_code", "batch_size",
-                 "lr", "momentum", "epochs", "seed", "device", "precision", "compression")
+RESUME_FIELDS = ("model", "model_kwargs", "dataset", "dataset_options", "task", "data_version", "code_version",
+                 "trainer_code", "batch_size", "lr", "momentum", "epochs", "seed", "device", "precision", "compression")
 
 
 @dataclass
@@ -34,6 +35,10 @@ class TrainConfig:
     model: str = "digits_cnn"
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     dataset: str = "digits"
+    # Keyword arguments of the dataset's factory (tabular: `label`, `features`), and what the model predicts
+    # (nightshift.tasks): the loss, the validation metric and what the served model answers follow it.
+    dataset_options: dict[str, Any] = field(default_factory=dict)
+    task: str = MULTICLASS
     epochs: int = 5
     batch_size: int = 32
     lr: float = 0.05
@@ -81,6 +86,10 @@ class TrainConfig:
                 raise UsageError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not isinstance(self.model_kwargs, dict):
             raise UsageError(f"--model-kwargs must be a JSON object, got {self.model_kwargs!r}")
+        if not isinstance(self.dataset_options, dict):
+            raise UsageError(f"--dataset-options must be a JSON object, got {self.dataset_options!r}")
+        if self.task not in TASKS:
+            raise UsageError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
         search = {"--search-storage": self.search_storage, "--search-study": self.search_study,
                   "--search-trial": self.search_trial}
         if any(v is not None for v in search.values()) and any(v is None for v in search.values()):

@@ -29,6 +29,7 @@ from nightshift.datasets import Split
 from nightshift.errors import CheckpointMismatch, NightshiftError, UsageError
 from nightshift.fsutil import atomic_write_json
 from nightshift.models import MODELS
+from nightshift.tasks import REGRESSION
 from nightshift.train.artifacts import METRICS_LOG, METRICS_SUMMARY, save_trained_model
 from nightshift.train.checkpoint import FORMAT, AsyncCheckpointWriter, CheckpointStore
 from nightshift.train.config import TrainConfig
@@ -97,6 +98,10 @@ class Trainer:
         self.is_chief = self.rank == 0
         self.model_kwargs = {"input_shape": tuple(train.input_shape), "num_classes": train.num_classes,
                              **config.model_kwargs}
+        # What the served model needs to read the raw table as training did (tabular: columns, scaling, classes).
+        self.preprocessing = train.preprocessing
+        # val_rmse is reported in the target's units: the regression loss is on the standardised target.
+        self.target_std = float((train.preprocessing or {}).get("target_std", 1.0))
 
         # Collective: a rank that cannot use the device it was asked for fails every rank, here.
         self.device = select_device(config.device, hvd)
@@ -269,7 +274,16 @@ class Trainer:
 
     # -- training ------------------------------------------------------------------------------
 
+    def loss(self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy over the classes of a classification task; mean squared error on the standardised
+        target of a regression task (the model has one output)."""
+        if self.config.task == REGRESSION:
+            return F.mse_loss(output.reshape(-1).float(), target, reduction=reduction)
+        return F.cross_entropy(output, target, reduction=reduction)
+
     def evaluate(self, split: Split) -> dict[str, float]:
+        """`val_loss` (the training loss) and the task's validation metric: `val_accuracy` for classification,
+        `val_rmse` (in the target's own units) for regression."""
         # In fp32 whatever --precision is: these are the metrics of the saved fp32 weights, as the
         # evaluate step will see them.
         self.model.eval()
@@ -278,10 +292,13 @@ class Trainer:
             for start in range(0, len(split), EVAL_BATCH):
                 x = split.features[start:start + EVAL_BATCH]
                 y = split.labels[start:start + EVAL_BATCH]
-                logits = self.model(x)
-                loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-                correct += int((logits.argmax(dim=1) == y).sum())
+                output = self.model(x)
+                loss_sum += float(self.loss(output, y, reduction="sum"))
+                if self.config.task != REGRESSION:
+                    correct += int((output.argmax(dim=1) == y).sum())
         self.model.train()
+        if self.config.task == REGRESSION:
+            return {"val_loss": loss_sum / len(split), "val_rmse": math.sqrt(loss_sum / len(split)) * self.target_std}
         return {"val_loss": loss_sum / len(split), "val_accuracy": correct / len(split)}
 
     def fit(self) -> dict[str, Any]:
@@ -309,7 +326,7 @@ class Trainer:
                 x, y = self.train_split.features[index], self.train_split.labels[index]
                 self.optimizer.zero_grad()
                 with autocast(self.device, config.precision):
-                    loss = F.cross_entropy(self.model(x), y)
+                    loss = self.loss(self.model(x), y)
                 self._backward_and_step(loss)
                 self.scheduler.step()
                 self.step += 1
@@ -392,8 +409,8 @@ class Trainer:
         train_loss = self.epoch_loss[0] / max(self.epoch_loss[1], 1)
         metrics = {"train_loss": train_loss, **self.evaluate(self.validation_split)}
         self.epoch_loss = [0.0, 0]
-        log.info("epoch %d/%d done: train_loss %.4f val_loss %.4f val_accuracy %.4f", epoch + 1,
-                 self.config.epochs, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])
+        log.info("epoch %d/%d done: %s", epoch + 1, self.config.epochs,
+                 " ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
         self._record({"event": "epoch", "epoch": epoch + 1, "step": self.step, **metrics})
         return metrics
 
@@ -420,7 +437,7 @@ class Trainer:
             summary["stopped_at_epoch"] = self.stopped_at_epoch
         save_trained_model(self.config.out, self.model, model_name=self.config.model,
                            model_kwargs=self.model_kwargs, dataset=self.config.dataset,
-                           params=self.config.params(),
+                           params=self.config.params(), task=self.config.task, preprocessing=self.preprocessing,
                            train_key=self.config.train_key(self.size, self.device.type))
         atomic_write_json(self.config.out / METRICS_SUMMARY, summary)
         outcome = {k: v for k, v in summary.items() if k not in ("seconds", "checkpoint_seconds")}

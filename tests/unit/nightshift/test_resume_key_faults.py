@@ -137,8 +137,8 @@ def test_the_data_version_is_the_digest_of_the_bytes_the_trainer_loaded(
     data = _copy_data(demo_data, tmp_path / "data")  # what the trainer is pointed at: v1 bytes at first
     real_load = datasets.load_split
 
-    def load_then_data_changes(name: str, directory: Any, split: str) -> Any:
-        loaded = real_load(name, directory, split)
+    def load_then_data_changes(name: str, directory: Any, split: str, **kwargs: Any) -> Any:
+        loaded = real_load(name, directory, split, **kwargs)
         if split == "validation":  # both splits are in memory now; the directory is re-staged with v2
             shutil.copy(v2 / "train.parquet", data / "train.parquet")
         return loaded

@@ -49,7 +49,7 @@ def test_resume_key_covers_what_changes_the_result() -> None:
     assert base.resume_key(2, "cpu") == other_paths.resume_key(2, "cpu")  # paths and logging don't matter
     assert base.resume_key(2, "cpu") != base.resume_key(4, "cpu")
     changes = {"batch_size": 64, "lr": 0.1, "seed": 1, "model": "mlp", "epochs": 9, "precision": "bf16",
-               "compression": "fp16"}
+               "compression": "fp16", "task": "binary", "dataset_options": {"label": "y"}}
     for field, value in changes.items():
         changed = TrainConfig(data=Path("d"), out=Path("o"), checkpoint_dir=Path("c"), **{field: value})
         assert changed.resume_key(2, "cpu") != base.resume_key(2, "cpu"), field
