@@ -124,6 +124,9 @@ _ODD_PAYLOADS = [
     b'{"id": 1, "a": 1.5, "b": 2.0, "c": 3.0}', b'{"id": "x", "a": 1, "b": 2, "c": 3}',
     b'{"c": 3.0, "b": 2.0, "a": 1.0, "id": 9}', b'{"id": 1, "a": NaN, "b": 1.0, "c": Infinity}',
     b'{"id": 1, "a": 1e400, "b": 1.0, "c": 1.0}', b'{"id": 1, "a": -1e400, "b": 1, "c": 2}',
+    # just past float range as an integer (rounds to the largest float), and the largest float itself
+    b'{"id": 1, "a": ' + str(2**1024 - 2**971 + 1).encode() + b', "b": 1, "c": 2}',
+    b'{"id": 1, "a": -1.7976931348623157e308, "b": 1, "c": 2}',
     b'{"id": 1, "a": ' + b"9" * 400 + b', "b": 1, "c": 2}',
     b'{"id": 1, "a": ' + b"9" * 30 + b', "b": 1, "c": 2}', b'{"id": ' + b"9" * 30 + b', "a": 1, "b": 1, "c": 2}',
     b'{"id": "\\ud800", "a": 1, "b": 1, "c": 2}', b'{"id": true, "a": 1, "b": 1, "c": 2}',
@@ -158,6 +161,39 @@ def test_the_batch_parser_gives_every_input_the_outcome_parse_entry_gives_it() -
         assert [item.entry_id for item in got] == [entry_id for entry_id, _ in batch]
         for item in got:
             assert _outcome(item) == expected[item.entry_id], item.entry_id
+
+
+def _payloads_for(columns: tuple[str, ...]) -> list[bytes]:
+    """Good and odd inputs for a model with these columns (in model, reversed and sorted key order)."""
+    def dump(pairs: list[tuple[str, object]]) -> bytes:
+        return ("{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in pairs) + "}").encode(
+            "utf-8", "surrogatepass")
+
+    good = [(c, f"{i}.5") for i, c in enumerate(columns)]
+    return [dump([("id", "7"), *good]), dump([("id", '"k"'), *good[::-1]]), dump([("id", "8"), *sorted(good)]),
+            dump([("id", "9"), *[(c, str(i)) for i, c in enumerate(columns)]]), dump([("id", "1"), *good[1:]]),
+            dump([("id", "1"), *good, ("zz extra", "1")]), dump([("id", "1"), *good[:-1], (columns[-1], "true")]),
+            dump([("id", "1"), *good[:-1], (columns[-1], str(2**1024 - 2**971 + 1))]),
+            dump([("id", "1"), *good, (columns[0], '"dup"')]), dump([("id", "1.0"), *good]), dump(good)]
+
+
+@pytest.mark.parametrize("columns", [
+    tuple(f"pixel_{i}" for i in range(64)),  # msgspec's path
+    tuple(f"x_{i}" for i in range(65)),  # past MSGSPEC_MAX_COLUMNS: orjson's path
+    ('a"b', "c\\d", "tab\tin", "ok"),  # names msgspec cannot rename to
+    ("a", "b", "a"),  # a repeated column: no fast path
+    ("\u00e9t\u00e9", "\u65e5"),  # non-ASCII
+    ("lone \ud800", "b"),
+])
+def test_any_model_columns_give_every_input_the_outcome_parse_entry_gives_it(columns: tuple[str, ...]) -> None:
+    """Hostile review of the msgspec path: a column name with a quote, a backslash or a control character, or a
+    repeated one, made parse_entries raise on every batch (the consumer stopped); keys out of the model's
+    order must not change an outcome."""
+    entries = [(f"{i}-0", {b"data": raw}) for i, raw in enumerate(_payloads_for(columns))]
+    got = parse_entries(entries, columns)
+    assert [_outcome(item) for item in got] == [_outcome(parse_entry(e, f, columns)) for e, f in entries]
+    plain = len(set(columns)) == len(columns) and all(c.isprintable() and c.isascii() for c in columns)
+    assert sum(isinstance(item, InputRow) and item.complete for item in got) >= (4 if plain else 0)
 
 
 def _binary(input_id: bytes, values: list[float], shape: bytes = b"3", **extra: bytes) -> dict[bytes, bytes]:
