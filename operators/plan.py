@@ -40,6 +40,10 @@ def load_dag(dags_dir: Path = DAGS_DIR, dag_file: str = DAG_FILE) -> Any:
         raise PlanError(f"cannot import {dags_dir / dag_file}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    from nightly_tasks.factory import InvalidPipelineDag
+
+    if isinstance(module.dag, InvalidPipelineDag):  # the declaration's one-line problem, as Airflow shows it
+        raise PlanError(str(module.dag.problem))
     return module.dag
 
 
@@ -63,14 +67,19 @@ class _StagedTI:
     check_changes's `training` (the trainer options resolved from the params, as that task resolves them)."""
 
     def __init__(self, dag_id: str, run_id: str, task_id: str, params: Mapping[str, Any]) -> None:
+        from nightly_tasks.factory import pipeline_for
+        from nightly_tasks.steps import training_options
+
         from nightshift.errors import UsageError
         from nightshift.search.best import training_defaults
 
         self.dag_id, self.run_id, self.task_id = dag_id, run_id, task_id
         self.try_number, self.map_index = 1, -1
+        pipeline = pipeline_for(dag_id)
         try:  # what check_changes resolves (nightly_tasks.steps.resolve_training), without its log lines;
             # resolved before any template renders, so a bad value is one line, not a rendering error
-            resolved = training_defaults(dict(params))
+            resolved = (training_options(pipeline, dict(params)) if pipeline is not None
+                        else training_defaults(dict(params)))
         except UsageError as err:  # a malformed best.json, or model_kwargs text that is no JSON object
             raise PlanError(str(err)) from err
         self.training = {**resolved["options"], "summary": resolved["summary"]}

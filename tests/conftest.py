@@ -3,12 +3,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 TESTS = Path(__file__).resolve().parent
+# The demo pipeline's declaration: the nightly_retrain DAG is built from it (dags/nightly_tasks/factory.py).
+DIGITS_YAML = REPO / "pipelines" / "digits.yaml"
 
 # Modules that cost minutes (from `--durations=0` of a full run), started first so that with pytest-xdist the
 # longest ones do not start last and leave the other workers idle at the end. The order only matters for speed.
@@ -83,6 +86,14 @@ def nightshift_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     if tracking is not None:  # a process configures MLflow once: this test's process starts afresh, on this home
         monkeypatch.setattr(tracking, "_configured", None)
     return home
+
+
+@pytest.fixture
+def digits_pipeline() -> Any:
+    """The demo pipeline (pipelines/digits.yaml), as the nightly_retrain DAG's steps get it."""
+    from nightshift.pipelines import load_pipeline
+
+    return load_pipeline(DIGITS_YAML)
 
 
 @pytest.fixture(scope="session")

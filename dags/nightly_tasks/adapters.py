@@ -1,7 +1,7 @@
 """Small adapters around the operators the DAG uses, for what their constructors cannot take at parse time.
 
 - `GXDataGateOperator`: the GX Airflow provider's `GXValidateBatchOperator`, run once per Parquet split of
-  a data source known only at run time (a DAG param), with the suite from `gx/`; a failure names every
+  a data source known only at run time (a DAG param), with the pipeline's suite; a failure names every
   failed expectation with sample bad values and the Data Docs page (nightshift's report).
 - `OptionalApprovalOperator`: the standard provider's HITL `ApprovalOperator`, skipped unless the run's
   `require_approval` param is on.
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
@@ -18,6 +19,8 @@ from great_expectations_provider.operators.validate_batch import GXValidateBatch
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
+
+    from nightshift.pipelines import Pipeline
 
 GX_SOURCE = "nightshift"
 
@@ -38,15 +41,15 @@ def _batch_definition(gx_context: Any) -> Any:
     return source.add_dataframe_asset(name="split").add_batch_definition_whole_dataframe("whole")
 
 
-def _suite(gx_context: Any) -> Any:
-    from nightshift.data.validate import load_suite
+def _suite(suite_file: str, gx_context: Any) -> Any:
+    from nightshift.data.validate import load_suite_file
 
-    return load_suite()
+    return load_suite_file(suite_file)
 
 
 class GXDataGateOperator(GXValidateBatchOperator):
     """Validate every split of `data_source` (empty: the new-data event's source when one started the run, else
-    the demo dataset) with the GX provider and the gx/ suite.
+    the pipeline's declared data) with the GX provider and the pipeline's suite.
 
     Returns {"path", "files": {split: rows}}; raises AirflowFailException (no retry: bad data does not heal)
     naming each failed expectation, its rule and sample unexpected values, and the Data Docs page.
@@ -54,9 +57,11 @@ class GXDataGateOperator(GXValidateBatchOperator):
 
     template_fields: Sequence[str] = (*GXValidateBatchOperator.template_fields, "data_source")
 
-    def __init__(self, *, data_source: str, **kwargs: Any) -> None:
-        super().__init__(configure_batch_definition=_batch_definition, configure_expectations=_suite,
+    def __init__(self, *, pipeline: Pipeline, data_source: str, **kwargs: Any) -> None:
+        super().__init__(configure_batch_definition=_batch_definition,
+                         configure_expectations=partial(_suite, str(pipeline.suite_path)),
                          result_format="BOOLEAN_ONLY", context_type="ephemeral", **kwargs)
+        self.pipeline = pipeline
         self.data_source = data_source
 
     def execute(self, context: Context) -> dict[str, Any]:  # type: ignore[override]
@@ -70,7 +75,8 @@ class GXDataGateOperator(GXValidateBatchOperator):
         quiet_gx_logging()  # before the provider first imports GX, which logs ~200 INFO lines on import
         try:
             # The data_source Param, else (a run a new-data event started) the event's source; both confined.
-            path = resolve_data_source(str(self.data_source or "") or event_data_source(context) or "")
+            path = resolve_data_source(self.pipeline,
+                                       str(self.data_source or "") or event_data_source(context) or "")
         except UsageError as err:
             raise AirflowFailException(f"validate_data: {err}") from err
         try:
@@ -93,7 +99,7 @@ class GXDataGateOperator(GXValidateBatchOperator):
         if failed:
             # The provider says which expectation types failed; nightshift's report adds the columns,
             # sample bad values and a Data Docs page a person can open.
-            report = check_data(path)
+            report = check_data(path, suite_file=self.pipeline.suite_path)
             pages = failing_pages(report)
             if pages:
                 context["ti"].xcom_push(key="data_docs", value=pages[0])

@@ -17,6 +17,10 @@ Turned on by configuration, read when the DAG file is parsed:
   one read of the stream waits for new entries.
 With neither the URL nor the connection id, the DAG keeps its time schedule alone, and the trigger module is
 not even imported.
+
+An event names a directory, not a pipeline, so it starts only the pipeline DAGs listed in
+`NIGHTSHIFT_EVENTS_PIPELINES` (dag_ids separated by commas; default `nightly_retrain`, the demo pipeline): another
+pipeline would validate the digits directory against its own suite and fail.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ URL_ENV = "NIGHTSHIFT_EVENTS_REDIS_URL"
 CONN_ENV = "NIGHTSHIFT_EVENTS_CONN_ID"
 STREAM_ENV = "NIGHTSHIFT_EVENTS_STREAM"
 POLL_ENV = "NIGHTSHIFT_EVENTS_POLL_S"
+PIPELINES_ENV = "NIGHTSHIFT_EVENTS_PIPELINES"
+DEFAULT_EVENT_PIPELINES = ("nightly_retrain",)
 DEFAULT_CONN_ID = "nightshift_events"
 # nightshift.events.DEFAULT_STREAM and CONSUMER_GROUP (not imported: the DAG file must not import nightshift); a
 # test keeps them equal.
@@ -91,10 +97,19 @@ def new_data_asset(conn_id: str) -> Asset:
     return Asset(NEW_DATA_URI, group="nightshift", watchers=[AssetWatcher(name=WATCHER_NAME, trigger=trigger)])
 
 
-def retrain_schedule(cron: str | None) -> Any:
-    """`cron` alone when events are off; with them, the new-data Asset alone (no cron) or either of the two."""
+def event_pipelines() -> tuple[str, ...]:
+    """The dag_ids new-data events start (NIGHTSHIFT_EVENTS_PIPELINES, default: nightly_retrain)."""
+    text = os.environ.get(PIPELINES_ENV, "").strip()
+    if not text:
+        return DEFAULT_EVENT_PIPELINES
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def retrain_schedule(cron: str | None, dag_id: str = DEFAULT_EVENT_PIPELINES[0]) -> Any:
+    """`cron` alone when events are off (or not for `dag_id`); with them, the new-data Asset alone (no cron) or
+    either of the two."""
     conn_id = events_connection()
-    if conn_id is None:
+    if conn_id is None or dag_id not in event_pipelines():
         return cron
     asset = new_data_asset(conn_id)
     if cron is None:

@@ -1,39 +1,89 @@
-"""The bodies of the `nightly_retrain` tasks. Each calls the `nightshift` function that is also a CLI step.
+"""The bodies of a pipeline DAG's tasks. Each calls the `nightshift` function that is also a CLI step.
 
-`nightshift` (and through it GX, DVC, MLflow, torch) is imported inside each function, never at module
-top, so the DAG file that imports this module parses fast.
+Every step takes the `Pipeline` (nightshift.pipelines) its DAG was built from (nightly_tasks.factory): the model
+name, the MLflow experiment, the default data, the gate and the dataset come from the declaration, never
+from this module. `nightshift` (and through it GX, DVC, MLflow, torch) is imported inside each function,
+never at module top, so the DAG file that imports this module parses fast.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+if TYPE_CHECKING:
+    from nightshift.pipelines import Pipeline
+
 log = logging.getLogger(__name__)
 
-MODEL_NAME = "nightshift-digits"
-EXPERIMENT = "nightly_retrain"
-DEMO_DATASET = "demo-data/digits"
+# The dataset loader whose data the DAG writes itself when the declared location is empty (nightshift demo-data).
+DEMO_LOADER = "digits"
 
 
-def resolve_data_source(data_source: str) -> Path:
-    """The data directory to validate; empty means the demo dataset in NIGHTSHIFT_HOME (written if missing).
+def experiment(pipeline: Pipeline) -> str:
+    """The MLflow experiment of the pipeline's training runs: one per pipeline, named by its dag_id."""
+    return pipeline.dag_id
 
-    A given directory must lie under the configured data roots (nightshift.settings.data_roots).
+
+def trainer_dataset_args(pipeline: Pipeline) -> list[str]:
+    """The trainer flags that say which data loader (and, once the trainer takes them, which options and task)
+    the pipeline trains with: the one place that turns the declaration's dataset and task into trainer flags.
+
+    `python -m nightshift.train` takes `--dataset` today. Branch i22-tabular adds `--dataset-options JSON` and
+    `--task`; once it is merged, append `"--dataset-options", json.dumps(pipeline.dataset.loader_options(),
+    sort_keys=True), "--task", pipeline.task` here (and the gate's `task`/`label_column` in
+    `evaluation_args`)."""
+    return ["--dataset", pipeline.dataset.loader]
+
+
+def evaluation_args(pipeline: Pipeline, min_improvement: float) -> dict[str, Any]:
+    """The keyword arguments of nightshift.evaluate.evaluate for this pipeline: its registered model and its
+    gate, with the run's `min_improvement` Param (the form's default is the declaration's). The evaluator
+    takes the task (through GateConfig) and the label column on branch i22-tabular: add them here."""
+    gate = {**pipeline.gate.config(), "min_improvement": float(min_improvement)}
+    return {"model_name": pipeline.model_name, "gate": gate}
+
+
+def default_data_dir(pipeline: Pipeline) -> Path:
+    """The directory of the declared data (`dataset.data`; relative paths under NIGHTSHIFT_HOME).
+
+    The tasks validate and stage one directory of train/validation/test.parquet: three files declared one by
+    one must be those names in one directory (UsageError otherwise)."""
+    from nightshift.errors import UsageError
+
+    paths = pipeline.dataset.data.paths()
+    folders = {path.parent for path in paths.values()}
+    if len(folders) != 1 or any(path.name != f"{split}.parquet" for split, path in paths.items()):
+        raise UsageError(f"{pipeline.source or pipeline.dag_id}: dataset.data: the DAG reads one directory of "
+                         f"train/validation/test.parquet; declare `directory`, or three files of those names in "
+                         f"one directory")
+    return folders.pop()
+
+
+def resolve_data_source(pipeline: Pipeline, data_source: str) -> Path:
+    """The data directory to validate; empty means the pipeline's declared data (`dataset.data`).
+
+    A given directory must lie under the configured data roots (nightshift.settings.data_roots). Declared data
+    that is missing is written when the pipeline reads the demo digits (`nightshift demo-data`), else refused.
     """
     if data_source.strip():
         from nightshift.settings import confined_data_source
 
         return confined_data_source(data_source.strip())
-    from nightshift.data.demo import write_demo_dataset
     from nightshift.datasets import SPLITS, split_path
-    from nightshift.settings import home
+    from nightshift.errors import UsageError
 
-    path = home() / DEMO_DATASET
+    path = default_data_dir(pipeline)
     if not all(split_path(path, s).is_file() for s in SPLITS):
+        if pipeline.dataset.loader != DEMO_LOADER:
+            raise UsageError(f"no data_source given and the declared data {path} lacks "
+                             f"{', '.join(f'{s}.parquet' for s in SPLITS)}; put the splits there or trigger "
+                             f"with data_source")
+        from nightshift.data.demo import write_demo_dataset
+
         log.info("No data_source given: writing the demo dataset to %s", path)
         write_demo_dataset(path, seed=0)
     return path
@@ -47,14 +97,14 @@ def workspace_for(dag_id: str, run_id: str) -> Path:
     return workspaces_dir() / safe_name(dag_id) / safe_name(run_id)
 
 
-def stage(validated: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
+def stage(pipeline: Pipeline, validated: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
     from nightshift.data.stage import stage_dataset
-    from nightshift.settings import data_roots, home
+    from nightshift.settings import data_roots
 
     workspace = workspace_for(dag_id, run_id)
     # Confined again, under the staging lock: the gate ran earlier (a retry may come hours later) and a split
-    # may have been relinked out of the roots since. The demo dataset is what the gate serves for no source.
-    roots = [*data_roots(), home() / DEMO_DATASET]
+    # may have been relinked out of the roots since. The declared data is what the gate serves for no source.
+    roots = [*data_roots(), default_data_dir(pipeline)]
     version = dict(stage_dataset(validated["path"], workspace, validated=validated.get("fingerprint"),
                                  roots=roots))
     log.info("Dataset version %s (%d rows) staged in %s", version["hash"], version["rows"], version["path"])
@@ -71,33 +121,43 @@ def bundle_version(ti: Any) -> str | None:
     return version if isinstance(version, str) and version else None
 
 
-def resolve_training(params: dict[str, Any]) -> dict[str, Any]:
-    """The run's trainer options: a Param left empty takes the best model search's value (best.json, read
-    now, at run time), else the trainer's default; a Param the trigger set wins (search.best.training_defaults)."""
-    from nightshift.errors import UsageError
+def training_options(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, Any]:
+    """search.best.training_defaults for this pipeline: its model and model arguments are the defaults, and
+    best.json counts only when its search trained on the pipeline's dataset loader. UsageError when best.json
+    or the model_kwargs Param cannot be used. Shared with `nightshift plan` (operators.plan)."""
+    from nightshift.pipelines.spec import plain
     from nightshift.search.best import training_defaults
 
+    return training_defaults(dict(params), model=pipeline.model.name, model_kwargs=plain(pipeline.model.kwargs),
+                             dataset=pipeline.dataset.loader)
+
+
+def resolve_training(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, Any]:
+    """The run's trainer options: a Param left empty takes the best model search's value (best.json, read
+    now, at run time), else the declaration's model or the trainer's default; a Param the trigger set wins."""
+    from nightshift.errors import UsageError
+
     try:
-        resolved = training_defaults(dict(params))
+        resolved = training_options(pipeline, params)
     except UsageError as err:  # a malformed best.json or model_kwargs Param: a retry reads the same
         raise AirflowFailException(f"check_changes: {err}") from err
     options, sources = resolved["options"], resolved["sources"]
     log.info("Training parameters: %s; %s", ", ".join(f"{k}={options[k]!r} ({sources[k]})" for k in options),
              resolved["summary"])
     if resolved["not_applied"]:
-        log.info("best.json also holds %s, which nightly_retrain sets itself (or not at all)",
-                 ", ".join(f"{k}={v!r}" for k, v in resolved["not_applied"].items()))
+        log.info("best.json also holds %s, which %s sets itself (or not at all)",
+                 ", ".join(f"{k}={v!r}" for k, v in resolved["not_applied"].items()), pipeline.dag_id)
     return resolved
 
 
-def check_changes(staged: dict[str, Any], params: dict[str, Any], dag_id: str, run_id: str,
+def check_changes(pipeline: Pipeline, staged: dict[str, Any], params: dict[str, Any], dag_id: str, run_id: str,
                   ti: Any) -> str:
     """Branch: "train", or "skip_training" when data, code and training params match the last success.
 
     Pushes `training`: the trainer options the `train` task passes (`resolve_training`)."""
     from nightshift import ledger as lineage
 
-    resolved = resolve_training(params)
+    resolved = resolve_training(pipeline, params)
     options = resolved["options"]
     current = lineage.fingerprint(staged["hash"], {**params, "learning_rate": options["lr"],
                                                    "batch_size": options["batch_size"]}, bundle_version(ti))
@@ -132,29 +192,30 @@ def skip_training(previous: dict[str, Any] | None) -> dict[str, Any]:
     return {"skipped": True, "reason": message, "previous_run": prev.get("run_id")}
 
 
-def evaluate(trained: dict[str, Any], staged: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    from nightshift.evaluate import GateConfig
+def evaluate(pipeline: Pipeline, trained: dict[str, Any], staged: dict[str, Any],
+             params: dict[str, Any]) -> dict[str, Any]:
     from nightshift.evaluate import evaluate as run_evaluation
+    from nightshift.tasks import metric_names
     from nightshift.tracking import configure
 
     configure()  # each task is a process of its own: its entry point configures MLflow
-    gate = GateConfig(min_improvement=float(params["min_improvement"]))
-    result = run_evaluation(trained["mlflow_run_id"], data_dir=staged["path"], model_name=MODEL_NAME, gate=gate)
+    result = run_evaluation(trained["mlflow_run_id"], data_dir=staged["path"],
+                            **evaluation_args(pipeline, params["min_improvement"]))
     champion = result.get("champion")
+    names = [k for k in metric_names(pipeline.task) if k in result["challenger"]]
     decision = {
         "passed": bool(result["passed"]),
         "reasons": list(result["reasons"]),
         "run_id": result["run_id"],
         "split": result["split"],
-        "challenger": {k: result["challenger"][k] for k in ("accuracy", "macro_f1", "log_loss")},
-        "champion": ({"version": champion["version"],
-                      **{k: champion[k] for k in ("accuracy", "macro_f1", "log_loss")}} if champion else None),
+        "challenger": {k: result["challenger"][k] for k in names},
+        "champion": ({"version": champion["version"], **{k: champion[k] for k in names}} if champion else None),
     }
     log.info("Gate %s: %s", "PASSED" if decision["passed"] else "REJECTED", "; ".join(decision["reasons"]))
     return decision
 
 
-def register(decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_id: str,
+def register(pipeline: Pipeline, decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_id: str,
              ti: Any) -> dict[str, Any]:
     if not decision["passed"]:
         raise AirflowSkipException(f"Not registered: the gate rejected the new model "
@@ -168,20 +229,25 @@ def register(decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_
     lineage_tags = {"dataset_version": staged["hash"], "dataset_git_rev": staged.get("git_rev"),
                     "dataset_source": staged.get("source"), "dag_id": dag_id, "dag_run_id": run_id,
                     "code_version": code, "code_commit": code}
-    version = register_version(decision["run_id"], model_name=MODEL_NAME, lineage=lineage_tags,
+    version = register_version(decision["run_id"], model_name=pipeline.model_name, lineage=lineage_tags,
                                evaluation=decision)
     ti.xcom_push(key="model_version", value={"name": version["model_name"], "version": version["version"]})
     log.info("Registered %s v%s (@%s)", version["model_name"], version["version"], version["alias"])
     return version
 
 
-def deploy(registered: dict[str, Any], staged: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def deploy(pipeline: Pipeline, registered: dict[str, Any], staged: dict[str, Any],
+           params: dict[str, Any]) -> dict[str, Any]:
+    """Deploy the registered version to the run's `deploy_target`, with the declaration's `deploy.options`
+    when that is the declared target (they are that target's options)."""
     from nightshift.deploy import deploy as run_deploy
     from nightshift.errors import DeploymentFailed
+    from nightshift.pipelines.spec import plain
     from nightshift.tracking import configure
 
     configure()
-    target = params.get("deploy_target", "local")
+    target = params.get("deploy_target", pipeline.deploy.target)
+    options = plain(pipeline.deploy.options) if target == pipeline.deploy.target else {}
     api = None
     if target == "kserve":
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -189,7 +255,7 @@ def deploy(registered: dict[str, Any], staged: dict[str, Any], params: dict[str,
         api = KubernetesHook(conn_id="kubernetes_default").custom_object_client
     try:
         result = run_deploy(target, registered["model_name"], version=registered["version"],
-                            data_dir=staged["path"], kserve_api=api)
+                            data_dir=staged["path"], kserve_api=api, **options)
     except DeploymentFailed as err:
         raise AirflowFailException(f"deploy: {err}") from err
     log.info("Deployed %s v%s: %s", registered["model_name"], registered["version"], result.get("url"))
@@ -202,7 +268,8 @@ def _brief(smoke: Any) -> Any:
     return {k: v for k, v in smoke.items() if not isinstance(v, (list, dict))}
 
 
-def report(dag_id: str, run_id: str, params: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+def report(pipeline: Pipeline, dag_id: str, run_id: str, params: dict[str, Any],
+           results: dict[str, Any]) -> dict[str, Any]:
     """The run's summary: logged, appended to the ledger (the lineage page, the next run's change check)."""
     from nightshift import ledger as lineage
 
@@ -229,19 +296,19 @@ def report(dag_id: str, run_id: str, params: dict[str, Any], results: dict[str, 
         "mlflow_run_id": (trained or {}).get("mlflow_run_id"),
         "train_metrics": (trained or {}).get("metrics"),
         "gate": decision,
-        "model_version": (registered or {}).get("version"), "model_name": MODEL_NAME,
+        "model_version": (registered or {}).get("version"), "model_name": pipeline.model_name,
         "serving_url": (deployed or {}).get("url"), "deploy_status": (deployed or {}).get("status"),
         "params": dict(params),
     }
     lineage.append_record(dag_id, summary)
-    lines = [f"nightly_retrain {run_id}: {outcome}",
+    lines = [f"{dag_id} {run_id}: {outcome}",
              f"  dataset version : {summary['dataset_version']} ({summary['dataset_rows']} rows)",
              f"  code version    : {summary['code_version']}"]
     if decision:
         lines.append(f"  gate            : {'passed' if decision['passed'] else 'rejected'} - "
                      f"{'; '.join(decision['reasons'])}")
     if registered:
-        lines.append(f"  model version   : {MODEL_NAME} v{registered.get('version')}")
+        lines.append(f"  model version   : {pipeline.model_name} v{registered.get('version')}")
     if deployed:
         lines.append(f"  serving         : {deployed.get('url')} ({deployed.get('status')})")
     log.info("\n".join(lines))
@@ -272,7 +339,7 @@ def failure_summary(context: Any) -> None:
         gate = None
     lines = [
         "=" * 72,
-        f"nightly_retrain FAILED: run {run_id}, task {task_id} (try {getattr(ti, 'try_number', '?')})",
+        f"{dag_id} FAILED: run {run_id}, task {task_id} (try {getattr(ti, 'try_number', '?')})",
         f"  why   : {reason}",
         f"  means : {hints.get(task_id, 'see the error above')}",
     ]

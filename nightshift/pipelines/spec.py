@@ -167,6 +167,12 @@ class Pipeline:
 
         return pipeline_from_dict(data, base_dir=base_dir, source=source)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Pipeline:
+        # Read-only all the way down (frozen dataclasses, MappingProxyType, tuples), so a copy may share it; and
+        # deepcopy refuses MappingProxyType. A DAG built from a pipeline holds it in its tasks, and Airflow and
+        # `nightshift plan` deep-copy tasks and DAGs.
+        return self
+
     @property
     def primary_metric(self) -> Metric:
         """The gate's primary metric, with the way it improves (nightshift.tasks)."""

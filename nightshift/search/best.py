@@ -141,8 +141,14 @@ def _model_kwargs(value: Any) -> dict[str, Any] | None:
     return value
 
 
-def training_defaults(params: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
-    """The trainer options of a `nightly_retrain` run from its Params (`RETRAIN_PARAMS`).
+def training_defaults(params: dict[str, Any], path: Path | None = None, *, model: str | None = None,
+                      model_kwargs: dict[str, Any] | None = None, dataset: str | None = None) -> dict[str, Any]:
+    """The trainer options of a pipeline run (`nightly_retrain` and the others) from its Params (`RETRAIN_PARAMS`).
+
+    `model` and `model_kwargs`: the pipeline's declared model, which replaces the trainer's built-in one (None:
+    the trainer's). `dataset`: the pipeline's dataset loader; best.json is read only when its search trained on
+    that loader (its `train_options.dataset`, else the trainer's default): another dataset's best learning rate
+    or model says nothing about this one's.
 
     A Param the trigger set wins; one left null takes best.json's value when a search wrote one, else the
     trainer's built-in default. `model` goes with `model_kwargs`: from best.json when `model_kwargs` does,
@@ -157,11 +163,17 @@ def training_defaults(params: dict[str, Any], path: Path | None = None) -> dict[
     path = path or best_path()
     params = {**params, "model_kwargs": _model_kwargs(params.get("model_kwargs"))}
     fields = TrainConfig.__dataclass_fields__
-    builtin: dict[str, Any] = {MODEL: fields[MODEL].default, "model_kwargs": {}}
+    builtin: dict[str, Any] = {MODEL: model if model is not None else fields[MODEL].default,
+                               "model_kwargs": dict(model_kwargs) if model_kwargs is not None else {}}
     for option in ("lr", "batch_size", "momentum"):
         builtin[option] = fields[option].default
     wanted = [param for param in RETRAIN_PARAMS if params.get(param) is None]
     best = load_best(path) if wanted else None
+    elsewhere = None
+    if best is not None and dataset is not None:
+        searched = best.get("train_options", {}).get("dataset", fields["dataset"].default)
+        if searched != dataset:
+            best, elsewhere = None, searched
     found = (best or {}).get("train_options", {})
     options: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -187,7 +199,8 @@ def training_defaults(params: dict[str, Any], path: Path | None = None) -> dict[
         summary = (f"{', '.join(taken)} from {path.name} v{record['version']} (study {record['study']}, "
                    f"trial {record['trial']})")
     elif best is None and wanted:
-        summary = f"built-in defaults for {', '.join(RETRAIN_PARAMS[p] for p in wanted)} (no {path.name})"
+        why = f"{path.name} is for dataset {elsewhere!r}" if elsewhere else f"no {path.name}"
+        summary = f"built-in defaults for {', '.join(RETRAIN_PARAMS[p] for p in wanted)} ({why})"
     else:
         summary = "trigger values" if not wanted else "trigger values and built-in defaults"
     return {"options": options, "builtin": builtin, "sources": sources, "best": record if taken else None,

@@ -15,7 +15,7 @@ def test_nightly_retrain_passes_a_default_queue_timeout_to_the_training_job(monk
     sys.modules.pop("nightly_retrain", None)
     import nightly_retrain
 
-    default = nightly_retrain.PARAMS["queue_timeout"].value
+    default = nightly_retrain.dag.params.get_param("queue_timeout").value
     assert isinstance(default, int) and default > 0
     for given, seconds in ((default, float(default)), (None, None)):  # None: emptied in the form, no limit
         train = nightly_retrain.dag.get_task("train")

@@ -11,6 +11,7 @@ import pytest
 
 from nightshift import ledger
 from nightshift.search.best import best_path, write_best
+from tests.conftest import DIGITS_YAML
 from tests.dags.conftest import REPO
 
 DAG_ID = "nightly_retrain"
@@ -45,9 +46,15 @@ def search_best() -> dict[str, Any]:
                               "epochs": 9}}
 
 
-def check(run_id: str, **given: Any) -> TI:
+def digits() -> Any:
+    from nightshift.pipelines import load_pipeline
+
+    return load_pipeline(DIGITS_YAML)
+
+
+def check(run_id: str, pipeline: Any = None, **given: Any) -> TI:
     ti = TI()
-    _steps().check_changes({"hash": "md5:data"}, params(**given), DAG_ID, run_id, ti)
+    _steps().check_changes(pipeline or digits(), {"hash": "md5:data"}, params(**given), DAG_ID, run_id, ti)
     return ti
 
 
@@ -64,7 +71,7 @@ def test_the_train_task_gets_best_jsons_values_and_the_run_records_where_they_ca
     assert source["sources"]["batch_size"] == "trigger" and source["sources"]["lr"] == "best.json"
     assert (source["best"]["study"], source["best"]["trial"], source["best"]["version"]) == (
         "model_search__manual_1", 4, 1)
-    summary = _steps().report(DAG_ID, "r1", params(batch_size=16), {"fingerprint": fingerprint})
+    summary = _steps().report(digits(), DAG_ID, "r1", params(batch_size=16), {"fingerprint": fingerprint})
     assert ledger.read_records(DAG_ID)[-1]["training_source"] == summary["training_source"] == source
 
 
@@ -77,9 +84,9 @@ def test_without_best_json_the_fingerprint_is_the_one_runs_before_it_had() -> No
 
 def test_a_new_best_configuration_is_a_change_that_trains() -> None:
     ledger.append_record(DAG_ID, {"run_id": "r0", "status": "success", **check("r0").pushed["fingerprint"]})
-    assert _steps().check_changes({"hash": "md5:data"}, params(), DAG_ID, "r1", TI()) == "skip_training"
+    assert _steps().check_changes(digits(), {"hash": "md5:data"}, params(), DAG_ID, "r1", TI()) == "skip_training"
     write_best(search_best())
-    assert _steps().check_changes({"hash": "md5:data"}, params(), DAG_ID, "r2", TI()) == "train"
+    assert _steps().check_changes(digits(), {"hash": "md5:data"}, params(), DAG_ID, "r2", TI()) == "train"
 
 
 def test_a_malformed_best_json_fails_the_task_naming_the_file() -> None:
@@ -118,3 +125,21 @@ def test_two_runs_never_share_a_workspace(nightshift_home: Any) -> None:
     a, b = steps.workspace_for(DAG_ID, "a:b"), steps.workspace_for(DAG_ID, "a_b")
     assert a != b and a.parent == b.parent
     assert steps.workspace_for(DAG_ID, ".").parent == a.parent  # run id "." is not the DAG's own directory
+
+
+def test_another_pipeline_trains_its_declared_model_and_ignores_a_search_of_another_dataset(
+        digits_pipeline: Any) -> None:
+    from dataclasses import replace
+
+    from nightshift.pipelines import DatasetSpec, ModelSpec
+
+    write_best(search_best())  # a search of the digits dataset (the trainer's default loader)
+    other = replace(digits_pipeline, dag_id="churn_retrain", model_name="churn",
+                    dataset=replace(digits_pipeline.dataset, loader="tabular"),
+                    model=ModelSpec(name="mlp", kwargs={"hidden": 16}))
+    assert isinstance(other.dataset, DatasetSpec)
+    training = check("r1", other).pushed["training"]
+    assert (training["model"], training["model_kwargs"], training["lr"]) == ("mlp", {"hidden": 16}, 0.05)
+    assert "best.json is for dataset 'digits'" in training["summary"]
+    # the digits pipeline still takes the search's values
+    assert check("r2").pushed["training"]["lr"] == 0.2

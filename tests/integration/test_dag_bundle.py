@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import DIGITS_YAML
 from tests.integration.airflow_helpers import REPO, Api, airflow_standalone
 
 PROBE = "bundle_probe"
@@ -68,12 +69,15 @@ def test_a_task_takes_its_code_version_from_its_runs_bundle(tmp_path: Path,
     assert steps.bundle_version(_TI(None)) is None  # the dags-folder bundle, or versioning disabled
     assert steps.bundle_version(SimpleNamespace()) is None  # `airflow dags test` and other task stand-ins
     ti = _TI(SHA)
-    assert steps.check_changes({"hash": "md5:x"}, {"epochs": 1}, "d", "r1", ti) == "train"
+    from nightshift.pipelines import load_pipeline
+
+    digits = load_pipeline(DIGITS_YAML)
+    assert steps.check_changes(digits, {"hash": "md5:x"}, {"epochs": 1}, "d", "r1", ti) == "train"
     assert ti.pushed["fingerprint"]["code_version"] == SHA
     unpinned = _TI(None)
-    steps.check_changes({"hash": "md5:x"}, {"epochs": 1}, "d", "r2", unpinned)
+    steps.check_changes(digits, {"hash": "md5:x"}, {"epochs": 1}, "d", "r2", unpinned)
     assert unpinned.pushed["fingerprint"]["code_version"] == "image-commit"
-    summary = steps.report("d", "r1", {}, {"fingerprint": ti.pushed["fingerprint"]})
+    summary = steps.report(digits, "d", "r1", {}, {"fingerprint": ti.pushed["fingerprint"]})
     assert summary["code_version"] == SHA
 
 
@@ -139,6 +143,7 @@ def bundle_repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     shutil.copytree(REPO / "dags" / "nightly_tasks", work / "dags" / "nightly_tasks",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "dags" / "nightly_retrain.py", work / "dags" / "nightly_retrain.py")
+    shutil.copytree(REPO / "pipelines", work / "pipelines")  # nightly_retrain's declaration
     shutil.copy(PROBE_FILE, work / "dags" / f"{PROBE}.py")
     first = _commit_and_push(work, "dags and the bundle probe")
     return {"bare": bare, "work": work, "first": first}

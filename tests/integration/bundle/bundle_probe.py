@@ -14,6 +14,12 @@ from pathlib import Path
 from airflow.sdk import DAG, get_current_context, task
 from nightly_tasks import steps
 
+import nightshift
+from nightshift.pipelines import load_pipeline
+
+# The demo pipeline's declaration, from the nightshift checkout the probe runs with (the steps take a pipeline).
+DIGITS = Path(nightshift.__file__).resolve().parents[1] / "pipelines" / "digits.yaml"
+
 MARK = "first"
 RELEASE_FILE = "release-bundle-probe"
 
@@ -29,8 +35,8 @@ with DAG(
     @task
     def check() -> str:
         context = get_current_context()
-        return steps.check_changes({"hash": "md5:probe"}, {"epochs": 1}, context["dag"].dag_id, context["run_id"],
-                                   context["ti"])
+        return steps.check_changes(load_pipeline(DIGITS), {"hash": "md5:probe"}, {"epochs": 1},
+                                   context["dag"].dag_id, context["run_id"], context["ti"])
 
     @task
     def hold() -> None:
@@ -46,7 +52,8 @@ with DAG(
         context = get_current_context()
         ti = context["ti"]
         fingerprint = ti.xcom_pull(task_ids="check", key="fingerprint")
-        summary = steps.report(context["dag"].dag_id, context["run_id"], {}, {"fingerprint": fingerprint})
+        summary = steps.report(load_pipeline(DIGITS), context["dag"].dag_id, context["run_id"], {},
+                               {"fingerprint": fingerprint})
         return {"mark": MARK, "bundle_version": steps.bundle_version(ti), "code_version": summary["code_version"]}
 
     check() >> hold() >> report()

@@ -77,7 +77,10 @@ def test_check_changes_with_a_pinned_bundle_version_needs_no_local_git(monkeypat
     ti = TI()
     params = {"epochs": 5, "workers": 2, "learning_rate": None, "batch_size": None, "momentum": None,
               "model_kwargs": None, "force": False}
-    _steps().check_changes({"hash": "md5:data"}, params, "nightly_retrain", "r1", ti)
+    from nightshift.pipelines import load_pipeline
+
+    digits = load_pipeline(REPO / "pipelines" / "digits.yaml")
+    _steps().check_changes(digits, {"hash": "md5:data"}, params, "nightly_retrain", "r1", ti)
     assert ti.pushed["fingerprint"]["code_version"] == "0123456789abcdef0123456789abcdef01234567"
 
 

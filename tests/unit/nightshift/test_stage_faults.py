@@ -145,8 +145,11 @@ def test_a_split_swapped_for_a_non_regular_file_while_staging_waits_is_refused_a
 STEPS_STAGE_CHILD = textwrap.dedent("""
     import json, sys
     from nightly_tasks.steps import stage
+    from nightshift.pipelines import load_pipeline
+    digits = load_pipeline(sys.argv[3])
     try:
-        staged = stage({"path": sys.argv[1], "fingerprint": sys.argv[2]}, "nightly_retrain", "manual__faults")
+        staged = stage(digits, {"path": sys.argv[1], "fingerprint": sys.argv[2]}, "nightly_retrain",
+                       "manual__faults")
     except Exception as err:
         print(json.dumps({"error": type(err).__name__, "message": str(err)}))
         sys.exit(1)
@@ -179,7 +182,8 @@ def test_a_split_relinked_outside_the_roots_after_the_gate_is_never_versioned(de
     passed = fingerprint(path)
     (data / "train.parquet").unlink()
     (data / "train.parquet").symlink_to(secret / "train.parquet")  # after the gate, before the stage task
-    done = subprocess.run([sys.executable, "-c", STEPS_STAGE_CHILD, str(path), passed], env=env,
+    done = subprocess.run([sys.executable, "-c", STEPS_STAGE_CHILD, str(path), passed,
+                           str(REPO / "pipelines" / "digits.yaml")], env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {"stderr": done.stderr}
     assert "staged" not in result, (f"train.parquet linked to {secret} (outside the roots) was versioned as "
@@ -197,6 +201,7 @@ GATE_CHILD = textwrap.dedent("""
     from pathlib import Path
     from nightly_tasks.adapters import GXDataGateOperator
     import nightshift.data.validate as validate
+    from nightshift.pipelines import load_pipeline
 
     data, good, bad = (Path(p) for p in sys.argv[1:4])
     real = validate.pd.read_parquet
@@ -215,7 +220,8 @@ GATE_CHILD = textwrap.dedent("""
         def xcom_push(self, key, value):
             pass
 
-    gate = GXDataGateOperator(task_id="validate_data", data_source=str(data))
+    digits = load_pipeline(Path(sys.argv[5]))
+    gate = GXDataGateOperator(task_id="validate_data", pipeline=digits, data_source=str(data))
     try:
         result = gate.execute({"ti": TI(), "params": {}})
     except Exception as err:  # the gate refused what it read: nothing passed
@@ -254,7 +260,8 @@ def test_the_gate_fingerprint_is_of_the_bytes_the_gate_validated(demo_data: Path
     env = _env(home, NIGHTSHIFT_DATA_ROOTS=str(tmp_path / "roots"), NIGHTSHIFT_DVC_REMOTE=str(tmp_path / "remote"),
                AIRFLOW_HOME=str(tmp_path / "airflow-home"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
                AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path / 'airflow.db'}")
-    done = subprocess.run([sys.executable, "-c", GATE_CHILD, str(data), str(good), str(bad), str(tmp_path / "ws")],
+    done = subprocess.run([sys.executable, "-c", GATE_CHILD, str(data), str(good), str(bad), str(tmp_path / "ws"),
+                           str(REPO / "pipelines" / "digits.yaml")],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0 and done.stdout.strip(), done.stderr[-5000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -238,7 +238,7 @@ def test_the_queue_timeout_param_refuses_zero(monkeypatch: pytest.MonkeyPatch) -
     sys.modules.pop("nightly_retrain", None)
     import nightly_retrain
 
-    param = nightly_retrain.PARAMS["queue_timeout"]
+    param = nightly_retrain.dag.params.get_param("queue_timeout")
     with pytest.raises(ParamValidationError):
         param.resolve(0)
     assert param.resolve(1) == 1 and param.resolve(None) is None

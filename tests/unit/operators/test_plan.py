@@ -141,10 +141,10 @@ def test_against_a_ref_a_change_of_default_workers_shows_as_replicas_and_nothing
     clone = tmp_path / "clone"
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
-    dag = clone / "dags" / "nightly_retrain.py"
-    text = dag.read_text()
-    assert '"workers": Param(2,' in text
-    dag.write_text(text.replace('"workers": Param(2,', '"workers": Param(3,'))
+    declaration = clone / "pipelines" / "digits.yaml"  # nightly_retrain's Param defaults come from it
+    text = declaration.read_text()
+    assert "\n  workers: 2\n" in text
+    declaration.write_text(text.replace("\n  workers: 2\n", "\n  workers: 3\n"))
     subprocess.run([*git, "-C", str(clone), "commit", "-qam", "three workers"], check=True)
     env = {**os.environ, "NIGHTSHIFT_HOME": "/nightshift", "MLFLOW_TRACKING_URI": TRACKING,
            "PYTHONPATH": str(clone), "NIGHTSHIFT_SCHEMAS": str(REPO.parent / "shared" / "schemas")}

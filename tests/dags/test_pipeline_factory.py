@@ -1,0 +1,214 @@
+"""The DAG factory (dags/nightly_tasks/factory.py): the digits declaration gives today's nightly_retrain, a second
+declaration a second DAG that shares nothing with it, and a bad declaration fails only its own DAG file, in one
+line naming the YAML file and the key."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import DIGITS_YAML
+from tests.dags.conftest import REPO, run_json
+
+DAGS = REPO / "dags"
+# Today's nightly_retrain, as dags/nightly_retrain.py declared it by hand before the factory.
+EDGES = {
+    "validate_data": ["stage_dataset"],
+    "stage_dataset": ["check_changes", "evaluate", "deploy", "register"],
+    "check_changes": ["skip_training", "train"],
+    "skip_training": ["report"],
+    "train": ["evaluate"],
+    "evaluate": ["register"],
+    "register": ["approve"],
+    "approve": ["deploy"],
+    "deploy": ["report"],
+    "report": [],
+}
+PARAM_DEFAULTS = {
+    "data_source": None, "epochs": 5, "learning_rate": None, "batch_size": None, "momentum": None,
+    "model_kwargs": None, "workers": 2, "gpus_per_worker": 0, "gpus": 0, "queue": None, "priority": None,
+    "queue_timeout": 7200, "backend": "local", "min_improvement": 0.001, "require_approval": False, "force": False,
+    "deploy_target": "local",
+}
+ENV = ("NIGHTSHIFT_RETRAIN_CRON", "NIGHTSHIFT_BACKEND", "NIGHTSHIFT_KUEUE_QUEUE", "NIGHTSHIFT_KUEUE_PRIORITY",
+       "NIGHTSHIFT_TRAIN_RETRY_DELAY_S", "NIGHTSHIFT_EVENTS_REDIS_URL", "NIGHTSHIFT_EVENTS_CONN_ID",
+       "NIGHTSHIFT_EVENTS_PIPELINES")
+
+
+@pytest.fixture(autouse=True)
+def dag_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.syspath_prepend(str(DAGS))  # as Airflow puts the DAG folder on sys.path
+
+
+def _factory() -> Any:
+    from nightly_tasks import factory
+
+    return factory
+
+
+def _nightly_retrain() -> Any:
+    return runpy.run_path(str(DAGS / "nightly_retrain.py"), run_name="nightly_retrain_under_test")["dag"]
+
+
+def _declare(folder: Path, name: str, **changes: Any) -> Path:
+    """A copy of digits.yaml as `folder/name.yaml`, with top-level keys (or dotted ones) changed."""
+    data = yaml.safe_load(DIGITS_YAML.read_text())
+    for key, value in changes.items():
+        node = data
+        *parents, last = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[last] = value
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _second(tmp_path: Path) -> Path:
+    return _declare(tmp_path, "churn", dag_id="churn_retrain", model_name="churn-digits",
+                    **{"dataset.asset": "churn", "dataset.data": {"directory": "data/churn"}, "schedule": "30 4 * * *",
+                       "gate.min_improvement": 0.01, "training.epochs": 3, "deploy.require_approval": True})
+
+
+def _outlets(dag: Any, task_id: str) -> list[str]:
+    return [asset.uri for asset in dag.get_task(task_id).outlets]
+
+
+def _cron(dag: Any) -> str | None:
+    return getattr(dag.timetable, "expression", None)
+
+
+def _arg(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_the_digits_declaration_gives_todays_nightly_retrain() -> None:
+    dag = _nightly_retrain()
+    assert type(dag).__name__ == "DAG" and dag.dag_id == "nightly_retrain"
+    assert {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks} == {k: sorted(v) for k, v in EDGES.items()}
+    assert {name: dag.params.get_param(name).value for name in dag.params} == PARAM_DEFAULTS
+    assert _cron(dag) == "0 2 * * *"
+    assert (dag.catchup, dag.max_active_runs, sorted(dag.tags)) == (False, 1, ["horovod", "mlflow", "nightshift",
+                                                                             "training"])
+    assert _outlets(dag, "stage_dataset") == ["nightshift://datasets/digits"]
+    assert _outlets(dag, "deploy") == ["nightshift://models/nightshift-digits/champion"]
+    train = dag.get_task("train")
+    assert _arg(train.job.command, "--mlflow-experiment") == train.tracking.mlflow_experiment == "nightly_retrain"
+    assert _arg(train.job.command, "--dataset") == "digits"
+    assert train.retry_delay.total_seconds() == 60 and train.retries == 2
+    assert dag.get_task("approve").subject == "Deploy the new nightshift-digits model?"
+    assert dag.get_task("deploy").trigger_rule == "none_failed_min_one_success"
+    assert "nightshift-digits" in dag.doc_md and "`gx:digits`" in dag.doc_md
+
+
+def test_todays_environment_overrides_still_apply_to_nightly_retrain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIGHTSHIFT_RETRAIN_CRON", "none")
+    monkeypatch.setenv("NIGHTSHIFT_BACKEND", "kubernetes")
+    monkeypatch.setenv("NIGHTSHIFT_KUEUE_QUEUE", "team-a")
+    monkeypatch.setenv("NIGHTSHIFT_TRAIN_RETRY_DELAY_S", "7")
+    dag = _nightly_retrain()
+    assert type(dag.timetable).__name__ == "NullTimetable" and _cron(dag) is None
+    assert dag.params.get_param("backend").value == "kubernetes"
+    assert dag.params.get_param("queue").value == "team-a"
+    assert dag.get_task("train").retry_delay.total_seconds() == 7
+    monkeypatch.setenv("NIGHTSHIFT_RETRAIN_CRON", "15 1 * * *")
+    assert _cron(_nightly_retrain()) == "15 1 * * *"
+
+
+def test_new_data_events_start_only_the_listed_pipelines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("NIGHTSHIFT_EVENTS_CONN_ID", "redis_events")
+    factory = _factory()
+    digits, other = factory.pipeline_dag(DIGITS_YAML), factory.pipeline_dag(_second(tmp_path))
+    assert type(digits.timetable).__name__ == "AssetOrTimeSchedule"
+    assert _cron(other) == "30 4 * * *"  # an event names a directory, not this pipeline's data
+    monkeypatch.setenv("NIGHTSHIFT_EVENTS_PIPELINES", "churn_retrain")
+    assert type(factory.pipeline_dag(_second(tmp_path)).timetable).__name__ == "AssetOrTimeSchedule"
+
+
+def test_a_second_declaration_gives_a_second_dag_sharing_nothing(tmp_path: Path, nightshift_home: Path) -> None:
+    from nightly_tasks import steps
+
+    from nightshift.deploy.local import record_path
+    from nightshift.ledger import ledger_path
+    from operators.mpijob_spec import TaskIdentity
+
+    factory = _factory()
+    digits, churn = factory.pipeline_dag(DIGITS_YAML), factory.pipeline_dag(_second(tmp_path))
+    assert churn.dag_id == "churn_retrain" and sorted(t.task_id for t in churn.tasks) == sorted(EDGES)
+    assert _outlets(churn, "stage_dataset") == ["nightshift://datasets/churn"]
+    assert _outlets(churn, "deploy") == ["nightshift://models/churn-digits/champion"]
+    assert _cron(churn) == "30 4 * * *"
+    assert {k: churn.params.get_param(k).value for k in ("epochs", "min_improvement", "require_approval")} == {
+        "epochs": 3, "min_improvement": 0.01, "require_approval": True}
+    assert churn.get_task("approve").subject == "Deploy the new churn-digits model?"
+    trains = [dag.get_task("train") for dag in (digits, churn)]
+    assert [_arg(t.job.command, "--mlflow-experiment") for t in trains] == ["nightly_retrain", "churn_retrain"]
+    assert [t.tracking.mlflow_experiment for t in trains] == ["nightly_retrain", "churn_retrain"]
+    # What each run writes, for the same run id: workspaces, checkpoints, the ledger, the registry, the server.
+    pipelines = [factory.pipeline_for("nightly_retrain"), factory.pipeline_for("churn_retrain")]
+    run_id = "scheduled__2026-06-01T02:00:00+00:00"
+    workspaces = {steps.workspace_for(p.dag_id, run_id) for p in pipelines}
+    checkpoints = {train.resolve_checkpoint_dir(TaskIdentity(dag_id=dag.dag_id, task_id="train", run_id=run_id,
+                                                             try_number=1), "local")
+                   for dag, train in zip((digits, churn), trains, strict=True)}
+    assert len(workspaces) == len(checkpoints) == 2
+    assert len({ledger_path(p.dag_id) for p in pipelines}) == 2  # lineage rows, and the last-success check
+    assert [steps.evaluation_args(p, 0.001)["model_name"] for p in pipelines] == ["nightshift-digits", "churn-digits"]
+    assert len({record_path(p.model_name) for p in pipelines}) == 2  # one local server (and port) per model
+    assert [steps.default_data_dir(p) for p in pipelines] == [nightshift_home / "demo-data" / "digits",
+                                                             nightshift_home / "data" / "churn"]
+
+
+def test_a_declaration_whose_data_is_missing_is_refused_unless_it_is_the_demo(tmp_path: Path,
+                                                                              nightshift_home: Path) -> None:
+    from nightly_tasks import steps
+
+    from nightshift.errors import UsageError
+    from nightshift.pipelines import load_pipeline
+
+    churn = load_pipeline(_declare(tmp_path, "tab", dag_id="tab_retrain", model_name="tab",
+                                   **{"dataset.loader": "tabular", "dataset.data": {"directory": "data/tab"}}))
+    with pytest.raises(UsageError, match=r"no data_source given and the declared data .*data/tab lacks"):
+        steps.resolve_data_source(churn, "")
+
+
+DAGBAG = """
+import json, sys
+from airflow.dag_processing.dagbag import DagBag
+sys.path.insert(0, {dags!r})
+bag = DagBag(dag_folder={folder!r})
+print(json.dumps({{"errors": {{k: str(v) for k, v in bag.import_errors.items()}}, "dags": sorted(bag.dag_ids)}}))
+"""
+
+STUB = '''"""Airflow DAG of the pipeline declared in the YAML file of the same name beside it."""
+from nightly_tasks.factory import pipeline_dag
+dag = pipeline_dag(__file__)
+'''
+
+
+def test_a_bad_declaration_fails_its_own_dag_file_in_one_line(tmp_path: Path, airflow_env: dict[str, str]) -> None:
+    folder = tmp_path / "user-dags"
+    folder.mkdir()
+    _declare(folder, "good", dag_id="good_retrain", model_name="good-model")
+    _declare(folder, "bad", dag_id="bad_retrain", model_name="bad-model", **{"gate.primary": "rmse"})
+    for name in ("good", "bad", "missing"):
+        (folder / f"{name}.py").write_text(STUB)
+    env = {k: v for k, v in airflow_env.items() if k not in ENV}
+    env["AIRFLOW__CORE__DAGS_FOLDER"] = str(folder)
+    out = run_json(DAGBAG.format(dags=str(DAGS), folder=str(folder)), env)
+    assert out["dags"] == ["good_retrain"]
+    errors = out["errors"]
+    assert set(errors) == {str(folder / "bad.py"), str(folder / "missing.py")}
+    bad = errors[str(folder / "bad.py")]
+    assert "\n" not in bad and "Traceback" not in bad
+    assert bad.startswith(f"PipelineInvalid: {folder / 'bad.yaml'}: gate.primary: metric 'rmse' does not fit a "
+                          f"multiclass task")
+    missing = errors[str(folder / "missing.py")]
+    assert "\n" not in missing and f"{folder / 'missing.yaml'}: (top level): cannot be read" in missing
+
