@@ -8,6 +8,7 @@ never at module top, so the DAG file that imports this module parses fast.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,22 +30,19 @@ def experiment(pipeline: Pipeline) -> str:
 
 
 def trainer_dataset_args(pipeline: Pipeline) -> list[str]:
-    """The trainer flags that say which data loader (and, once the trainer takes them, which options and task)
-    the pipeline trains with: the one place that turns the declaration's dataset and task into trainer flags.
-
-    `python -m nightshift.train` takes `--dataset` today. Branch i22-tabular adds `--dataset-options JSON` and
-    `--task`; once it is merged, append `"--dataset-options", json.dumps(pipeline.dataset.loader_options(),
-    sort_keys=True), "--task", pipeline.task` here (and the gate's `task`/`label_column` in
-    `evaluation_args`)."""
-    return ["--dataset", pipeline.dataset.loader]
+    """The trainer flags that say which data loader, with which options, and which task the pipeline trains:
+    the one place that turns the declaration's dataset and task into trainer flags (all three are part of the
+    checkpoints' resume key)."""
+    return ["--dataset", pipeline.dataset.loader, "--task", pipeline.task,
+            "--dataset-options", json.dumps(pipeline.dataset.loader_options(), sort_keys=True)]
 
 
 def evaluation_args(pipeline: Pipeline, min_improvement: float) -> dict[str, Any]:
-    """The keyword arguments of nightshift.evaluate.evaluate for this pipeline: its registered model and its
-    gate, with the run's `min_improvement` Param (the form's default is the declaration's). The evaluator
-    takes the task (through GateConfig) and the label column on branch i22-tabular: add them here."""
-    gate = {**pipeline.gate.config(), "min_improvement": float(min_improvement)}
-    return {"model_name": pipeline.model_name, "gate": gate}
+    """The keyword arguments of nightshift.evaluate.evaluate for this pipeline: its registered model, its label
+    column and its gate (with its task, which says the metrics and which way each improves), with the run's
+    `min_improvement` Param (the form's default is the declaration's)."""
+    gate = {**pipeline.gate.config(), "min_improvement": float(min_improvement), "task": pipeline.task}
+    return {"model_name": pipeline.model_name, "gate": gate, "label_column": pipeline.dataset.label}
 
 
 def default_data_dir(pipeline: Pipeline) -> Path:
