@@ -29,6 +29,24 @@ def plan(conf: dict[str, Any] | str, **env: str) -> subprocess.CompletedProcess[
                           cwd=REPO, timeout=120, check=False)
 
 
+def plan_here(conf: dict[str, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+              **env: str) -> tuple[int, str, str]:
+    """`plan` in this process (exit code, stdout, stderr), with the environment `plan()` gives its child: the
+    CLI itself is run as a process once (test_four_workers_of_eight_gpus); each process costs ~20 s of CPU
+    importing Airflow and parsing the DAG."""
+    from nightshift.cli import main
+
+    for name, value in {"NIGHTSHIFT_HOME": "/nightshift", "MLFLOW_TRACKING_URI": TRACKING,
+                        "AIRFLOW__CORE__FERNET_KEY": "planted-fernet", **env}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("NIGHTSHIFT_CLUSTER_MLFLOW_URI", "NIGHTSHIFT_KUEUE_QUEUE", "NIGHTSHIFT_GPUS_PER_NODE"):
+        if name not in env:
+            monkeypatch.delenv(name, raising=False)
+    code = main(["plan", "--conf", json.dumps(conf)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_four_workers_of_eight_gpus(validate_mpijob: Any) -> None:
     done = plan({"backend": "kubernetes", "workers": 4, "gpus_per_worker": 8}, NIGHTSHIFT_SHARED_PVC="team-rwx")
     assert done.returncode == 0, done.stderr
@@ -57,11 +75,12 @@ def test_four_workers_of_eight_gpus(validate_mpijob: Any) -> None:
     assert command[command.index("--device") + 1] == "cuda"  # a GPU worker never falls back to the CPU
 
 
-def test_just_say_how_many_gpus_and_which_queue(validate_mpijob: Any) -> None:
+def test_just_say_how_many_gpus_and_which_queue(validate_mpijob: Any, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     conf = {"backend": "kubernetes", "gpus": 12, "queue": "nightly", "priority": "nightly-low"}
-    done = plan(conf, NIGHTSHIFT_GPUS_PER_NODE="8")
-    assert done.returncode == 0, done.stderr
-    (job,) = yaml.safe_load_all(done.stdout)
+    code, out, err = plan_here(conf, monkeypatch, capsys, NIGHTSHIFT_GPUS_PER_NODE="8")
+    assert code == 0, err
+    (job,) = yaml.safe_load_all(out)
     validate_mpijob(job)
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "nightly"
     assert job["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "nightly-low"
@@ -69,21 +88,15 @@ def test_just_say_how_many_gpus_and_which_queue(validate_mpijob: Any) -> None:
     workers = job["spec"]["mpiReplicaSpecs"]["Worker"]
     each = workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert workers["replicas"] * each == 12 and each <= 8
-    missing = plan(conf)
-    assert missing.returncode == 2 and "set NIGHTSHIFT_GPUS_PER_NODE" in missing.stderr
+    code, _, err = plan_here(conf, monkeypatch, capsys)
+    assert code == 2 and "set NIGHTSHIFT_GPUS_PER_NODE" in err
 
 
 def test_a_queue_without_a_priority_plans_a_job_with_no_priority_label(
         validate_mpijob: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from nightshift.cli import main
-
-    for name, value in {"NIGHTSHIFT_HOME": "/nightshift", "MLFLOW_TRACKING_URI": TRACKING,
-                        "NIGHTSHIFT_GPUS_PER_NODE": "8"}.items():
-        monkeypatch.setenv(name, value)
-    for name in ("NIGHTSHIFT_CLUSTER_MLFLOW_URI", "NIGHTSHIFT_KUEUE_QUEUE", "NIGHTSHIFT_KUEUE_PRIORITY"):
-        monkeypatch.delenv(name, raising=False)
-    code = main(["plan", "--conf", json.dumps({"backend": "kubernetes", "gpus": 12, "queue": "nightly"})])
-    out, err = capsys.readouterr()
+    monkeypatch.delenv("NIGHTSHIFT_KUEUE_PRIORITY", raising=False)
+    code, out, err = plan_here({"backend": "kubernetes", "gpus": 12, "queue": "nightly"}, monkeypatch, capsys,
+                               NIGHTSHIFT_GPUS_PER_NODE="8")
     assert code == 0, err
     (job,) = yaml.safe_load_all(out)
     validate_mpijob(job)
@@ -92,9 +105,10 @@ def test_a_queue_without_a_priority_plans_a_job_with_no_priority_label(
     assert job["spec"]["runPolicy"]["suspend"] is True
 
 
-def test_the_local_backend_creates_no_kubernetes_object() -> None:
-    done = plan({"workers": 2})
-    assert done.returncode == 0 and not list(yaml.safe_load_all(done.stdout))
+def test_the_local_backend_creates_no_kubernetes_object(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = plan_here({"workers": 2}, monkeypatch, capsys)
+    assert code == 0 and not list(yaml.safe_load_all(out))
 
 
 @pytest.mark.parametrize(("conf", "message"), [
@@ -119,10 +133,12 @@ def test_a_bad_conf_exits_non_zero_with_the_params_message(conf: dict[str, Any] 
     assert out == "" and len(err.strip().splitlines()) == 1
 
 
-def test_a_tracking_store_the_pods_cannot_reach_is_refused() -> None:
-    done = plan({"backend": "kubernetes"}, MLFLOW_TRACKING_URI="sqlite:////nightshift/mlflow.db")
-    assert done.returncode == 2
-    assert "needs an MLflow tracking server that the pods reach" in done.stderr
+def test_a_tracking_store_the_pods_cannot_reach_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = plan_here({"backend": "kubernetes"}, monkeypatch, capsys,
+                             MLFLOW_TRACKING_URI="sqlite:////nightshift/mlflow.db")
+    assert code == 2
+    assert "needs an MLflow tracking server that the pods reach" in err
 
 
 def test_validation_is_strict_a_misspelt_field_fails(mpijob_schema: dict[str, Any]) -> None:
