@@ -18,20 +18,13 @@ import numpy as np
 from nightshift import tracking
 from nightshift.datasets import read_split_frame
 from nightshift.errors import EvaluationError, UsageError
-from nightshift.tasks import BINARY, MULTICLASS, REGRESSION, check_task, metric, metric_names
+from nightshift.tasks import BINARY, DEFAULT_GATES, MULTICLASS, REGRESSION, check_task, metric, metric_names
 
 DEFAULT_MODEL_NAME = "nightshift-digits"
 LABEL_COLUMN = "label"
 
 # A task's gate when none is given: (primary, guards and their tolerances, floor without a champion). A
 # regression metric has the target's units, so no floor fits every dataset: the first model passes.
-DEFAULT_GATES: dict[str, tuple[str, dict[str, float], float | None]] = {
-    MULTICLASS: ("accuracy", {"macro_f1": 0.01, "log_loss": 0.05}, 0.8),
-    BINARY: ("accuracy", {"f1": 0.01, "log_loss": 0.05}, 0.8),
-    REGRESSION: ("rmse", {}, None),
-}
-
-
 @dataclass(frozen=True)
 class GateConfig:
     """When a challenger may replace the champion, for a model of `task` (nightshift.tasks).

@@ -34,6 +34,15 @@ METRICS: dict[str, tuple[Metric, ...]] = {
 }
 
 
+# Each task's gate when a declaration or `nightshift evaluate` leaves it out: (primary metric, guard metrics and
+# how far each may regress, floor for a first model (None: none)).
+DEFAULT_GATES: dict[str, tuple[str, dict[str, float], float | None]] = {
+    MULTICLASS: ("accuracy", {"macro_f1": 0.01, "log_loss": 0.05}, 0.8),
+    BINARY: ("accuracy", {"f1": 0.01, "log_loss": 0.05}, 0.8),
+    REGRESSION: ("rmse", {}, None),
+}
+
+
 def check_task(task: str) -> str:
     if task not in METRICS:
         raise UsageError(f"unknown task {task!r}; use one of {', '.join(TASKS)}")

@@ -450,17 +450,9 @@ def test_digits_yaml_declares_todays_nightly_retrain() -> None:
 
     assert (pipeline.dataset.loader, pipeline.model.name) == (TrainConfig.dataset, TrainConfig.model)
     assert dict(pipeline.model.kwargs) == {}
-    # the gate: nightshift.evaluate.GateConfig's defaults (read from its source: importing it loads MLflow)
-    gate = next(node for node in ast.parse((REPO / "nightshift" / "evaluate.py").read_text()).body
-                if isinstance(node, ast.ClassDef) and node.name == "GateConfig")
-    defaults: dict[str, Any] = {}
-    for item in gate.body:
-        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None:
-            value = item.value
-            if isinstance(value, ast.Call):  # field(default_factory=lambda: {...})
-                value = value.keywords[0].value.body  # type: ignore[attr-defined]
-            defaults[item.target.id] = ast.literal_eval(value)
-    assert pipeline.gate.config() == defaults
+    # the gate: a multiclass task's default gate (GateConfig with nothing given, nightshift evaluate's defaults)
+    primary, guards, floor = tasks.DEFAULT_GATES[tasks.MULTICLASS]
+    assert pipeline.gate.config() == {"primary": primary, "guards": guards, "floor": floor, "min_improvement": 0.001}
     assert pipeline.task == tasks.MULTICLASS and pipeline.dataset.label == "label"
     # the suite: the one validate_data loads (nightshift.data.validate.SUITE in gx/)
     validate = _assignments(REPO / "nightshift" / "data" / "validate.py")
