@@ -30,10 +30,12 @@ def demo_module() -> ModuleType:
     return demo
 
 
-def stop_model_server(env: dict[str, str]) -> None:
-    """Stop the local model server a run deployed (by the PID in its serving record), if any."""
-    subprocess.run([str(BIN / "nightshift"), "deploy", "--stop"], env=env, capture_output=True, timeout=120,
-                   check=False)
+def stop_model_server(env: dict[str, str], model_name: str | None = None, *, bin_dir: Path = BIN) -> None:
+    """Stop the local model server a run deployed for `model_name` (default: the demo's), by the PID in its
+    serving record, if any; with the `nightshift` of `bin_dir` (another installation's)."""
+    model = ["--model-name", model_name] if model_name else []
+    subprocess.run([str(bin_dir / "nightshift"), "deploy", "--stop", *model], env=env, capture_output=True,
+                   timeout=120, check=False)
 
 
 def registered_versions(nightshift_home: Path, model_name: str = "nightshift-digits") -> list[str]:

@@ -235,7 +235,7 @@ def test_trainer_installs_the_project_with_constraints() -> None:
     (project,) = [r for r in _runs(TRAINER / "Dockerfile") if "/build/src" in r]
     assert "pip install --no-cache-dir -c constraints.txt /build/src" in project
     copied = {args.split()[0] for kw, args in instructions if kw == "COPY" and "/build/src" in args}
-    assert {"nightshift", "operators"} <= copied
+    assert {"nightshift", "operators", "dags/nightly_tasks"} <= copied  # every package pyproject.toml finds
 
 
 def test_trainer_runs_as_non_root_with_sshd_for_the_mpi_operator() -> None:
@@ -349,6 +349,9 @@ def test_airflow_image_installs_the_airflow_side_pins_without_torch_or_horovod()
     assert "torch" not in " ".join(runs) and "horovod" not in " ".join(runs)
     (project,) = [r for r in runs if "--no-deps" in r]
     assert "pip install --no-cache-dir --no-deps /tmp/nightshift/src" in project
+    copied = {args.split()[-2] for kw, args in _instructions(AIRFLOW / "Dockerfile")
+              if kw == "COPY" and "/tmp/nightshift/src" in args}
+    assert {"nightshift", "operators", "dags/nightly_tasks"} <= copied  # every package pyproject.toml finds
 
 
 def test_airflow_image_ships_dags_and_plugins_to_the_configured_folders() -> None:
