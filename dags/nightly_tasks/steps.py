@@ -148,9 +148,21 @@ def resolve_training(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, An
     return resolved
 
 
+def training_declaration(pipeline: Pipeline) -> dict[str, Any]:
+    """The part of the declaration that shapes the trained model (what it predicts, from what, with which
+    model): a change of any of it is a change that trains (ledger.fingerprint's `declaration`)."""
+    from nightshift.pipelines.spec import plain
+
+    return {"task": pipeline.task, "loader": pipeline.dataset.loader, "label": pipeline.dataset.label,
+            "features": list(pipeline.dataset.features) if pipeline.dataset.features is not None else None,
+            "loader_options": pipeline.dataset.loader_options(), "model": pipeline.model.name,
+            "model_kwargs": plain(pipeline.model.kwargs)}
+
+
 def check_changes(pipeline: Pipeline, staged: dict[str, Any], params: dict[str, Any], dag_id: str, run_id: str,
                   ti: Any) -> str:
-    """Branch: "train", or "skip_training" when data, code and training params match the last success.
+    """Branch: "train", or "skip_training" when data, code, training params and the training-relevant
+    declaration (`training_declaration`) match the last success.
 
     Pushes `training`: the trainer options the `train` task passes (`resolve_training`)."""
     from nightshift import ledger as lineage
@@ -158,7 +170,8 @@ def check_changes(pipeline: Pipeline, staged: dict[str, Any], params: dict[str, 
     resolved = resolve_training(pipeline, params)
     options = resolved["options"]
     current = lineage.fingerprint(staged["hash"], {**params, "learning_rate": options["lr"],
-                                                   "batch_size": options["batch_size"]}, bundle_version(ti))
+                                                   "batch_size": options["batch_size"]}, bundle_version(ti),
+                                 declaration=training_declaration(pipeline))
     # Options the fingerprint has no field for count where they differ from the trainer's defaults, so a run
     # without them compares equal to the runs before them.
     current["training"].update({k: options[k] for k in ("momentum", "model", "model_kwargs")
@@ -172,11 +185,10 @@ def check_changes(pipeline: Pipeline, staged: dict[str, Any], params: dict[str, 
         log.info("force is on: training whatever changed")
         return "train"
     if lineage.unchanged_since(previous, current):
-        log.info("Dataset %s, code %s and training params are unchanged since run %s: skipping training",
+        log.info("Dataset %s, code %s, declaration and training params are unchanged since run %s: skipping training",
                  current["dataset_version"], current["code_version"], previous and previous.get("run_id"))
         return "skip_training"
-    changed = [k for k in ("dataset_version", "code_version", "training")
-               if not previous or previous.get(k) != current[k]]
+    changed = [k for k in lineage.FINGERPRINT_KEYS if not previous or previous.get(k) != current.get(k)]
     log.info("Training: %s", "no earlier successful run" if not previous else f"changed {', '.join(changed)}")
     return "train"
 
@@ -290,6 +302,7 @@ def report(pipeline: Pipeline, dag_id: str, run_id: str, params: dict[str, Any],
         "dataset_version": staged.get("hash"), "dataset_rows": staged.get("rows"),
         "dataset_source": staged.get("source"),
         "code_version": fingerprint.get("code_version"), "training": fingerprint.get("training"),
+        "declaration": fingerprint.get("declaration"),
         "training_source": fingerprint.get("training_source"),
         "mlflow_run_id": (trained or {}).get("mlflow_run_id"),
         "train_metrics": (trained or {}).get("metrics"),
