@@ -120,14 +120,15 @@ def bundle_version(ti: Any) -> str | None:
 
 
 def training_options(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, Any]:
-    """search.best.training_defaults for this pipeline: its model and model arguments are the defaults, and
-    best.json counts only when its search trained on the pipeline's dataset loader. UsageError when best.json
+    """search.best.training_defaults for this pipeline: its model and model arguments are the defaults (declared
+    model arguments win over best.json's), and best.json counts only when its search was for this pipeline and
+    trained on its dataset loader. UsageError when best.json
     or the model_kwargs Param cannot be used. Shared with `nightshift plan` (operators.plan)."""
     from nightshift.pipelines.spec import plain
     from nightshift.search.best import training_defaults
 
     return training_defaults(dict(params), model=pipeline.model.name, model_kwargs=plain(pipeline.model.kwargs),
-                             dataset=pipeline.dataset.loader)
+                             dataset=pipeline.dataset.loader, pipeline=pipeline.dag_id)
 
 
 def resolve_training(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, Any]:

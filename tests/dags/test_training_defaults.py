@@ -172,3 +172,35 @@ def test_a_changed_declaration_trains_even_on_the_same_data_code_and_params(digi
 
 def test_the_code_version_covers_the_declarations_folder() -> None:
     assert "pipelines" in ledger.CODE_PATHS
+
+
+def test_best_json_without_a_pipeline_fills_only_nightly_retrain(digits_pipeline: Any) -> None:
+    from dataclasses import replace
+
+    write_best(search_best())  # the model_search DAG's: a search of nightly_retrain's digits, naming no pipeline
+    other = replace(digits_pipeline, dag_id="digits_copy", model_name="digits-copy")  # same loader, own pipeline
+    training = check("r1", other).pushed["training"]
+    assert (training["lr"], training["model_kwargs"]) == (0.05, {})
+    assert "best.json is for pipeline 'nightly_retrain'" in training["summary"]
+    assert check("r2").pushed["training"]["lr"] == 0.2
+
+
+def test_best_json_naming_a_pipeline_fills_only_that_one(digits_pipeline: Any) -> None:
+    from dataclasses import replace
+
+    write_best({**search_best(), "pipeline": "digits_copy"})
+    other = replace(digits_pipeline, dag_id="digits_copy", model_name="digits-copy")
+    assert check("r1", other).pushed["training"]["lr"] == 0.2
+    assert check("r2").pushed["training"]["lr"] == 0.05
+
+
+def test_declared_model_kwargs_win_over_best_json(digits_pipeline: Any) -> None:
+    from dataclasses import replace
+
+    from nightshift.pipelines import ModelSpec
+
+    write_best(search_best())
+    declared = replace(digits_pipeline, model=ModelSpec(name="digits_cnn", kwargs={"channels": 8}))
+    training = check("r1", declared).pushed["training"]
+    assert (training["model"], training["model_kwargs"], training["lr"]) == ("digits_cnn", {"channels": 8}, 0.2)
+    assert check("r2", declared, model_kwargs={"channels": 4}).pushed["training"]["model_kwargs"] == {"channels": 4}
