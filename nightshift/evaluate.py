@@ -76,6 +76,12 @@ def decide(challenger: dict[str, Any], champion: dict[str, Any] | None, config: 
     reasons: list[str] = []
     passed = True
     primary = metric(config.task, config.primary)
+    names = dict.fromkeys([*metric_names(config.task), primary.name, *(config.guards or {})])
+    broken = [f"{name} {challenger[name]}" for name in names
+              if name in challenger and not math.isfinite(float(challenger[name]))]
+    if broken:  # a diverged model (NaN predictions) or an undefined metric: nothing to compare or accept
+        return {"passed": False, "reasons": [f"the challenger's {', '.join(broken)} is not a finite number: "
+                                             f"rejected before any other check"]}
     value = float(challenger[primary.name])
     if champion is None:
         if config.floor is None:
@@ -177,8 +183,12 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
         if tracking.VALUE_COLUMN not in out.columns:
             raise EvaluationError(f"model {model_uri} answers no {tracking.VALUE_COLUMN!r}: it is not a "
                                   f"regression model")
-        return {**head, **regression_metrics(frame[label_column].to_numpy(np.float64),
-                                             out[tracking.VALUE_COLUMN].to_numpy(np.float64))}
+        target = frame[label_column].to_numpy(np.float64)
+        if len(target) and np.all(target == target[0]):
+            raise EvaluationError(f"{path}: the target column {label_column!r} has no variance (every value is "
+                                  f"{target[0]:g}): R² is undefined and every model scores alike; evaluate on a "
+                                  f"split whose target varies")
+        return {**head, **regression_metrics(target, out[tracking.VALUE_COLUMN].to_numpy(np.float64))}
     prob_columns = [c for c in out.columns if str(c).startswith("prob_")]
     if not prob_columns:
         raise EvaluationError(f"model {model_uri} answers no class probabilities (prob_*): is it a regression "
@@ -223,11 +233,12 @@ def classification_metrics(task: str, labels: np.ndarray, proba: np.ndarray) -> 
 
 
 def regression_metrics(target: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
-    """RMSE, MAE (the target's units) and R² (1 - residual / total sum of squares)."""
+    """RMSE, MAE (the target's units) and R² (1 - residual / total sum of squares; NaN when the target has no
+    variance, so the gate refuses it rather than every model scoring alike)."""
     residual = target - predicted
     total = float(((target - target.mean()) ** 2).sum())
     return {"rmse": float(np.sqrt((residual ** 2).mean())), "mae": float(np.abs(residual).mean()),
-            "r2": 1.0 - float((residual ** 2).sum()) / total if total > 0 else 0.0}
+            "r2": 1.0 - float((residual ** 2).sum()) / total if total > 0 else math.nan}
 
 
 def confusion_png(matrix: list[list[int]], path: Path, title: str) -> Path:

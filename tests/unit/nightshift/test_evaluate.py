@@ -94,3 +94,32 @@ def test_a_champion_trained_for_the_same_contract_is_scored(monkeypatch: pytest.
                            label_column="spend") is None
     no_label = _model("multiclass", None, ["pixel_0"])  # a digits model records no label column
     assert ev.incomparable(no_label, no_label, task="multiclass", label_column="label") is None
+
+
+@pytest.mark.parametrize("challenger", [{"rmse": float("nan"), "mae": 1.0, "r2": 0.5},
+                                        {"rmse": 1.0, "mae": float("inf"), "r2": 0.5},
+                                        {"rmse": 1.0, "mae": 1.0, "r2": float("nan")}])
+def test_a_non_finite_challenger_metric_fails_the_gate_first(challenger: dict[str, float]) -> None:
+    bad = next(k for k, v in challenger.items() if v != v or v == float("inf"))
+    for champion in (None, {"rmse": 9.0, "mae": 9.0, "r2": 0.0}):
+        decision = decide(challenger, champion, GateConfig(task="regression", primary="r2", guards={}))
+        assert not decision["passed"] and decision["reasons"][0].startswith(f"the challenger's {bad} ")
+
+
+def test_r2_of_a_constant_target_is_nan_and_evaluation_refuses_such_a_split(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    import math
+
+    import numpy as np
+    import pandas as pd
+
+    from nightshift import evaluate as ev
+    from nightshift.errors import EvaluationError
+
+    assert math.isnan(ev.regression_metrics(np.full(5, 3.0), np.full(5, 3.5))["r2"])
+    frame = pd.DataFrame({"x": [1.0, 2.0, 3.0], "y": [3.0, 3.0, 3.0]})
+    monkeypatch.setattr(ev, "read_split_frame", lambda data_dir, split: frame)
+    model = _model("regression", "y", ["x"])
+    monkeypatch.setattr(ev, "_predict", lambda m, f: pd.DataFrame({ev.tracking.VALUE_COLUMN: [3.0, 3.0, 3.0]}))
+    with pytest.raises(EvaluationError, match="target column 'y' has no variance"):
+        ev.score("m", "/d", task="regression", label_column="y", model=model)
