@@ -64,17 +64,22 @@ def default_data_dir(pipeline: Pipeline) -> Path:
 def resolve_data_source(pipeline: Pipeline, data_source: str) -> Path:
     """The data directory to validate; empty means the pipeline's declared data (`dataset.data`).
 
-    A given directory must lie under the configured data roots (nightshift.settings.data_roots). Declared data
-    that is missing is written when the pipeline reads the demo digits (`nightshift demo-data`), else refused.
+    A given directory and the declared one alike must lie under the configured data roots
+    (nightshift.settings.data_roots): a declaration is no way around them. Declared data that is missing is
+    written when the pipeline reads the demo digits (`nightshift demo-data`), else refused.
     """
-    if data_source.strip():
-        from nightshift.settings import confined_data_source
+    from nightshift.settings import confined_data_source
 
+    if data_source.strip():
         return confined_data_source(data_source.strip())
     from nightshift.datasets import SPLITS, split_path
     from nightshift.errors import UsageError
 
-    path = default_data_dir(pipeline)
+    declared = default_data_dir(pipeline)
+    try:
+        path = confined_data_source(declared)
+    except UsageError as err:
+        raise UsageError(f"{pipeline.source or pipeline.dag_id}: dataset.data: {err}") from err
     if not all(split_path(path, s).is_file() for s in SPLITS):
         if pipeline.dataset.loader != DEMO_LOADER:
             raise UsageError(f"no data_source given and the declared data {path} lacks "
@@ -84,6 +89,7 @@ def resolve_data_source(pipeline: Pipeline, data_source: str) -> Path:
 
         log.info("No data_source given: writing the demo dataset to %s", path)
         write_demo_dataset(path, seed=0)
+        path = confined_data_source(path)  # the written files too
     return path
 
 
@@ -101,10 +107,9 @@ def stage(pipeline: Pipeline, validated: dict[str, Any], dag_id: str, run_id: st
 
     workspace = workspace_for(dag_id, run_id)
     # Confined again, under the staging lock: the gate ran earlier (a retry may come hours later) and a split
-    # may have been relinked out of the roots since. The declared data is what the gate serves for no source.
-    roots = [*data_roots(), default_data_dir(pipeline)]
+    # may have been relinked out of the roots since. The declared data gets no root of its own.
     version = dict(stage_dataset(validated["path"], workspace, validated=validated.get("fingerprint"),
-                                 roots=roots))
+                                 roots=data_roots()))
     log.info("Dataset version %s (%d rows) staged in %s", version["hash"], version["rows"], version["path"])
     return {**version, "workspace": str(workspace)}
 

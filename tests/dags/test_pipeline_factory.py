@@ -178,6 +178,34 @@ def test_a_declaration_whose_data_is_missing_is_refused_unless_it_is_the_demo(tm
         steps.resolve_data_source(churn, "")
 
 
+
+def test_declared_data_outside_the_data_roots_is_refused_as_a_data_source_would_be(
+        tmp_path: Path, nightshift_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightly_tasks import steps
+
+    from nightshift.errors import UsageError
+    from nightshift.pipelines import load_pipeline
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for split in ("train", "validation", "test"):
+        (outside / f"{split}.parquet").write_bytes(b"PAR1")
+    monkeypatch.setenv("NIGHTSHIFT_DATA_ROOTS", str(nightshift_home / "data"))
+    churn = load_pipeline(_declare(tmp_path, "tab", dag_id="tab_retrain", model_name="tab",
+                                   **{"dataset.loader": "tabular", "dataset.data": {"directory": str(outside)}}))
+    with pytest.raises(UsageError, match=r"tab.yaml: dataset.data: data_source .*outside is outside the allowed"):
+        steps.resolve_data_source(churn, "")
+    with pytest.raises(UsageError, match="outside the allowed"):
+        steps.resolve_data_source(churn, str(outside))
+    import nightshift.data.stage as staging
+
+    seen: list[object] = []
+    monkeypatch.setattr(staging, "stage_dataset", lambda *a, roots, **k: seen.append(roots) or {
+        "hash": "h", "rows": 1, "path": "p"})
+    steps.stage(churn, {"path": str(outside)}, "tab_retrain", "r1")
+    assert seen == [[nightshift_home / "data"]]  # the declared data is no data root of its own
+
+
 DAGBAG = """
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
