@@ -35,6 +35,8 @@ SCHEMA_PATH = Path(__file__).with_name("pipeline.schema.json")
 PATTERNS = ("*.yaml", "*.yml")
 # A GX suite name after `gx:`: one file name in gx/expectations, never a path.
 _SUITE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+# A declaration is a page of YAML; anything far bigger is a mistake or an attack on the DAG processor.
+MAX_DECLARATION_BYTES = 1024 * 1024
 
 
 class PipelineInvalid(UsageError):
@@ -76,8 +78,25 @@ def _unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False)
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
+def _no_alias_or_anchor(loader: _Loader, parent: Any, index: Any) -> Any:
+    """Composer.compose_node refusing `&anchor` and `*alias`: an alias shares a node that the loader then
+    copies everywhere it is used (ten aliases of ten aliases ... is exponential: the "billion laughs")."""
+    event = loader.peek_event()
+    if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+        what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
+        raise yaml.composer.ComposerError(None, None, f"YAML {what}: anchors and aliases are not allowed in a "
+                                          f"declaration; write the value out", event.start_mark)
+    return yaml.composer.Composer.compose_node(loader, parent, index)
+
+
+_Loader.compose_node = _no_alias_or_anchor  # type: ignore[method-assign, assignment]
+
+
 def parse_yaml(text: str, source: str) -> dict[str, Any]:
-    """The declaration in `text` as a dict; PipelineInvalid naming the line when it is not YAML or not a mapping."""
+    """The declaration in `text` as a dict; PipelineInvalid naming the line when it is not YAML or not a mapping,
+    or when it uses anchors or aliases; PipelineInvalid when it is over MAX_DECLARATION_BYTES."""
+    if len(text.encode()) > MAX_DECLARATION_BYTES:
+        raise PipelineInvalid(source, [_too_big(len(text.encode()))])
     try:
         data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
     except yaml.MarkedYAMLError as err:
@@ -94,6 +113,34 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
         raise PipelineInvalid(source, [f"(top level): must be a mapping of keys (dag_id, model_name, ...), got "
                                        f"{_kind(data)}"])
     return data
+
+
+def _too_big(size: int) -> str:
+    return (f"(top level): the file is {size} bytes, over the {MAX_DECLARATION_BYTES} a declaration may have; "
+            f"declare one pipeline per file")
+
+
+def _json_problems(value: Any, path: str = "") -> list[str]:
+    """Where `value` (parsed YAML) holds what is no plain JSON value: a key that is not a string (YAML reads
+    `yes:` as true, `1:` as an integer), a date, NaN or an infinity. The DAG passes options and model
+    arguments on as JSON, and NaN compares false with everything (a tolerance of NaN never fails)."""
+    where = path or "(top level)"
+    if isinstance(value, Mapping):
+        problems = []
+        for key, item in value.items():
+            if not isinstance(key, str):
+                problems.append(f"{_join(path, key)}: the key {key!r} is {_kind(key)}, not a string (YAML reads "
+                                f"yes/no/on/off, numbers and dates so); quote it")
+            else:
+                problems.extend(_json_problems(item, _join(path, key)))
+        return problems
+    if isinstance(value, list):
+        return [line for i, item in enumerate(value) for line in _json_problems(item, f"{path}[{i}]")]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{where}: must be a finite number, got {value}"]
+    if value is None or isinstance(value, str | int | float):
+        return []
+    return [f"{where}: {_kind(value)} {value} is not a JSON value (YAML reads unquoted dates so); quote it"]
 
 
 # ---- schema ------------------------------------------------------------------------------------------------
@@ -284,7 +331,7 @@ def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None =
     """See Pipeline.from_dict."""
     label = str(source) if source is not None else "<pipeline>"
     folder = Path(base_dir) if base_dir is not None else (Path(source).parent if source is not None else Path.cwd())
-    problems = schema_problems(data)
+    problems = _json_problems(data) or schema_problems(data)
     if problems:
         raise PipelineInvalid(label, problems)
     filled = _with_defaults(data, schema())
@@ -328,6 +375,9 @@ def load_pipeline(path: str | Path) -> Pipeline:
     and what to do when it is not valid."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > MAX_DECLARATION_BYTES:
+            raise PipelineInvalid(str(path), [_too_big(size)])
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise PipelineInvalid(str(path), [f"(top level): cannot be read ({err}); pass a readable YAML file"]) \
