@@ -189,9 +189,11 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                          enum=["local", "kubernetes", "auto"], title="Backend",
                          description="local: horovodrun here; kubernetes: an MPIJob; auto: kubernetes when "
                                      "the kubernetes_default connection exists."),
-        "min_improvement": Param(pipeline.gate.min_improvement, type="number", minimum=0, maximum=1,
+        # As the schema: no maximum, since rmse and mae gain in the target's units, not in [0, 1].
+        "min_improvement": Param(pipeline.gate.min_improvement, type="number", minimum=0,
                                  title="Minimum improvement",
-                                 description=f"{primary} gain over the champion needed to promote the new model."),
+                                 description=f"{primary} gain over the champion needed to promote the new model "
+                                             f"(in {primary}'s own units)."),
         "require_approval": Param(pipeline.deploy.require_approval, type="boolean", title="Require approval",
                                   description="Wait for a human approval in the UI before deploying."),
         "force": Param(False, type="boolean", title="Force training",

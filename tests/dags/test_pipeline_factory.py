@@ -206,6 +206,21 @@ def test_declared_data_outside_the_data_roots_is_refused_as_a_data_source_would_
     assert seen == [[nightshift_home / "data"]]  # the declared data is no data root of its own
 
 
+
+def test_the_min_improvement_param_takes_what_the_schema_takes(tmp_path: Path) -> None:
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from nightshift.pipelines import load_pipeline
+
+    prices = load_pipeline(_declare(tmp_path, "prices", dag_id="prices", model_name="prices", task="regression",
+                                    **{"dataset.loader": "tabular", "gate": {"primary": "rmse", "floor": 50000,
+                                                                             "min_improvement": 5}}))
+    params = ParamsDict(_factory().pipeline_params(prices))
+    assert params.validate()["min_improvement"] == 5  # 5 units of RMSE: the declared default is a valid Param
+    params["min_improvement"] = 250.0
+    assert params.validate()["min_improvement"] == 250.0
+
+
 DAGBAG = """
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
