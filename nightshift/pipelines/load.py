@@ -397,8 +397,8 @@ def declaration_files(folder: str | Path) -> list[Path]:
 def load_pipelines(folder: str | Path) -> tuple[list[Pipeline], list[PipelineInvalid]]:
     """Every declaration of `folder`: (the valid pipelines, one PipelineInvalid per file that is not).
 
-    Two files that declare the same dag_id or model_name are both refused, each naming the other: which one
-    was meant is not for the loader to guess.
+    Two files that declare the same dag_id, model_name or dataset asset are both refused, each naming the
+    other (`clashes`): which one was meant is not for the loader to guess.
     """
     good: list[Pipeline] = []
     bad: dict[Path, list[str]] = {}
@@ -408,18 +408,69 @@ def load_pipelines(folder: str | Path) -> tuple[list[Pipeline], list[PipelineInv
             good.append(load_pipeline(file))
         except PipelineInvalid as err:
             errors[file] = err
-    for key in ("dag_id", "model_name"):
-        owners: dict[str, list[Pipeline]] = {}
-        for pipeline in good:
-            owners.setdefault(getattr(pipeline, key), []).append(pipeline)
-        for value, same in owners.items():
-            if len(same) < 2:
-                continue
-            for pipeline in same:
-                others = ", ".join(str(p.source) for p in same if p is not pipeline)
-                bad.setdefault(Path(str(pipeline.source)), []).append(
-                    f"{key}: {value!r} is also the {key} of {others}; give each pipeline its own {key}")
+    bad.update(clashes(good))
     for file, problems in bad.items():
         errors[file] = PipelineInvalid(str(file), problems)
     good = [p for p in good if Path(str(p.source)) not in bad]
     return good, [errors[file] for file in sorted(errors)]
+
+
+# One pipeline each: a DAG, a registered model (its @champion and local server), an Airflow Asset it emits.
+UNIQUE_KEYS = ("dag_id", "model_name", "dataset.asset")
+
+
+def _unique_values(dag_id: Any, model_name: Any, asset: Any) -> dict[str, Any]:
+    return {"dag_id": dag_id, "model_name": model_name, "dataset.asset": asset or dag_id}
+
+
+def _clash(key: str, value: Any, others: Iterable[Any]) -> str:
+    hint = " (it defaults to the dag_id)" if key == "dataset.asset" else ""
+    return (f"{key}: {value!r} is also the {key} of {', '.join(str(o) for o in others)}; give each pipeline its "
+            f"own {key}{hint}")
+
+
+def clashes(pipelines: Iterable[Pipeline]) -> dict[Path, list[str]]:
+    """{declaration file: one line per UNIQUE_KEYS value another of `pipelines` declares too}; a file given
+    twice is one pipeline. Two pipelines of one dag_id are told so once, not again for their default asset."""
+    unique = {Path(str(p.source)).resolve(): p for p in pipelines}
+    found: dict[Path, list[str]] = {}
+    for key in UNIQUE_KEYS:
+        owners: dict[Any, list[Pipeline]] = {}
+        for pipeline in unique.values():
+            value = _unique_values(pipeline.dag_id, pipeline.model_name, pipeline.dataset.asset)[key]
+            owners.setdefault(value, []).append(pipeline)
+        for value, same in owners.items():
+            for pipeline in same:
+                others = [p.source for p in same if p is not pipeline
+                          and (key != "dataset.asset" or p.dag_id != pipeline.dag_id)]
+                if others:
+                    found.setdefault(Path(str(pipeline.source)), []).append(_clash(key, value, others))
+    return found
+
+
+def check_siblings(pipeline: Pipeline) -> None:
+    """PipelineInvalid when another declaration in the folder of `pipeline`'s file declares its model_name or
+    dataset asset (two DAGs would share one @champion, or trigger each other's consumers). The siblings are
+    only parsed, not validated: one that does not parse is its own DAG file's problem."""
+    if pipeline.source is None:
+        return
+    source = Path(pipeline.source)
+    mine = _unique_values(pipeline.dag_id, pipeline.model_name, pipeline.dataset.asset)
+    problems: list[str] = []
+    for sibling in declaration_files(source.parent):
+        if sibling.resolve() == source.resolve():
+            continue
+        try:
+            if sibling.stat().st_size > MAX_DECLARATION_BYTES:
+                continue
+            data = parse_yaml(sibling.read_text(), str(sibling))
+        except (PipelineInvalid, OSError, UnicodeDecodeError):
+            continue
+        dataset = data.get("dataset")
+        theirs = _unique_values(data.get("dag_id"), data.get("model_name"),
+                                dataset.get("asset") if isinstance(dataset, dict) else None)
+        for key in ("model_name", "dataset.asset"):
+            if theirs[key] == mine[key] and theirs["dag_id"] != mine["dag_id"]:
+                problems.append(_clash(key, mine[key], [sibling]))
+    if problems:
+        raise PipelineInvalid(str(source), problems)

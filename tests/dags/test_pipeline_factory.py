@@ -221,6 +221,25 @@ def test_the_min_improvement_param_takes_what_the_schema_takes(tmp_path: Path) -
     assert params.validate()["min_improvement"] == 250.0
 
 
+
+@pytest.mark.parametrize(("key", "changes"), [
+    ("model_name", {"model_name": "shared-model", "dataset.asset": "b"}),
+    ("dataset.asset", {"model_name": "b-model", "dataset.asset": "a"}),
+])
+def test_a_model_name_or_asset_declared_by_a_sibling_fails_the_dag_file(tmp_path: Path, key: str,
+                                                                      changes: dict[str, Any]) -> None:
+    factory = _factory()
+    first = _declare(tmp_path, "a", dag_id="a_retrain", model_name="shared-model", **{"dataset.asset": "a"})
+    second = _declare(tmp_path, "b", dag_id="b_retrain", **changes)
+    for mine, theirs in ((first, second), (second, first)):
+        dag = factory.pipeline_dag(mine)
+        assert isinstance(dag, factory.InvalidPipelineDag)
+        message = str(dag.problem)
+        assert "\n" not in message and message.startswith(f"{mine}: {key}: ") and f"of {theirs};" in message
+    _declare(tmp_path, "b", dag_id="b_retrain", model_name="b-model", **{"dataset.asset": "b"})
+    assert not isinstance(factory.pipeline_dag(first), factory.InvalidPipelineDag)
+
+
 DAGBAG = """
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
@@ -238,8 +257,9 @@ dag = pipeline_dag(__file__)
 def test_a_bad_declaration_fails_its_own_dag_file_in_one_line(tmp_path: Path, airflow_env: dict[str, str]) -> None:
     folder = tmp_path / "user-dags"
     folder.mkdir()
-    _declare(folder, "good", dag_id="good_retrain", model_name="good-model")
-    _declare(folder, "bad", dag_id="bad_retrain", model_name="bad-model", **{"gate.primary": "rmse"})
+    _declare(folder, "good", dag_id="good_retrain", model_name="good-model", **{"dataset.asset": "good"})
+    _declare(folder, "bad", dag_id="bad_retrain", model_name="bad-model",
+             **{"gate.primary": "rmse", "dataset.asset": "bad"})
     for name in ("good", "bad", "missing"):
         (folder / f"{name}.py").write_text(STUB)
     env = {k: v for k, v in airflow_env.items() if k not in ENV}

@@ -292,6 +292,40 @@ def test_a_dag_id_or_model_name_declared_twice_refuses_both_files(folder: Path, 
     ]
 
 
+
+def test_a_dataset_asset_declared_twice_refuses_both_files_even_as_another_dag_id(folder: Path) -> None:
+    first = declare(folder, "a.yaml", dag_id="churn", model_name="a")  # its asset defaults to its dag_id
+    second = declare(folder, "b.yaml", dag_id="b", model_name="b",
+                     dataset={"asset": "churn", "loader": "tabular", "label": "diagnosis",
+                              "data": {"directory": "data/b"}})
+    pipelines, errors = load_pipelines(folder)
+    assert pipelines == [] and [e.problems for e in errors] == [
+        (f"{first}: dataset.asset: 'churn' is also the dataset.asset of {second}; give each pipeline its own "
+         f"dataset.asset (it defaults to the dag_id)",),
+        (f"{second}: dataset.asset: 'churn' is also the dataset.asset of {first}; give each pipeline its own "
+         f"dataset.asset (it defaults to the dag_id)",),
+    ]
+
+
+def test_cli_check_finds_clashes_across_every_path_given(tmp_path: Path) -> None:
+    from nightshift.pipelines.cli import check_paths
+
+    for name in ("p", "q"):
+        (tmp_path / name / "suites").mkdir(parents=True)
+        (tmp_path / name / "suites" / "cancer.json").write_text(json.dumps(SUITE))
+    first = declare(tmp_path / "p", "churn.yaml", dag_id="churn", model_name="churn-model")
+    second = declare(tmp_path / "q", "churn_v2.yaml", dag_id="churn_v2", model_name="churn-model")
+    other = declare(tmp_path / "q", "other.yaml", dag_id="other", model_name="other")
+    valid, problems = check_paths([str(tmp_path / "p"), str(tmp_path / "q")], data=False)
+    assert valid == ["other"] and problems == [
+        f"{first}: model_name: 'churn-model' is also the model_name of {second}; give each pipeline its own "
+        f"model_name",
+        f"{second}: model_name: 'churn-model' is also the model_name of {first}; give each pipeline its own "
+        f"model_name",
+    ]
+    assert check_paths([str(first), str(first), str(other)], data=False) == (["churn", "churn", "other"], [])
+
+
 def test_a_missing_folder_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
         load_pipelines(tmp_path / "nope")
