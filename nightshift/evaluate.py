@@ -69,6 +69,12 @@ def decide(challenger: dict[str, Any], champion: dict[str, Any] | None, config: 
     reasons: list[str] = []
     passed = True
     primary = metric(config.task, config.primary)
+    names = dict.fromkeys([*metric_names(config.task), primary.name, *(config.guards or {})])
+    broken = [f"{name} {challenger[name]}" for name in names
+              if name in challenger and not math.isfinite(float(challenger[name]))]
+    if broken:  # a diverged model (NaN predictions) or an undefined metric: nothing to compare or accept
+        return {"passed": False, "reasons": [f"the challenger's {', '.join(broken)} is not a finite number: "
+                                             f"rejected before any other check"]}
     value = float(challenger[primary.name])
     if champion is None:
         if config.floor is None:
@@ -128,17 +134,33 @@ def input_columns(model: Any) -> list[str] | None:
     return [str(c) for c in recorded] if recorded else None
 
 
+def incomparable(champion: Any, challenger: Any, *, task: str, label_column: str) -> str | None:
+    """Why the champion's scores cannot be compared with the challenger's (it was trained for another task,
+    label column or feature columns, as its metadata records), or None when they can. What the champion does
+    not record is not held against it."""
+    def recorded(model: Any) -> dict[str, Any]:
+        meta = model.metadata.metadata or {}
+        return {"task": meta.get("nightshift.task"), "label column": meta.get("nightshift.label_column"),
+                "feature columns": input_columns(model)}
+
+    theirs, ours = recorded(champion), {**recorded(challenger), "task": task, "label column": label_column}
+    differ = [f"{key} {theirs[key]!r}, not {ours[key]!r}" for key in ("task", "label column", "feature columns")
+              if theirs[key] is not None and ours[key] is not None and theirs[key] != ours[key]]
+    return "; ".join(differ) or None
+
+
 def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: str = MULTICLASS,
-          label_column: str = LABEL_COLUMN) -> dict[str, Any]:
-    """The metrics of `task` (nightshift.tasks) of one model on one split, through its pyfunc. Classification
-    also gives per-class recall and the confusion matrix (rows: true class, columns: predicted)."""
+          label_column: str = LABEL_COLUMN, model: Any = None) -> dict[str, Any]:
+    """The metrics of `task` (nightshift.tasks) of one model on one split, through its pyfunc (`model`: the
+    pyfunc already loaded from `model_uri`). Classification also gives per-class recall and the confusion
+    matrix (rows: true class, columns: predicted)."""
     check_task(task)
     path = f"{data_dir}/{split}.parquet"
     frame = read_split_frame(data_dir, split)
     if label_column not in frame.columns:
         raise EvaluationError(f"{path} has no {label_column!r} column to score against; pass the label column "
                               f"the model was trained with")
-    model = _load(model_uri)
+    model = model if model is not None else _load(model_uri)
     trained_for = (model.metadata.metadata or {}).get("nightshift.task")
     if trained_for and trained_for != task:
         raise EvaluationError(f"model {model_uri} was trained for a {trained_for} task, not {task}; evaluate "
@@ -154,8 +176,12 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
         if tracking.VALUE_COLUMN not in out.columns:
             raise EvaluationError(f"model {model_uri} answers no {tracking.VALUE_COLUMN!r}: it is not a "
                                   f"regression model")
-        return {**head, **regression_metrics(frame[label_column].to_numpy(np.float64),
-                                             out[tracking.VALUE_COLUMN].to_numpy(np.float64))}
+        target = frame[label_column].to_numpy(np.float64)
+        if len(target) and np.all(target == target[0]):
+            raise EvaluationError(f"{path}: the target column {label_column!r} has no variance (every value is "
+                                  f"{target[0]:g}): R² is undefined and every model scores alike; evaluate on a "
+                                  f"split whose target varies")
+        return {**head, **regression_metrics(target, out[tracking.VALUE_COLUMN].to_numpy(np.float64))}
     prob_columns = [c for c in out.columns if str(c).startswith("prob_")]
     if not prob_columns:
         raise EvaluationError(f"model {model_uri} answers no class probabilities (prob_*): is it a regression "
@@ -200,11 +226,12 @@ def classification_metrics(task: str, labels: np.ndarray, proba: np.ndarray) -> 
 
 
 def regression_metrics(target: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
-    """RMSE, MAE (the target's units) and R² (1 - residual / total sum of squares)."""
+    """RMSE, MAE (the target's units) and R² (1 - residual / total sum of squares; NaN when the target has no
+    variance, so the gate refuses it rather than every model scoring alike)."""
     residual = target - predicted
     total = float(((target - target.mean()) ** 2).sum())
     return {"rmse": float(np.sqrt((residual ** 2).mean())), "mae": float(np.abs(residual).mean()),
-            "r2": 1.0 - float((residual ** 2).sum()) / total if total > 0 else 0.0}
+            "r2": 1.0 - float((residual ** 2).sum()) / total if total > 0 else math.nan}
 
 
 def confusion_png(matrix: list[list[int]], path: Path, title: str) -> Path:
@@ -259,13 +286,22 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     gate = gate or GateConfig()
     task = gate.task
     model_uri = tracking.run_model_uri(run_id)
-    challenger = score(model_uri, data_dir, split, task=task, label_column=label_column)
+    challenger_model = _load(model_uri)
+    challenger = score(model_uri, data_dir, split, task=task, label_column=label_column, model=challenger_model)
     champion: dict[str, Any] | None = None
+    not_comparable: list[str] = []
     current = champion_uri(model_name)
     if current is not None:
         version, uri = current
-        champion = {"version": version, **score(uri, data_dir, split, task=task, label_column=label_column)}
+        champion_model = _load(uri)
+        why = incomparable(champion_model, challenger_model, task=task, label_column=label_column)
+        if why:  # the declaration changed what the model predicts: the floor decides, as for a first model
+            not_comparable.append(f"champion v{version} is not comparable ({why}): no champion to beat")
+        else:
+            champion = {"version": version, **score(uri, data_dir, split, task=task, label_column=label_column,
+                                                   model=champion_model)}
     decision = decide(challenger, champion, gate)
+    decision["reasons"] = [*not_comparable, *decision["reasons"]]
     classification = task != REGRESSION
     result: dict[str, Any] = {
         **decision, "run_id": run_id, "model_name": model_name, "split": split,

@@ -22,7 +22,7 @@ from nightshift.errors import CodeVersionUnknown
 
 LEDGER_NAME = "runs.jsonl"
 # Code that shapes a trained model; a change here means a retrain even on the same data.
-CODE_PATHS = ("nightshift", "operators", "dags", "gx")
+CODE_PATHS = ("nightshift", "operators", "dags", "gx", "pipelines")
 
 
 def ledger_path(dag_id: str) -> Path:
@@ -136,14 +136,27 @@ def code_version(bundle_version: str | None = None) -> str:
     return head
 
 
-def fingerprint(dataset_hash: str, params: dict[str, Any], bundle_version: str | None = None) -> dict[str, Any]:
+# The fields of a fingerprint that must all match the last success for training to be skipped.
+FINGERPRINT_KEYS = ("dataset_version", "code_version", "training", "declaration")
+
+
+def declaration_digest(declaration: dict[str, Any]) -> str:
+    """A stable hash of the training-relevant part of a pipeline declaration (plain JSON values)."""
+    text = json.dumps(declaration, sort_keys=True, separators=(",", ":"), default=str)
+    return f"decl.{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def fingerprint(dataset_hash: str, params: dict[str, Any], bundle_version: str | None = None,
+                declaration: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a training run depends on: the dataset version, the code (`code_version(bundle_version)`: a run
-    pinned to a DAG bundle's commit needs no git here) and the training parameters."""
+    pinned to a DAG bundle's commit needs no git here), the training parameters and the declaration's task,
+    dataset loader and options (label, features) and model (`declaration_digest`; None when not given)."""
     training = {k: params.get(k) for k in ("epochs", "learning_rate", "batch_size", "workers")}
-    return {"dataset_version": dataset_hash, "code_version": code_version(bundle_version), "training": training}
+    return {"dataset_version": dataset_hash, "code_version": code_version(bundle_version), "training": training,
+            "declaration": declaration_digest(declaration) if declaration is not None else None}
 
 
 def unchanged_since(previous: dict[str, Any] | None, current: dict[str, Any]) -> bool:
     if not previous:
         return False
-    return all(previous.get(key) == current[key] for key in ("dataset_version", "code_version", "training"))
+    return all(previous.get(key) == current.get(key) for key in FINGERPRINT_KEYS)

@@ -198,8 +198,16 @@ class TorchTableClassifier:
                 raise _invalid(f"unexpected columns {extra[:5]}{'…' if len(extra) > 5 else ''}; this model takes "
                                f"exactly the columns it was trained on: {', '.join(self.features.columns[:8])}"
                                f"{'…' if len(self.features.columns) > 8 else ''}")
+        chosen = frame[list(self.features.columns)]
+        # The trainer refuses a column that is not numeric; a number sent as text must not pass here either.
+        text = [str(c) for c, kind in chosen.dtypes.items()
+                if not (pd.api.types.is_numeric_dtype(kind) or pd.api.types.is_bool_dtype(kind))]
+        if text:
+            raise _invalid(f"feature column {text[0]} holds {chosen[text[0]].dtype} values, not numbers; send "
+                           f"numbers (not text) for {', '.join(text[:5])}{'…' if len(text) > 5 else ''}")
         try:
-            values = frame[list(self.features.columns)].to_numpy(dtype=np.float32)
+            # float64, as the trainer standardised: float32 first would lose a large-offset column's signal
+            values = chosen.to_numpy(dtype=np.float64)
         except (TypeError, ValueError) as err:
             raise _invalid(f"feature columns must be numbers ({err})") from err
         faults = set(self.invalid_rows(values).values())
@@ -208,7 +216,7 @@ class TorchTableClassifier:
         return values
 
     def invalid_rows(self, values: np.ndarray) -> dict[int, str]:
-        """Row index → why, for the rows of a float32 matrix (the feature columns in order) that `validate`
+        """Row index → why, for the rows of a numeric matrix (the feature columns in order) that `validate`
         refuses for their values (not finite, out of range); in row order. One vectorised pass: what a stream
         consumer checks its batches with."""
         low, high = np.asarray(self.features.low), np.asarray(self.features.high)
@@ -234,12 +242,14 @@ class TorchTableClassifier:
     def _outputs(self, values: np.ndarray) -> np.ndarray:
         import torch
 
+        # Scaled in float64, as the trainer's loader does (nightshift.datasets), then float32 for the network.
+        values = np.asarray(values, dtype=np.float64)
         if self.preprocessing is not None:
             prep = self.preprocessing
-            values = ((values - np.asarray(prep["mean"], dtype=np.float32))
-                      / np.asarray(prep["std"], dtype=np.float32)).astype(np.float32)
+            values = ((values - np.asarray(prep["mean"], dtype=np.float64))
+                      / np.asarray(prep["std"], dtype=np.float64)).astype(np.float32)
         else:
-            values = values / np.float32(self.features.scale)
+            values = (values / float(self.features.scale)).astype(np.float32)
         with torch.inference_mode():
             output = self.model(torch.from_numpy(np.ascontiguousarray(values)))
             if self.is_regression:
@@ -247,13 +257,13 @@ class TorchTableClassifier:
             return torch.softmax(output, dim=1).numpy()
 
     def proba(self, values: np.ndarray) -> np.ndarray:
-        """Class probabilities for a float32 matrix that `validate` (or `invalid_rows`) accepted."""
+        """Class probabilities for a numeric matrix that `validate` (or `invalid_rows`) accepted."""
         if self.is_regression:
             raise TypeError("a regression model has no class probabilities; use predictions()")
         return self._outputs(values)
 
     def predictions(self, values: np.ndarray) -> np.ndarray:
-        """What the model answers for a float32 matrix `validate` accepted: class values (the demo: labels
+        """What the model answers for a numeric matrix `validate` accepted: class values (the demo: labels
         0…9), or for regression the predicted value in the target's units."""
         if self.is_regression:
             prep = self.preprocessing or {}

@@ -81,13 +81,14 @@ def declaration_path(given: str | os.PathLike[str]) -> Path:
 def pipeline_dag(declaration: Pipeline | str | os.PathLike[str]) -> DAG:
     """The retraining DAG of `declaration` (a Pipeline, a YAML path, or a stub's `__file__`); for a declaration
     that is not valid, an `InvalidPipelineDag` that fails the file's import with the loader's one line."""
-    from nightshift.pipelines import Pipeline, PipelineInvalid, load_pipeline
+    from nightshift.pipelines import Pipeline, PipelineInvalid, check_siblings, load_pipeline
 
     if isinstance(declaration, Pipeline):
         return build_dag(declaration)
     path = declaration_path(declaration)
     try:
         pipeline = load_pipeline(path)
+        check_siblings(pipeline)  # another declaration of the folder with its model_name or dataset asset
     except PipelineInvalid as err:
         placeholder = InvalidPipelineDag(dag_id=f"invalid_pipeline__{_safe_id(path.stem)}", schedule=None,
                                          start_date=START_DATE, tags=["nightshift"])
@@ -189,9 +190,11 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                          enum=["local", "kubernetes", "auto"], title="Backend",
                          description="local: horovodrun here; kubernetes: an MPIJob; auto: kubernetes when "
                                      "the kubernetes_default connection exists."),
-        "min_improvement": Param(pipeline.gate.min_improvement, type="number", minimum=0, maximum=1,
+        # As the schema: no maximum, since rmse and mae gain in the target's units, not in [0, 1].
+        "min_improvement": Param(pipeline.gate.min_improvement, type="number", minimum=0,
                                  title="Minimum improvement",
-                                 description=f"{primary} gain over the champion needed to promote the new model."),
+                                 description=f"{primary} gain over the champion needed to promote the new model "
+                                             f"(in {primary}'s own units)."),
         "require_approval": Param(pipeline.deploy.require_approval, type="boolean", title="Require approval",
                                   description="Wait for a human approval in the UI before deploying."),
         "force": Param(False, type="boolean", title="Force training",

@@ -64,17 +64,22 @@ def default_data_dir(pipeline: Pipeline) -> Path:
 def resolve_data_source(pipeline: Pipeline, data_source: str) -> Path:
     """The data directory to validate; empty means the pipeline's declared data (`dataset.data`).
 
-    A given directory must lie under the configured data roots (nightshift.settings.data_roots). Declared data
-    that is missing is written when the pipeline reads the demo digits (`nightshift demo-data`), else refused.
+    A given directory and the declared one alike must lie under the configured data roots
+    (nightshift.settings.data_roots): a declaration is no way around them. Declared data that is missing is
+    written when the pipeline reads the demo digits (`nightshift demo-data`), else refused.
     """
-    if data_source.strip():
-        from nightshift.settings import confined_data_source
+    from nightshift.settings import confined_data_source
 
+    if data_source.strip():
         return confined_data_source(data_source.strip())
     from nightshift.datasets import SPLITS, split_path
     from nightshift.errors import UsageError
 
-    path = default_data_dir(pipeline)
+    declared = default_data_dir(pipeline)
+    try:
+        path = confined_data_source(declared)
+    except UsageError as err:
+        raise UsageError(f"{pipeline.source or pipeline.dag_id}: dataset.data: {err}") from err
     if not all(split_path(path, s).is_file() for s in SPLITS):
         if pipeline.dataset.loader != DEMO_LOADER:
             raise UsageError(f"no data_source given and the declared data {path} lacks "
@@ -84,6 +89,7 @@ def resolve_data_source(pipeline: Pipeline, data_source: str) -> Path:
 
         log.info("No data_source given: writing the demo dataset to %s", path)
         write_demo_dataset(path, seed=0)
+        path = confined_data_source(path)  # the written files too
     return path
 
 
@@ -101,10 +107,9 @@ def stage(pipeline: Pipeline, validated: dict[str, Any], dag_id: str, run_id: st
 
     workspace = workspace_for(dag_id, run_id)
     # Confined again, under the staging lock: the gate ran earlier (a retry may come hours later) and a split
-    # may have been relinked out of the roots since. The declared data is what the gate serves for no source.
-    roots = [*data_roots(), default_data_dir(pipeline)]
+    # may have been relinked out of the roots since. The declared data gets no root of its own.
     version = dict(stage_dataset(validated["path"], workspace, validated=validated.get("fingerprint"),
-                                 roots=roots))
+                                 roots=data_roots()))
     log.info("Dataset version %s (%d rows) staged in %s", version["hash"], version["rows"], version["path"])
     return {**version, "workspace": str(workspace)}
 
@@ -120,14 +125,15 @@ def bundle_version(ti: Any) -> str | None:
 
 
 def training_options(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, Any]:
-    """search.best.training_defaults for this pipeline: its model and model arguments are the defaults, and
-    best.json counts only when its search trained on the pipeline's dataset loader. UsageError when best.json
+    """search.best.training_defaults for this pipeline: its model and model arguments are the defaults (declared
+    model arguments win over best.json's), and best.json counts only when its search was for this pipeline and
+    trained on its dataset loader. UsageError when best.json
     or the model_kwargs Param cannot be used. Shared with `nightshift plan` (operators.plan)."""
     from nightshift.pipelines.spec import plain
     from nightshift.search.best import training_defaults
 
     return training_defaults(dict(params), model=pipeline.model.name, model_kwargs=plain(pipeline.model.kwargs),
-                             dataset=pipeline.dataset.loader)
+                             dataset=pipeline.dataset.loader, pipeline=pipeline.dag_id)
 
 
 def resolve_training(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, Any]:
@@ -148,9 +154,21 @@ def resolve_training(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, An
     return resolved
 
 
+def training_declaration(pipeline: Pipeline) -> dict[str, Any]:
+    """The part of the declaration that shapes the trained model (what it predicts, from what, with which
+    model): a change of any of it is a change that trains (ledger.fingerprint's `declaration`)."""
+    from nightshift.pipelines.spec import plain
+
+    return {"task": pipeline.task, "loader": pipeline.dataset.loader, "label": pipeline.dataset.label,
+            "features": list(pipeline.dataset.features) if pipeline.dataset.features is not None else None,
+            "loader_options": pipeline.dataset.loader_options(), "model": pipeline.model.name,
+            "model_kwargs": plain(pipeline.model.kwargs)}
+
+
 def check_changes(pipeline: Pipeline, staged: dict[str, Any], params: dict[str, Any], dag_id: str, run_id: str,
                   ti: Any) -> str:
-    """Branch: "train", or "skip_training" when data, code and training params match the last success.
+    """Branch: "train", or "skip_training" when data, code, training params and the training-relevant
+    declaration (`training_declaration`) match the last success.
 
     Pushes `training`: the trainer options the `train` task passes (`resolve_training`)."""
     from nightshift import ledger as lineage
@@ -158,7 +176,8 @@ def check_changes(pipeline: Pipeline, staged: dict[str, Any], params: dict[str, 
     resolved = resolve_training(pipeline, params)
     options = resolved["options"]
     current = lineage.fingerprint(staged["hash"], {**params, "learning_rate": options["lr"],
-                                                   "batch_size": options["batch_size"]}, bundle_version(ti))
+                                                   "batch_size": options["batch_size"]}, bundle_version(ti),
+                                 declaration=training_declaration(pipeline))
     # Options the fingerprint has no field for count where they differ from the trainer's defaults, so a run
     # without them compares equal to the runs before them.
     current["training"].update({k: options[k] for k in ("momentum", "model", "model_kwargs")
@@ -172,11 +191,10 @@ def check_changes(pipeline: Pipeline, staged: dict[str, Any], params: dict[str, 
         log.info("force is on: training whatever changed")
         return "train"
     if lineage.unchanged_since(previous, current):
-        log.info("Dataset %s, code %s and training params are unchanged since run %s: skipping training",
+        log.info("Dataset %s, code %s, declaration and training params are unchanged since run %s: skipping training",
                  current["dataset_version"], current["code_version"], previous and previous.get("run_id"))
         return "skip_training"
-    changed = [k for k in ("dataset_version", "code_version", "training")
-               if not previous or previous.get(k) != current[k]]
+    changed = [k for k in lineage.FINGERPRINT_KEYS if not previous or previous.get(k) != current.get(k)]
     log.info("Training: %s", "no earlier successful run" if not previous else f"changed {', '.join(changed)}")
     return "train"
 
@@ -290,6 +308,7 @@ def report(pipeline: Pipeline, dag_id: str, run_id: str, params: dict[str, Any],
         "dataset_version": staged.get("hash"), "dataset_rows": staged.get("rows"),
         "dataset_source": staged.get("source"),
         "code_version": fingerprint.get("code_version"), "training": fingerprint.get("training"),
+        "declaration": fingerprint.get("declaration"),
         "training_source": fingerprint.get("training_source"),
         "mlflow_run_id": (trained or {}).get("mlflow_run_id"),
         "train_metrics": (trained or {}).get("metrics"),

@@ -12,6 +12,8 @@ from nightshift.pipelines.check import check_against_data
 from nightshift.pipelines.load import (
     SCHEMA_PATH,
     PipelineInvalid,
+    check_siblings,
+    clashes,
     declaration_files,
     load_pipeline,
     load_pipelines,
@@ -38,6 +40,8 @@ __all__ = [
     "PipelineInvalid",
     "TrainingSpec",
     "check_against_data",
+    "check_siblings",
+    "clashes",
     "declaration_files",
     "load_pipeline",
     "load_pipelines",

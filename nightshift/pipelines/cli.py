@@ -30,9 +30,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def check_paths(paths: list[str], *, data: bool = True) -> tuple[list[str], list[str]]:
-    """(the dag_ids of the valid declarations, one line per problem) for files and folders of declarations."""
+    """(the dag_ids of the valid declarations, one line per problem) for files and folders of declarations; a
+    dag_id, model_name or dataset asset declared twice anywhere among them refuses both files."""
     from nightshift.errors import UsageError
-    from nightshift.pipelines import PipelineInvalid, check_against_data, load_pipeline, load_pipelines
+    from nightshift.pipelines import PipelineInvalid, check_against_data, clashes, load_pipeline, load_pipelines
 
     good = []
     problems: list[str] = []
@@ -49,6 +50,10 @@ def check_paths(paths: list[str], *, data: bool = True) -> tuple[list[str], list
             problems.extend(err.problems)
         except UsageError as err:
             problems.append(f"{given}: {err}")
+    # dag_id, model_name and dataset asset are unique across everything given, not only within one folder.
+    across = clashes(good)
+    problems.extend(f"{file}: {line}" for file, lines in across.items() for line in lines)
+    good = [p for p in good if Path(str(p.source)) not in across]
     valid = []
     for pipeline in good:
         found = check_against_data(pipeline) if data else []

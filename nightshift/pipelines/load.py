@@ -35,6 +35,8 @@ SCHEMA_PATH = Path(__file__).with_name("pipeline.schema.json")
 PATTERNS = ("*.yaml", "*.yml")
 # A GX suite name after `gx:`: one file name in gx/expectations, never a path.
 _SUITE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+# A declaration is a page of YAML; anything far bigger is a mistake or an attack on the DAG processor.
+MAX_DECLARATION_BYTES = 1024 * 1024
 
 
 class PipelineInvalid(UsageError):
@@ -76,8 +78,25 @@ def _unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False)
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
+def _no_alias_or_anchor(loader: _Loader, parent: Any, index: Any) -> Any:
+    """Composer.compose_node refusing `&anchor` and `*alias`: an alias shares a node that the loader then
+    copies everywhere it is used (ten aliases of ten aliases ... is exponential: the "billion laughs")."""
+    event = loader.peek_event()
+    if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+        what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
+        raise yaml.composer.ComposerError(None, None, f"YAML {what}: anchors and aliases are not allowed in a "
+                                          f"declaration; write the value out", event.start_mark)
+    return yaml.composer.Composer.compose_node(loader, parent, index)
+
+
+_Loader.compose_node = _no_alias_or_anchor  # type: ignore[method-assign, assignment]
+
+
 def parse_yaml(text: str, source: str) -> dict[str, Any]:
-    """The declaration in `text` as a dict; PipelineInvalid naming the line when it is not YAML or not a mapping."""
+    """The declaration in `text` as a dict; PipelineInvalid naming the line when it is not YAML or not a mapping,
+    or when it uses anchors or aliases; PipelineInvalid when it is over MAX_DECLARATION_BYTES."""
+    if len(text.encode()) > MAX_DECLARATION_BYTES:
+        raise PipelineInvalid(source, [_too_big(len(text.encode()))])
     try:
         data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
     except yaml.MarkedYAMLError as err:
@@ -94,6 +113,34 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
         raise PipelineInvalid(source, [f"(top level): must be a mapping of keys (dag_id, model_name, ...), got "
                                        f"{_kind(data)}"])
     return data
+
+
+def _too_big(size: int) -> str:
+    return (f"(top level): the file is {size} bytes, over the {MAX_DECLARATION_BYTES} a declaration may have; "
+            f"declare one pipeline per file")
+
+
+def _json_problems(value: Any, path: str = "") -> list[str]:
+    """Where `value` (parsed YAML) holds what is no plain JSON value: a key that is not a string (YAML reads
+    `yes:` as true, `1:` as an integer), a date, NaN or an infinity. The DAG passes options and model
+    arguments on as JSON, and NaN compares false with everything (a tolerance of NaN never fails)."""
+    where = path or "(top level)"
+    if isinstance(value, Mapping):
+        problems = []
+        for key, item in value.items():
+            if not isinstance(key, str):
+                problems.append(f"{_join(path, key)}: the key {key!r} is {_kind(key)}, not a string (YAML reads "
+                                f"yes/no/on/off, numbers and dates so); quote it")
+            else:
+                problems.extend(_json_problems(item, _join(path, key)))
+        return problems
+    if isinstance(value, list):
+        return [line for i, item in enumerate(value) for line in _json_problems(item, f"{path}[{i}]")]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{where}: must be a finite number, got {value}"]
+    if value is None or isinstance(value, str | int | float):
+        return []
+    return [f"{where}: {_kind(value)} {value} is not a JSON value (YAML reads unquoted dates so); quote it"]
 
 
 # ---- schema ------------------------------------------------------------------------------------------------
@@ -284,7 +331,7 @@ def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None =
     """See Pipeline.from_dict."""
     label = str(source) if source is not None else "<pipeline>"
     folder = Path(base_dir) if base_dir is not None else (Path(source).parent if source is not None else Path.cwd())
-    problems = schema_problems(data)
+    problems = _json_problems(data) or schema_problems(data)
     if problems:
         raise PipelineInvalid(label, problems)
     filled = _with_defaults(data, schema())
@@ -328,6 +375,9 @@ def load_pipeline(path: str | Path) -> Pipeline:
     and what to do when it is not valid."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > MAX_DECLARATION_BYTES:
+            raise PipelineInvalid(str(path), [_too_big(size)])
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise PipelineInvalid(str(path), [f"(top level): cannot be read ({err}); pass a readable YAML file"]) \
@@ -347,8 +397,8 @@ def declaration_files(folder: str | Path) -> list[Path]:
 def load_pipelines(folder: str | Path) -> tuple[list[Pipeline], list[PipelineInvalid]]:
     """Every declaration of `folder`: (the valid pipelines, one PipelineInvalid per file that is not).
 
-    Two files that declare the same dag_id or model_name are both refused, each naming the other: which one
-    was meant is not for the loader to guess.
+    Two files that declare the same dag_id, model_name or dataset asset are both refused, each naming the
+    other (`clashes`): which one was meant is not for the loader to guess.
     """
     good: list[Pipeline] = []
     bad: dict[Path, list[str]] = {}
@@ -358,18 +408,69 @@ def load_pipelines(folder: str | Path) -> tuple[list[Pipeline], list[PipelineInv
             good.append(load_pipeline(file))
         except PipelineInvalid as err:
             errors[file] = err
-    for key in ("dag_id", "model_name"):
-        owners: dict[str, list[Pipeline]] = {}
-        for pipeline in good:
-            owners.setdefault(getattr(pipeline, key), []).append(pipeline)
-        for value, same in owners.items():
-            if len(same) < 2:
-                continue
-            for pipeline in same:
-                others = ", ".join(str(p.source) for p in same if p is not pipeline)
-                bad.setdefault(Path(str(pipeline.source)), []).append(
-                    f"{key}: {value!r} is also the {key} of {others}; give each pipeline its own {key}")
+    bad.update(clashes(good))
     for file, problems in bad.items():
         errors[file] = PipelineInvalid(str(file), problems)
     good = [p for p in good if Path(str(p.source)) not in bad]
     return good, [errors[file] for file in sorted(errors)]
+
+
+# One pipeline each: a DAG, a registered model (its @champion and local server), an Airflow Asset it emits.
+UNIQUE_KEYS = ("dag_id", "model_name", "dataset.asset")
+
+
+def _unique_values(dag_id: Any, model_name: Any, asset: Any) -> dict[str, Any]:
+    return {"dag_id": dag_id, "model_name": model_name, "dataset.asset": asset or dag_id}
+
+
+def _clash(key: str, value: Any, others: Iterable[Any]) -> str:
+    hint = " (it defaults to the dag_id)" if key == "dataset.asset" else ""
+    return (f"{key}: {value!r} is also the {key} of {', '.join(str(o) for o in others)}; give each pipeline its "
+            f"own {key}{hint}")
+
+
+def clashes(pipelines: Iterable[Pipeline]) -> dict[Path, list[str]]:
+    """{declaration file: one line per UNIQUE_KEYS value another of `pipelines` declares too}; a file given
+    twice is one pipeline. Two pipelines of one dag_id are told so once, not again for their default asset."""
+    unique = {Path(str(p.source)).resolve(): p for p in pipelines}
+    found: dict[Path, list[str]] = {}
+    for key in UNIQUE_KEYS:
+        owners: dict[Any, list[Pipeline]] = {}
+        for pipeline in unique.values():
+            value = _unique_values(pipeline.dag_id, pipeline.model_name, pipeline.dataset.asset)[key]
+            owners.setdefault(value, []).append(pipeline)
+        for value, same in owners.items():
+            for pipeline in same:
+                others = [p.source for p in same if p is not pipeline
+                          and (key != "dataset.asset" or p.dag_id != pipeline.dag_id)]
+                if others:
+                    found.setdefault(Path(str(pipeline.source)), []).append(_clash(key, value, others))
+    return found
+
+
+def check_siblings(pipeline: Pipeline) -> None:
+    """PipelineInvalid when another declaration in the folder of `pipeline`'s file declares its model_name or
+    dataset asset (two DAGs would share one @champion, or trigger each other's consumers). The siblings are
+    only parsed, not validated: one that does not parse is its own DAG file's problem."""
+    if pipeline.source is None:
+        return
+    source = Path(pipeline.source)
+    mine = _unique_values(pipeline.dag_id, pipeline.model_name, pipeline.dataset.asset)
+    problems: list[str] = []
+    for sibling in declaration_files(source.parent):
+        if sibling.resolve() == source.resolve():
+            continue
+        try:
+            if sibling.stat().st_size > MAX_DECLARATION_BYTES:
+                continue
+            data = parse_yaml(sibling.read_text(), str(sibling))
+        except (PipelineInvalid, OSError, UnicodeDecodeError):
+            continue
+        dataset = data.get("dataset")
+        theirs = _unique_values(data.get("dag_id"), data.get("model_name"),
+                                dataset.get("asset") if isinstance(dataset, dict) else None)
+        for key in ("model_name", "dataset.asset"):
+            if theirs[key] == mine[key] and theirs["dag_id"] != mine["dag_id"]:
+                problems.append(_clash(key, mine[key], [sibling]))
+    if problems:
+        raise PipelineInvalid(str(source), problems)

@@ -26,6 +26,9 @@ RETRAIN_PARAMS = {"learning_rate": "lr", "batch_size": "batch_size", "momentum":
                   "model_kwargs": "model_kwargs"}
 # Taken from best.json together with `model_kwargs` (arguments are for their model); no Param of its own.
 MODEL = "model"
+# The pipeline a best.json without `pipeline` was searched for: the model_search DAG searches the demo digits
+# data of `nightly_retrain`, and says no pipeline; another pipeline's search must name its own.
+SEARCHED_PIPELINE = "nightly_retrain"
 
 
 def best_path() -> Path:
@@ -57,10 +60,12 @@ def write_best(record: dict[str, Any], path: Path | None = None) -> dict[str, An
 
 
 def best_record(report: dict[str, Any], *, storage: str, data: str, max_epochs: int, train_options: dict[str, Any],
-                mlflow: dict[str, Any]) -> dict[str, Any]:
-    """The content of best.json for a study report whose best trial is `report["best"]`."""
+                mlflow: dict[str, Any], pipeline: str | None = None) -> dict[str, Any]:
+    """The content of best.json for a study report whose best trial is `report["best"]`; `pipeline`: the dag_id
+    of the pipeline the search was for, the only one whose training it fills (None: SEARCHED_PIPELINE)."""
     best = report["best"]
     return {
+        **({"pipeline": pipeline} if pipeline else {}),
         "study": report["study"],
         "storage": storage,
         "trial": best["trial"],
@@ -97,6 +102,8 @@ def load_best(path: Path | None = None) -> dict[str, Any] | None:
     checks = {"lr": (_positive_number, "a positive number"), "batch_size": (_positive_int, "a positive integer"),
               "momentum": (_momentum, "a number in [0, 1)"), "model": (_name, "a model name"),
               "model_kwargs": (lambda v: isinstance(v, dict), "a JSON object")}
+    if "pipeline" in value and not _name(value["pipeline"]):
+        raise _invalid(path, f"has a 'pipeline' that is not a dag_id, got {value['pipeline']!r}")
     for key, (valid, wanted) in checks.items():
         if key in options and not valid(options[key]):
             raise _invalid(path, f"train_options.{key} must be {wanted}, got {options[key]!r}")
@@ -142,13 +149,16 @@ def _model_kwargs(value: Any) -> dict[str, Any] | None:
 
 
 def training_defaults(params: dict[str, Any], path: Path | None = None, *, model: str | None = None,
-                      model_kwargs: dict[str, Any] | None = None, dataset: str | None = None) -> dict[str, Any]:
+                      model_kwargs: dict[str, Any] | None = None, dataset: str | None = None,
+                      pipeline: str | None = None) -> dict[str, Any]:
     """The trainer options of a pipeline run (`nightly_retrain` and the others) from its Params (`RETRAIN_PARAMS`).
 
     `model` and `model_kwargs`: the pipeline's declared model, which replaces the trainer's built-in one (None:
     the trainer's). `dataset`: the pipeline's dataset loader; best.json is read only when its search trained on
     that loader (its `train_options.dataset`, else the trainer's default): another dataset's best learning rate
-    or model says nothing about this one's.
+    or model says nothing about this one's. `pipeline`: the pipeline's dag_id; best.json is read only when its
+    search was for that pipeline (its `pipeline`, else SEARCHED_PIPELINE). Declared `model_kwargs` that are not
+    empty win over best.json's model and model arguments (only the trigger's model_kwargs Param beats them).
 
     A Param the trigger set wins; one left null takes best.json's value when a search wrote one, else the
     trainer's built-in default. `model` goes with `model_kwargs`: from best.json when `model_kwargs` does,
@@ -173,8 +183,15 @@ def training_defaults(params: dict[str, Any], path: Path | None = None, *, model
     if best is not None and dataset is not None:
         searched = best.get("train_options", {}).get("dataset", fields["dataset"].default)
         if searched != dataset:
-            best, elsewhere = None, searched
-    found = (best or {}).get("train_options", {})
+            best, elsewhere = None, f"dataset {searched!r}"
+    if best is not None and pipeline is not None:
+        searched_for = best.get("pipeline") or SEARCHED_PIPELINE
+        if searched_for != pipeline:
+            best, elsewhere = None, f"pipeline {searched_for!r}"
+    found = dict((best or {}).get("train_options", {}))
+    if model_kwargs:  # the declared model arguments are for the declared model: best.json replaces neither
+        found.pop("model_kwargs", None)
+        found.pop(MODEL, None)
     options: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for param, option in RETRAIN_PARAMS.items():
@@ -199,7 +216,7 @@ def training_defaults(params: dict[str, Any], path: Path | None = None, *, model
         summary = (f"{', '.join(taken)} from {path.name} v{record['version']} (study {record['study']}, "
                    f"trial {record['trial']})")
     elif best is None and wanted:
-        why = f"{path.name} is for dataset {elsewhere!r}" if elsewhere else f"no {path.name}"
+        why = f"{path.name} is for {elsewhere}" if elsewhere else f"no {path.name}"
         summary = f"built-in defaults for {', '.join(RETRAIN_PARAMS[p] for p in wanted)} ({why})"
     else:
         summary = "trigger values" if not wanted else "trigger values and built-in defaults"

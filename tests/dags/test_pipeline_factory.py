@@ -178,6 +178,68 @@ def test_a_declaration_whose_data_is_missing_is_refused_unless_it_is_the_demo(tm
         steps.resolve_data_source(churn, "")
 
 
+
+def test_declared_data_outside_the_data_roots_is_refused_as_a_data_source_would_be(
+        tmp_path: Path, nightshift_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightly_tasks import steps
+
+    from nightshift.errors import UsageError
+    from nightshift.pipelines import load_pipeline
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for split in ("train", "validation", "test"):
+        (outside / f"{split}.parquet").write_bytes(b"PAR1")
+    monkeypatch.setenv("NIGHTSHIFT_DATA_ROOTS", str(nightshift_home / "data"))
+    churn = load_pipeline(_declare(tmp_path, "tab", dag_id="tab_retrain", model_name="tab",
+                                   **{"dataset.loader": "tabular", "dataset.data": {"directory": str(outside)}}))
+    with pytest.raises(UsageError, match=r"tab.yaml: dataset.data: data_source .*outside is outside the allowed"):
+        steps.resolve_data_source(churn, "")
+    with pytest.raises(UsageError, match="outside the allowed"):
+        steps.resolve_data_source(churn, str(outside))
+    import nightshift.data.stage as staging
+
+    seen: list[object] = []
+    monkeypatch.setattr(staging, "stage_dataset", lambda *a, roots, **k: seen.append(roots) or {
+        "hash": "h", "rows": 1, "path": "p"})
+    steps.stage(churn, {"path": str(outside)}, "tab_retrain", "r1")
+    assert seen == [[nightshift_home / "data"]]  # the declared data is no data root of its own
+
+
+
+def test_the_min_improvement_param_takes_what_the_schema_takes(tmp_path: Path) -> None:
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from nightshift.pipelines import load_pipeline
+
+    prices = load_pipeline(_declare(tmp_path, "prices", dag_id="prices", model_name="prices", task="regression",
+                                    **{"dataset.loader": "tabular", "gate": {"primary": "rmse", "floor": 50000,
+                                                                             "min_improvement": 5}}))
+    params = ParamsDict(_factory().pipeline_params(prices))
+    assert params.validate()["min_improvement"] == 5  # 5 units of RMSE: the declared default is a valid Param
+    params["min_improvement"] = 250.0
+    assert params.validate()["min_improvement"] == 250.0
+
+
+
+@pytest.mark.parametrize(("key", "changes"), [
+    ("model_name", {"model_name": "shared-model", "dataset.asset": "b"}),
+    ("dataset.asset", {"model_name": "b-model", "dataset.asset": "a"}),
+])
+def test_a_model_name_or_asset_declared_by_a_sibling_fails_the_dag_file(tmp_path: Path, key: str,
+                                                                      changes: dict[str, Any]) -> None:
+    factory = _factory()
+    first = _declare(tmp_path, "a", dag_id="a_retrain", model_name="shared-model", **{"dataset.asset": "a"})
+    second = _declare(tmp_path, "b", dag_id="b_retrain", **changes)
+    for mine, theirs in ((first, second), (second, first)):
+        dag = factory.pipeline_dag(mine)
+        assert isinstance(dag, factory.InvalidPipelineDag)
+        message = str(dag.problem)
+        assert "\n" not in message and message.startswith(f"{mine}: {key}: ") and f"of {theirs};" in message
+    _declare(tmp_path, "b", dag_id="b_retrain", model_name="b-model", **{"dataset.asset": "b"})
+    assert not isinstance(factory.pipeline_dag(first), factory.InvalidPipelineDag)
+
+
 DAGBAG = """
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
@@ -195,8 +257,9 @@ dag = pipeline_dag(__file__)
 def test_a_bad_declaration_fails_its_own_dag_file_in_one_line(tmp_path: Path, airflow_env: dict[str, str]) -> None:
     folder = tmp_path / "user-dags"
     folder.mkdir()
-    _declare(folder, "good", dag_id="good_retrain", model_name="good-model")
-    _declare(folder, "bad", dag_id="bad_retrain", model_name="bad-model", **{"gate.primary": "rmse"})
+    _declare(folder, "good", dag_id="good_retrain", model_name="good-model", **{"dataset.asset": "good"})
+    _declare(folder, "bad", dag_id="bad_retrain", model_name="bad-model",
+             **{"gate.primary": "rmse", "dataset.asset": "bad"})
     for name in ("good", "bad", "missing"):
         (folder / f"{name}.py").write_text(STUB)
     env = {k: v for k, v in airflow_env.items() if k not in ENV}

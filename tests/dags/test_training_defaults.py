@@ -143,3 +143,64 @@ def test_another_pipeline_trains_its_declared_model_and_ignores_a_search_of_anot
     assert "best.json is for dataset 'digits'" in training["summary"]
     # the digits pipeline still takes the search's values
     assert check("r2").pushed["training"]["lr"] == 0.2
+
+
+@pytest.mark.parametrize("change", ["label", "task", "features", "loader_options", "model", "model_kwargs"])
+def test_a_changed_declaration_trains_even_on_the_same_data_code_and_params(digits_pipeline: Any,
+                                                                            change: str) -> None:
+    from dataclasses import replace
+
+    from nightshift.pipelines import ModelSpec
+    from nightshift.pipelines.spec import frozen
+
+    base = replace(digits_pipeline, dataset=replace(digits_pipeline.dataset, loader="tabular", label="churned",
+                                                    features=("age", "plan", "spend")),
+                   model=ModelSpec(name="mlp", kwargs=frozen({"hidden": 16})), task="binary")
+    changed = {
+        "label": replace(base, dataset=replace(base.dataset, label="plan")),
+        "task": replace(base, task="multiclass"),
+        "features": replace(base, dataset=replace(base.dataset, features=("age", "plan"))),
+        "loader_options": replace(base, dataset=replace(base.dataset, options=frozen({"sep": ";"}))),
+        "model": replace(base, model=ModelSpec(name="mlp2", kwargs=frozen({"hidden": 16}))),
+        "model_kwargs": replace(base, model=ModelSpec(name="mlp", kwargs=frozen({"hidden": 256}))),
+    }[change]
+    first = check("r0", base).pushed["fingerprint"]
+    _steps().report(base, DAG_ID, "r0", params(), {"fingerprint": first, "stage_dataset": {"hash": "md5:data"}})
+    assert _steps().check_changes(base, {"hash": "md5:data"}, params(), DAG_ID, "r1", TI()) == "skip_training"
+    assert _steps().check_changes(changed, {"hash": "md5:data"}, params(), DAG_ID, "r2", TI()) == "train"
+
+
+def test_the_code_version_covers_the_declarations_folder() -> None:
+    assert "pipelines" in ledger.CODE_PATHS
+
+
+def test_best_json_without_a_pipeline_fills_only_nightly_retrain(digits_pipeline: Any) -> None:
+    from dataclasses import replace
+
+    write_best(search_best())  # the model_search DAG's: a search of nightly_retrain's digits, naming no pipeline
+    other = replace(digits_pipeline, dag_id="digits_copy", model_name="digits-copy")  # same loader, own pipeline
+    training = check("r1", other).pushed["training"]
+    assert (training["lr"], training["model_kwargs"]) == (0.05, {})
+    assert "best.json is for pipeline 'nightly_retrain'" in training["summary"]
+    assert check("r2").pushed["training"]["lr"] == 0.2
+
+
+def test_best_json_naming_a_pipeline_fills_only_that_one(digits_pipeline: Any) -> None:
+    from dataclasses import replace
+
+    write_best({**search_best(), "pipeline": "digits_copy"})
+    other = replace(digits_pipeline, dag_id="digits_copy", model_name="digits-copy")
+    assert check("r1", other).pushed["training"]["lr"] == 0.2
+    assert check("r2").pushed["training"]["lr"] == 0.05
+
+
+def test_declared_model_kwargs_win_over_best_json(digits_pipeline: Any) -> None:
+    from dataclasses import replace
+
+    from nightshift.pipelines import ModelSpec
+
+    write_best(search_best())
+    declared = replace(digits_pipeline, model=ModelSpec(name="digits_cnn", kwargs={"channels": 8}))
+    training = check("r1", declared).pushed["training"]
+    assert (training["model"], training["model_kwargs"], training["lr"]) == ("digits_cnn", {"channels": 8}, 0.2)
+    assert check("r2", declared, model_kwargs={"channels": 4}).pushed["training"]["model_kwargs"] == {"channels": 4}

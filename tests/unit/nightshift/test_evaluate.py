@@ -43,3 +43,83 @@ def test_log_loss_as_primary_improves_downwards() -> None:
 def test_bad_gate_config_names_the_field(kwargs: dict[str, object]) -> None:
     with pytest.raises(UsageError):
         GateConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def _model(task: str, label: str | None, features: list[str]) -> object:
+    from types import SimpleNamespace
+
+    meta = {"nightshift.task": task, "nightshift.feature_columns": features,
+            **({"nightshift.label_column": label} if label else {})}
+    return SimpleNamespace(metadata=SimpleNamespace(metadata=meta, get_input_schema=lambda: None))
+
+
+@pytest.mark.parametrize(("champion", "why"), [
+    (_model("binary", "churned", ["age", "plan", "spend"]), "task 'binary', not 'regression'"),
+    (_model("regression", "churned", ["age", "plan", "spend"]), "label column 'churned', not 'spend'"),
+    (_model("regression", "spend", ["age", "plan"]), "feature columns ['age', 'plan']"),
+])
+def test_a_champion_trained_for_another_label_task_or_features_is_no_champion(
+        monkeypatch: pytest.MonkeyPatch, champion: object, why: str) -> None:
+    import mlflow
+
+    from nightshift import evaluate as ev
+
+    challenger = _model("regression", "spend", ["age", "plan", "churned"])
+    models = {"runs:/new/model": challenger, "models:/churn/3": champion}
+    monkeypatch.setattr(ev.tracking, "run_model_uri", lambda run_id: "runs:/new/model")
+    monkeypatch.setattr(ev, "champion_uri", lambda name: ("3", "models:/churn/3"))
+    monkeypatch.setattr(ev, "_load", models.__getitem__)
+    scored: list[str] = []
+
+    def score(uri: str, *args: object, **kwargs: object) -> dict[str, object]:
+        scored.append(uri)
+        return {"model_uri": uri, "rows": 10, "rmse": 2.0, "mae": 1.0, "r2": 0.5}
+
+    monkeypatch.setattr(ev, "score", score)
+    for name in ("log_metrics", "set_tags", "log_artifact"):
+        monkeypatch.setattr(mlflow, name, lambda *a, **k: None)
+    monkeypatch.setattr(mlflow, "start_run", lambda **k: __import__("contextlib").nullcontext())
+    result = ev.evaluate("new", data_dir="/d", model_name="churn", label_column="spend",
+                         gate={"task": "regression", "floor": 3.0, "primary": "rmse"})
+    assert scored == ["runs:/new/model"] and result["champion"] is None
+    assert why in result["reasons"][0] and "champion v3 is not comparable" in result["reasons"][0]
+    assert result["passed"] and "meets the floor 3.0000" in result["reasons"][1]
+
+
+def test_a_champion_trained_for_the_same_contract_is_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightshift import evaluate as ev
+
+    same = _model("regression", "spend", ["age"])
+    assert ev.incomparable(same, _model("regression", "spend", ["age"]), task="regression",
+                           label_column="spend") is None
+    no_label = _model("multiclass", None, ["pixel_0"])  # a digits model records no label column
+    assert ev.incomparable(no_label, no_label, task="multiclass", label_column="label") is None
+
+
+@pytest.mark.parametrize("challenger", [{"rmse": float("nan"), "mae": 1.0, "r2": 0.5},
+                                        {"rmse": 1.0, "mae": float("inf"), "r2": 0.5},
+                                        {"rmse": 1.0, "mae": 1.0, "r2": float("nan")}])
+def test_a_non_finite_challenger_metric_fails_the_gate_first(challenger: dict[str, float]) -> None:
+    bad = next(k for k, v in challenger.items() if v != v or v == float("inf"))
+    for champion in (None, {"rmse": 9.0, "mae": 9.0, "r2": 0.0}):
+        decision = decide(challenger, champion, GateConfig(task="regression", primary="r2", guards={}))
+        assert not decision["passed"] and decision["reasons"][0].startswith(f"the challenger's {bad} ")
+
+
+def test_r2_of_a_constant_target_is_nan_and_evaluation_refuses_such_a_split(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    import math
+
+    import numpy as np
+    import pandas as pd
+
+    from nightshift import evaluate as ev
+    from nightshift.errors import EvaluationError
+
+    assert math.isnan(ev.regression_metrics(np.full(5, 3.0), np.full(5, 3.5))["r2"])
+    frame = pd.DataFrame({"x": [1.0, 2.0, 3.0], "y": [3.0, 3.0, 3.0]})
+    monkeypatch.setattr(ev, "read_split_frame", lambda data_dir, split: frame)
+    model = _model("regression", "y", ["x"])
+    monkeypatch.setattr(ev, "_predict", lambda m, f: pd.DataFrame({ev.tracking.VALUE_COLUMN: [3.0, 3.0, 3.0]}))
+    with pytest.raises(EvaluationError, match="target column 'y' has no variance"):
+        ev.score("m", "/d", task="regression", label_column="y", model=model)

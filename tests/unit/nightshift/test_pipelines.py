@@ -165,7 +165,8 @@ def test_several_problems_are_each_a_line(folder: Path) -> None:
 def test_a_malformed_name_says_what_is_allowed(folder: Path) -> None:
     path = declare(folder, dag_id="my dag")
     assert problems_of(path) == (f"{path}: dag_id: 'my dag' is not valid here; expected: The Airflow DAG id of this "
-                                 f"pipeline; unique across the pipelines folder. Letters, digits, '_', '.' and '-'",)
+                                 f"pipeline; unique across the pipelines folder. Letters, digits, '_', '.' and '-', "
+                                 f"starting with a letter or digit, without '..'",)
 
 
 def test_a_primary_metric_must_fit_the_task(folder: Path) -> None:
@@ -289,6 +290,40 @@ def test_a_dag_id_or_model_name_declared_twice_refuses_both_files(folder: Path, 
         (f"{first}: {key}: 'same' is also the {key} of {second}; give each pipeline its own {key}",),
         (f"{second}: {key}: 'same' is also the {key} of {first}; give each pipeline its own {key}",),
     ]
+
+
+
+def test_a_dataset_asset_declared_twice_refuses_both_files_even_as_another_dag_id(folder: Path) -> None:
+    first = declare(folder, "a.yaml", dag_id="churn", model_name="a")  # its asset defaults to its dag_id
+    second = declare(folder, "b.yaml", dag_id="b", model_name="b",
+                     dataset={"asset": "churn", "loader": "tabular", "label": "diagnosis",
+                              "data": {"directory": "data/b"}})
+    pipelines, errors = load_pipelines(folder)
+    assert pipelines == [] and [e.problems for e in errors] == [
+        (f"{first}: dataset.asset: 'churn' is also the dataset.asset of {second}; give each pipeline its own "
+         f"dataset.asset (it defaults to the dag_id)",),
+        (f"{second}: dataset.asset: 'churn' is also the dataset.asset of {first}; give each pipeline its own "
+         f"dataset.asset (it defaults to the dag_id)",),
+    ]
+
+
+def test_cli_check_finds_clashes_across_every_path_given(tmp_path: Path) -> None:
+    from nightshift.pipelines.cli import check_paths
+
+    for name in ("p", "q"):
+        (tmp_path / name / "suites").mkdir(parents=True)
+        (tmp_path / name / "suites" / "cancer.json").write_text(json.dumps(SUITE))
+    first = declare(tmp_path / "p", "churn.yaml", dag_id="churn", model_name="churn-model")
+    second = declare(tmp_path / "q", "churn_v2.yaml", dag_id="churn_v2", model_name="churn-model")
+    other = declare(tmp_path / "q", "other.yaml", dag_id="other", model_name="other")
+    valid, problems = check_paths([str(tmp_path / "p"), str(tmp_path / "q")], data=False)
+    assert valid == ["other"] and problems == [
+        f"{first}: model_name: 'churn-model' is also the model_name of {second}; give each pipeline its own "
+        f"model_name",
+        f"{second}: model_name: 'churn-model' is also the model_name of {first}; give each pipeline its own "
+        f"model_name",
+    ]
+    assert check_paths([str(first), str(first), str(other)], data=False) == (["churn", "churn", "other"], [])
 
 
 def test_a_missing_folder_is_a_usage_error(tmp_path: Path) -> None:
@@ -484,3 +519,42 @@ def test_digits_yaml_fits_the_demo_datas_columns(nightshift_home: Path) -> None:
     assert line.split(": ")[2].startswith("names columns pixel_63 that ")
     assert "(in expect_table_columns_to_match_set, expect_table_column_types_to_be, " in line
     assert "(5 in all))" in line
+
+
+# ---- values YAML reads as no JSON, anchors, size (the hostile review) -----------------------------------------
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("training: {learning_rate: .nan}", "training.learning_rate: must be a finite number, got nan"),
+    ("deploy: {target: local, options: {tolerance: .nan}}", "deploy.options.tolerance: must be a finite number"),
+    ("model: {name: mlp, kwargs: {scale: -.inf}}", "model.kwargs.scale: must be a finite number, got -inf"),
+    ("dataset: {loader: tabular, label: diagnosis, data: {directory: d}, options: {since: 2024-01-01}}",
+     "dataset.options.since: date 2024-01-01 is not a JSON value"),
+    ("dataset: {loader: tabular, label: diagnosis, data: {directory: d}, options: {yes: 1}}",
+     "dataset.options.True: the key True is boolean true, not a string"),
+])
+def test_values_that_are_no_plain_json_are_refused_on_one_line(folder: Path, text: str, expected: str) -> None:
+    key = text.split(":", 1)[0]
+    path = folder / "cancer.yaml"
+    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in DECLARATION.items() if k != key) + text + "\n")
+    assert any(expected in line for line in problems_of(path))
+
+
+@pytest.mark.parametrize("dag_id", ["..", ".", "-x", "a..b", "_x"])
+def test_a_dag_id_must_start_with_a_letter_or_digit_and_hold_no_dot_dot(folder: Path, dag_id: str) -> None:
+    assert problems_of(declare(folder, dag_id=dag_id))[0].startswith(f"{folder / 'cancer.yaml'}: dag_id: ")
+    load_pipeline(declare(folder, dag_id="a.b-c_1"))
+
+
+def test_yaml_anchors_and_aliases_are_refused_naming_the_line(folder: Path) -> None:
+    path = folder / "bomb.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in DECLARATION.items() if k != "model"}, sort_keys=False)
+                    + "model:\n  name: mlp\n  kwargs:\n    l0: &l0 {a: 1}\n    l1: {k0: *l0, k1: *l0}\n")
+    (line,) = problems_of(path)
+    assert line.startswith(f"{path}: line {len(path.read_text().splitlines()) - 1}: invalid YAML: YAML anchor &l0")
+
+
+def test_a_declaration_over_a_mebibyte_is_refused_unread(folder: Path) -> None:
+    path = declare(folder)
+    path.write_text(path.read_text() + "#" * (1024 * 1024) + "\n")
+    (line,) = problems_of(path)
+    assert "over the 1048576 a declaration may have" in line

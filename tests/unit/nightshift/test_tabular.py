@@ -349,3 +349,23 @@ def test_the_evaluate_command_passes_the_task_and_label_column(monkeypatch: pyte
     assert (gate.task, gate.primary, gate.floor, seen["label_column"]) == ("regression", "rmse", None, "progression")
     with pytest.raises(UsageError, match="'accuracy' does not fit a regression task"):
         command("--primary", "accuracy")
+
+
+def test_the_served_model_standardises_in_float64_as_the_trainer_did(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    big = 1e8 + rng.integers(0, 2, 200)  # the signal is a 1 in a column of 1e8: float32 holds 1e8 and 1e8+1 alike
+    (tmp_path / "data").mkdir()
+    data = table(tmp_path / "data", big=list(big), noise=list(rng.normal(size=200)), y=list((big - 1e8).astype(int)))
+    model = TorchTableClassifier(untrained_output(data, tmp_path / "out", "binary", {"label": "y"}))
+    frame = pd.read_parquet(data / "test.parquet")
+    split = load_split("tabular", data, "test", task="binary", options={"label": "y"})
+    with torch.no_grad():
+        expected = torch.softmax(model.model(split.features), dim=1).numpy()
+    answer = model.predict(frame[["big", "noise"]])
+    np.testing.assert_allclose(answer[["prob_0", "prob_1"]].to_numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_served_model_refuses_numbers_sent_as_text_naming_the_column(served: TorchTableClassifier,
+                                                                        test_rows: pd.DataFrame) -> None:
+    with pytest.raises(MlflowException, match=r"feature column mean area holds (object|str) values, not numbers"):
+        served.predict(test_rows.assign(**{"mean area": test_rows["mean area"].astype(str)}))
