@@ -90,7 +90,10 @@ def test_the_training_run_and_the_model_version_are_tagged_with_the_runs_commit(
     train = dag.get_task("train")
     fingerprint = {"code_version": SHA}
     params = dict(dag.params.validate())
-    resolved = _steps().resolve_training(params)  # no best.json here: the trainer's defaults
+    from nightshift.pipelines import load_pipeline
+
+    # no best.json here: the declaration's model, else the trainer's defaults
+    resolved = _steps().resolve_training(load_pipeline(DIGITS_YAML), params)
     training = {**resolved["options"], "summary": resolved["summary"]}
 
     class RunTI:
