@@ -135,17 +135,23 @@ def input_columns(model: Any) -> list[str] | None:
 
 
 def incomparable(champion: Any, challenger: Any, *, task: str, label_column: str) -> str | None:
-    """Why the champion's scores cannot be compared with the challenger's (it was trained for another task,
-    label column or feature columns, as its metadata records), or None when they can. What the champion does
-    not record is not held against it."""
+    """Why the champion's scores cannot be compared with the challenger's (it was trained for another task or
+    label column, or needs feature columns the challenger's data lacks, as its metadata records), or None when
+    they can. Columns in another order, or columns the data gained, do not count: the champion is scored on
+    its own columns, taken by name. What the champion does not record is not held against it."""
     def recorded(model: Any) -> dict[str, Any]:
         meta = model.metadata.metadata or {}
         return {"task": meta.get("nightshift.task"), "label column": meta.get("nightshift.label_column"),
                 "feature columns": input_columns(model)}
 
     theirs, ours = recorded(champion), {**recorded(challenger), "task": task, "label column": label_column}
-    differ = [f"{key} {theirs[key]!r}, not {ours[key]!r}" for key in ("task", "label column", "feature columns")
+    differ = [f"{key} {theirs[key]!r}, not {ours[key]!r}" for key in ("task", "label column")
               if theirs[key] is not None and ours[key] is not None and theirs[key] != ours[key]]
+    if theirs["feature columns"] is not None and ours["feature columns"] is not None:
+        missing = [c for c in theirs["feature columns"] if c not in set(ours["feature columns"])]
+        if missing:
+            differ.append(f"feature columns {missing[:5]}{'…' if len(missing) > 5 else ''} that the "
+                          f"challenger's data lacks")
     return "; ".join(differ) or None
 
 

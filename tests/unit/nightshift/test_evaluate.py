@@ -56,7 +56,7 @@ def _model(task: str, label: str | None, features: list[str]) -> object:
 @pytest.mark.parametrize(("champion", "why"), [
     (_model("binary", "churned", ["age", "plan", "spend"]), "task 'binary', not 'regression'"),
     (_model("regression", "churned", ["age", "plan", "spend"]), "label column 'churned', not 'spend'"),
-    (_model("regression", "spend", ["age", "plan"]), "feature columns ['age', 'plan']"),
+    (_model("regression", "spend", ["age", "plan", "income"]), "feature columns ['income'] that the challenger"),
 ])
 def test_a_champion_trained_for_another_label_task_or_features_is_no_champion(
         monkeypatch: pytest.MonkeyPatch, champion: object, why: str) -> None:
@@ -92,6 +92,13 @@ def test_a_champion_trained_for_the_same_contract_is_scored(monkeypatch: pytest.
     same = _model("regression", "spend", ["age"])
     assert ev.incomparable(same, _model("regression", "spend", ["age"]), task="regression",
                            label_column="spend") is None
+    # second hostile review: columns reordered, or columns the data gained, made the champion "no champion" and
+    # let a worse challenger through on the floor alone; the champion is scored on its own columns by name
+    assert ev.incomparable(_model("regression", "spend", ["plan", "age"]),
+                           _model("regression", "spend", ["age", "plan"]), task="regression",
+                           label_column="spend") is None
+    assert ev.incomparable(_model("regression", "spend", ["age"]), _model("regression", "spend", ["age", "new"]),
+                           task="regression", label_column="spend") is None
     no_label = _model("multiclass", None, ["pixel_0"])  # a digits model records no label column
     assert ev.incomparable(no_label, no_label, task="multiclass", label_column="label") is None
 
