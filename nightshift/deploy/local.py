@@ -5,6 +5,12 @@ A new version starts beside the old one on a free port from its own local copy o
 must answer `/ping` and a canary batch with known labels about as well as it was evaluated, and only
 then do the record and the `@champion` alias switch and the old server stop. On any failure the new
 server is stopped and nothing else changes.
+
+A free port is only free when it is chosen: deployments of two models run at once (each holds only its
+own model's lock), and either may start its server on the port the other chose a moment before. A server
+counts as healthy only once the socket listening on its port is its own; when another process listens
+there first (or the server exits because the address is in use), the server is stopped and started again
+on another port, `PORT_TRIES` times at most.
 """
 
 from __future__ import annotations
@@ -28,10 +34,18 @@ from nightshift import registry, settings, tracking
 from nightshift.deploy.smoke import canary_batch, model_contract, post_json, smoke_test
 from nightshift.errors import DeploymentFailed, UsageError
 from nightshift.fsutil import atomic_write_json
-from nightshift.netutil import free_port
+from nightshift.netutil import free_port, listening_sockets, socket_inodes
 
 HOST = "127.0.0.1"
 SERVERS = ("mlflow", "guarded")
+PORT_TRIES = 5
+# What uvicorn ("[Errno 98] ... address already in use") and gunicorn ("Connection in use") log when the
+# port is taken, lower-cased.
+_ADDRESS_IN_USE = ("address already in use", "[errno 98]", "connection in use")
+
+
+class PortTaken(DeploymentFailed):
+    """Another process listens on the port a model server was started on (the free port was taken meanwhile)."""
 
 
 def record_path(model_name: str) -> Path:
@@ -119,17 +133,23 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether any live (non-zombie) process is left in process group `pgid` (the server and its uvicorn)."""
-    _alive(pgid)  # reaps the session leader if it is our own exited child
+def _group_pids(pgid: int) -> list[int]:
+    """The live (non-zombie) processes of process group `pgid` (the server and its uvicorn)."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is left in process group `pgid` (the server and its uvicorn)."""
+    _alive(pgid)  # reaps the session leader if it is our own exited child
+    return bool(_group_pids(pgid))
 
 
 def _is_model_server(pid: int) -> bool:
@@ -173,20 +193,55 @@ def _log_tail(path: Path, lines: int = 3) -> str:
     return " / ".join(line.strip() for line in text[-lines:])[-600:]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
-    """Wait until GET /ping answers 200; fail early when the server process exits."""
+def _port_owner(port: int, pgid: int) -> str:
+    """Who listens on `port`: "ours" (only process group `pgid`), "other" (another process too), "none"; or
+    "unknown" where /proc/net/tcp cannot be read."""
+    listening = listening_sockets(port)
+    if listening is None:
+        return "unknown"
+    if not listening:
+        return "none"
+    return "ours" if listening <= socket_inodes(_group_pids(pgid)) else "other"
+
+
+def _address_in_use(log_path: Path, offset: int) -> bool:
+    """Whether the server's log, from `offset` (where this start's lines begin), says its port was in use."""
+    try:
+        with log_path.open("rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace").lower()
+    except OSError:
+        return False
+    return any(sign in text for sign in _ADDRESS_IN_USE)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float, *,
+                 port: int | None = None, log_offset: int = 0) -> None:
+    """Wait until GET /ping answers 200; fail early when the server process exits.
+
+    With `port`, the answer counts only once the socket listening on `port` is the server's own (another
+    process's server would answer /ping too); PortTaken when another process listens there, or when the
+    server exits saying the address is in use (its log from `log_offset`).
+    """
     import requests
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if port is not None and _address_in_use(log_path, log_offset):
+                raise PortTaken(f"model server could not bind port {port}: address already in use "
+                                f"(log {log_path}: {_log_tail(log_path)})")
             raise DeploymentFailed(f"model server exited with code {proc.returncode} before answering "
                                    f"(log {log_path}: {_log_tail(log_path)})")
-        try:
-            if requests.get(f"{url}/ping", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
+        owner = "unknown" if port is None else _port_owner(port, proc.pid)
+        if owner == "other":
+            raise PortTaken(f"another process listens on port {port}, chosen for this model server")
+        if owner != "none":  # not bound yet: nothing of ours can answer
+            try:
+                if requests.get(f"{url}/ping", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
         time.sleep(0.25)
     raise DeploymentFailed(f"model server at {url} did not answer /ping within {timeout:.0f}s "
                            f"(log {log_path}: {_log_tail(log_path)})")
@@ -254,14 +309,13 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        port = free_port()
-        model_path = staging.with_name(f"{model_name}-v{version}-{port}")
-        staging.rename(model_path)
-        url = f"http://{HOST}:{port}"
-        log_path = settings.serving_dir() / "logs" / f"{model_name}-v{version}-{port}.log"
-        proc = start_server(model_path, port, log_path, server)
         try:
-            wait_healthy(url, proc, log_path, startup_timeout)
+            proc, port, model_path, log_path = _start_on_a_free_port(model_name, version, staging, server,
+                                                                     startup_timeout)
+        except DeploymentFailed as err:
+            raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; {_serving_now(old)}") from err
+        url = f"http://{HOST}:{port}"
+        try:
             smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance,
                                task=contract.task)
             record = {"model_name": model_name, "version": version, "url": url, "port": port, "server": server,
@@ -289,6 +343,41 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
         return {"target": "local", "status": "promoted", "model_name": model_name, "version": version,
                 "url": url, "port": port, "pid": proc.pid, "model_path": str(model_path),
                 "smoke": smoke, "previous": previous}
+
+
+def _start_on_a_free_port(model_name: str, version: str, staging: Path, server: str, startup_timeout: float
+                          ) -> tuple[subprocess.Popen[bytes], int, Path, Path]:
+    """Serve the downloaded `staging` on a free port until /ping answers from it: (process, port, model
+    path, log path). A port another process took first is given up, its server stopped and its model
+    folder renamed for the next port, `PORT_TRIES` times at most. On any failure nothing is left behind:
+    no server, no model folder (the logs stay, and are named in the error)."""
+    model_path = staging
+    taken: list[str] = []
+    try:
+        for _ in range(PORT_TRIES):
+            port = free_port()
+            model_path = model_path.rename(staging.with_name(f"{model_name}-v{version}-{port}"))
+            log_path = settings.serving_dir() / "logs" / f"{model_name}-v{version}-{port}.log"
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            proc = start_server(model_path, port, log_path, server)
+            try:
+                wait_healthy(f"http://{HOST}:{port}", proc, log_path, startup_timeout, port=port,
+                             log_offset=offset)
+            except PortTaken as err:
+                stop_server(proc.pid)
+                taken.append(str(err))
+                continue
+            except BaseException:
+                stop_server(proc.pid)
+                raise
+            return proc, port, model_path, log_path
+    except BaseException:
+        shutil.rmtree(model_path, ignore_errors=True)
+        raise
+    shutil.rmtree(model_path, ignore_errors=True)
+    raise DeploymentFailed(f"each of {PORT_TRIES} free ports was taken by another process before the model "
+                           f"server bound it ({'; '.join(taken)}); other servers are starting on this host "
+                           f"faster than ports are chosen: deploy again")
 
 
 def _serving_now(old: dict[str, Any] | None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 import requests
 
 from nightshift import registry
+from nightshift.deploy import local
 from nightshift.deploy.local import (
     _alive,
     deploy_local,
@@ -134,14 +136,27 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(world: dict[str, Any]
     assert after.status_code == 200 and len(after.json()["predictions"]) == 3
 
 
-def test_better_model_replaces_champion_and_old_server_stops(world: dict[str, Any]) -> None:
+def test_better_model_replaces_champion_and_old_server_stops(world: dict[str, Any],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: the free port chosen first is taken by another process (another model's server, deployed at the
+    same time) before this server binds it: the server lands on another port, and the first try leaves no
+    process or model folder behind."""
     b = _release(world, "B")
     assert b["decision"]["passed"], b["decision"]["reasons"]
     assert b["decision"]["champion"]["version"] == "1"
     register(b["run_id"], model_name=MODEL, evaluation=b["decision"])
-    result = deploy_local(MODEL, data_dir=world["data"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        ports = iter([taken])
+        monkeypatch.setattr(local, "free_port", lambda: next(ports, None) or free_port())
+        result = deploy_local(MODEL, data_dir=world["data"])
     world["pids"].append(result["pid"])
     assert result["status"] == "promoted" and result["version"] == "2"
+    assert result["port"] != taken and result["model_path"].endswith(f"-{result['port']}")
+    assert not (Path(result["model_path"]).parent / f"{MODEL}-v2-{taken}").exists()
+    assert [p for p in Path("/proc").glob("[0-9]*") if _is_server_for(p, f"2-{taken}")] == []
     assert result["previous"] == {"version": "1", "pid": world["A"]["pid"], "stopped": True}
     assert not _alive(world["A"]["pid"])
     with pytest.raises(requests.ConnectionError):

@@ -1,0 +1,164 @@
+"""A local deploy's port: a server counts as up only on a port it listens on itself, and a port another process
+took first (two models deployed at once) is given up for another, leaving nothing behind. Without MLflow: the
+model servers are stand-ins (tests/integration/test_deploy_local.py deploys real ones)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nightshift import settings
+from nightshift.deploy import local
+from nightshift.deploy.local import PORT_TRIES, PortTaken, wait_healthy
+from nightshift.errors import DeploymentFailed
+from nightshift.netutil import free_port
+
+NO_GROUP = 4_000_000  # above Linux's largest PID (2**22): a process group without processes
+
+
+class _Proc:
+    """What wait_healthy reads of a server process: its PID (the process group) and whether it exited."""
+
+    def __init__(self, pid: int = NO_GROUP, returncode: int | None = None) -> None:
+        self.pid, self.returncode = pid, returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """Another process's server, as far as a model server in another process group can tell: a socket
+    listening on a free port of 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock
+
+
+def test_another_process_listening_on_the_port_is_port_taken_not_a_healthy_server(
+        listener: socket.socket, tmp_path: Path) -> None:
+    """Before: /ping answered by whoever listened there counted as this server's answer."""
+    port = listener.getsockname()[1]
+    with pytest.raises(PortTaken, match=f"another process listens on port {port}"):
+        wait_healthy(f"http://127.0.0.1:{port}", _Proc(), tmp_path / "server.log", timeout=30,  # type: ignore[arg-type]
+                     port=port)
+
+
+def test_a_server_that_listens_on_its_port_itself_is_healthy(tmp_path: Path) -> None:
+    class Ping(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ping)  # in this test's own process group
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        wait_healthy(f"http://127.0.0.1:{port}", _Proc(os.getpgrp()), tmp_path / "server.log",  # type: ignore[arg-type]
+                     timeout=30, port=port)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_that_exits_because_its_address_is_in_use_is_port_taken(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("an earlier start's line: [Errno 98] address already in use\n")
+    offset = log.stat().st_size
+    port = free_port()
+    # what this start logged is another failure: not a port taken, whatever an earlier start logged
+    with log.open("a") as handle:
+        handle.write("ModuleNotFoundError: No module named 'torch'\n")
+    with pytest.raises(DeploymentFailed, match="exited with code 1") as other:
+        wait_healthy(f"http://127.0.0.1:{port}", _Proc(returncode=1), log, timeout=30,  # type: ignore[arg-type]
+                     port=port, log_offset=offset)
+    assert not isinstance(other.value, PortTaken)
+    offset = log.stat().st_size
+    with log.open("a") as handle:
+        handle.write(f"ERROR: [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+                     f"address already in use\n")
+    with pytest.raises(PortTaken, match=f"could not bind port {port}"):
+        wait_healthy(f"http://127.0.0.1:{port}", _Proc(returncode=1), log, timeout=30,  # type: ignore[arg-type]
+                     port=port, log_offset=offset)
+
+
+def _staged(model_name: str) -> Path:
+    staging = settings.serving_dir() / "models" / f".{model_name}-v1.tmp"
+    staging.mkdir(parents=True)
+    (staging / "MLmodel").write_text("flavors: {}\n")
+    return staging
+
+
+def _servers(monkeypatch: pytest.MonkeyPatch, ports: list[int], taken: set[int]) -> list[tuple[str, Any]]:
+    """Stand-in servers on `ports` in turn; those on `taken` ports meet PortTaken. Returns the calls made."""
+    calls: list[tuple[str, Any]] = []
+    chosen = iter(ports)
+    monkeypatch.setattr(local, "free_port", lambda: next(chosen))
+
+    def start(model_path: Path, port: int, log_path: Path, server: str) -> _Proc:
+        assert (model_path / "MLmodel").is_file(), "the server starts on the model's files"
+        calls.append(("start", port))
+        return _Proc(pid=port)
+
+    def healthy(url: str, proc: _Proc, log_path: Path, timeout: float, *, port: int, log_offset: int) -> None:
+        if port in taken:
+            raise PortTaken(f"another process listens on port {port}, chosen for this model server")
+
+    def stop(pid: int) -> bool:
+        calls.append(("stop", pid))
+        return True
+
+    monkeypatch.setattr(local, "start_server", start)
+    monkeypatch.setattr(local, "wait_healthy", healthy)
+    monkeypatch.setattr(local, "stop_server", stop)
+    return calls
+
+
+def test_a_port_taken_first_is_given_up_and_the_server_started_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _servers(monkeypatch, [7001, 7002], taken={7001})
+    proc, port, model_path, _log = local._start_on_a_free_port("m", "1", _staged("m"), "mlflow", 30)
+    assert (port, proc.pid) == (7002, 7002)
+    assert calls == [("start", 7001), ("stop", 7001), ("start", 7002)]
+    models = settings.serving_dir() / "models"
+    assert model_path == models / "m-v1-7002" and (model_path / "MLmodel").is_file()
+    assert sorted(p.name for p in models.iterdir()) == ["m-v1-7002"]  # nothing of the first try is left
+
+
+def test_when_every_try_finds_its_port_taken_the_error_says_so_and_nothing_is_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ports = list(range(7101, 7101 + PORT_TRIES + 1))
+    calls = _servers(monkeypatch, ports, taken=set(ports))
+    with pytest.raises(DeploymentFailed) as failed:
+        local._start_on_a_free_port("m", "1", _staged("m"), "mlflow", 30)
+    message = str(failed.value)
+    assert f"each of {PORT_TRIES} free ports was taken by another process" in message and "deploy again" in message
+    assert all(f"port {port}" in message for port in ports[:PORT_TRIES])
+    assert [c for c in calls if c[0] == "start"] == [("start", p) for p in ports[:PORT_TRIES]]  # bounded
+    assert [c for c in calls if c[0] == "stop"] == [("stop", p) for p in ports[:PORT_TRIES]]  # each one stopped
+    assert list((settings.serving_dir() / "models").iterdir()) == []
+
+
+def test_a_startup_failure_other_than_the_port_stops_the_server_and_removes_the_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _servers(monkeypatch, [7201, 7202], taken=set())
+
+    def broken(url: str, proc: _Proc, log_path: Path, timeout: float, *, port: int, log_offset: int) -> None:
+        raise DeploymentFailed("model server exited with code 1 before answering")
+
+    monkeypatch.setattr(local, "wait_healthy", broken)
+    with pytest.raises(DeploymentFailed, match="exited with code 1"):
+        local._start_on_a_free_port("m", "1", _staged("m"), "mlflow", 30)
+    assert calls == [("start", 7201), ("stop", 7201)]  # not retried on another port
+    assert list((settings.serving_dir() / "models").iterdir()) == []
