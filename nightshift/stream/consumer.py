@@ -423,8 +423,9 @@ class StreamConsumer:
 
     # --- writing -----------------------------------------------------------------------------------
 
-    def _write_args(self, good: list[records.InputRow], labels: list[int], rejected: list[records.Rejected],
-                    kinds: dict[str, str], version: str) -> tuple[list[str], list[Any]]:
+    def _write_args(self, good: list[records.InputRow], labels: list[records.Prediction],
+                    rejected: list[records.Rejected], kinds: dict[str, str], version: str
+                    ) -> tuple[list[str], list[Any]]:
         scored, seen = self._scored_prefix, self._seen_prefix
         now_ms = time.time() * 1000
         keys = [self.config.input, self.config.output, self.config.dead_letter]
@@ -492,14 +493,15 @@ class StreamConsumer:
             raise
         return totals[0], totals[1], foreign
 
-    def _commit(self, good: list[records.InputRow], labels: list[int], rejected: list[records.Rejected]) -> None:
+    def _commit(self, good: list[records.InputRow], labels: list[records.Prediction],
+                rejected: list[records.Rejected]) -> None:
         """Write predictions and dead letters and acknowledge their inputs (one script run), after the write in
         flight; count them."""
         assert self.scorer is not None
         self._join_write()
         self._commit_now(good, labels, rejected, self.scorer.version)
 
-    def _commit_behind(self, good: list[records.InputRow], labels: list[int]) -> None:
+    def _commit_behind(self, good: list[records.InputRow], labels: list[records.Prediction]) -> None:
         """`_commit` in the writer thread, after the write in flight: returns at once (the next batch, read
         here first, is scored meanwhile). Its errors are raised by the next `_join_write`."""
         assert self.scorer is not None
@@ -537,8 +539,8 @@ class StreamConsumer:
             finally:
                 self._in_flight_inputs = 0
 
-    def _commit_now(self, good: list[records.InputRow], labels: list[int], rejected: list[records.Rejected],
-                    version: str) -> None:
+    def _commit_now(self, good: list[records.InputRow], labels: list[records.Prediction],
+                    rejected: list[records.Rejected], version: str) -> None:
         kinds: dict[str, str] = {}
         holding = [row.entry_id for row in good] + [item.entry_id for item in rejected]
         while True:
@@ -563,8 +565,9 @@ class StreamConsumer:
             log.info("%d inputs of a batch of %d went to %s", dead, done, self.config.dead_letter)
 
     def _foreign_markers(self, positions: list[int], keys: list[str], good: list[records.InputRow],
-                         labels: list[int], rejected: list[records.Rejected], kinds: dict[str, str]
-                         ) -> tuple[list[records.InputRow], list[int], list[records.Rejected]]:
+                         labels: list[records.Prediction], rejected: list[records.Rejected],
+                         kinds: dict[str, str]
+                         ) -> tuple[list[records.InputRow], list[records.Prediction], list[records.Rejected]]:
         """The inputs at `positions` (1-based) have a marker key of another type (an application's key named
         like a marker): dead-letter them, without touching that key; the others are written as they were."""
         def reason(position: int) -> str:
@@ -579,7 +582,7 @@ class StreamConsumer:
 
         bad = {position - 1 for position in positions}
         keep_rows: list[records.InputRow] = []
-        keep_labels: list[int] = []
+        keep_labels: list[records.Prediction] = []
         dead = list(rejected)
         for i, (row, label) in enumerate(zip(good, labels, strict=True)):
             if i in bad:

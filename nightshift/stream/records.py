@@ -36,6 +36,8 @@ MAX_ID_LENGTH = 512
 _NUMBER_TYPES = frozenset({int, float})
 _FLOAT_MAX = sys.float_info.max
 _FLOAT_LIMIT = int(_FLOAT_MAX)  # the largest integer within float range
+# What a model answers for one input: a class value (the demo's labels are ints) or a regression's value.
+Prediction = int | float | str | bool
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs ~0.6 µs more per row to build (one per input)
@@ -307,8 +309,14 @@ def _json_type(value: Any) -> str:
     return {bool: "boolean", str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
-def prediction_payload(input_id: str | int, label: int, model_version: str, latency_ms: float) -> bytes:
-    out = {"id": input_id, "prediction": int(label), "model_version": str(model_version),
+def prediction_payload(input_id: str | int, prediction: Prediction | np.generic, model_version: str,
+                       latency_ms: float) -> bytes:
+    """An output entry's `data`: `prediction` is what the served model answers for the row, as JSON keeps it:
+    the class (the demo's labels 0-9 as integers; a tabular model's class values as they were: a string, a
+    number, a boolean), or for regression the value in the target's units (a float, never cut to an integer)."""
+    if type(prediction) is not int:  # the digits' labels are ints already: nothing to convert on their path
+        prediction = prediction.item() if isinstance(prediction, np.generic) else prediction
+    out = {"id": input_id, "prediction": prediction, "model_version": str(model_version),
            "latency_ms": round(float(latency_ms), 3)}
     try:
         return orjson.dumps(out)

@@ -5,8 +5,14 @@ A batch is validated in one vectorised pass of the served model's own checks (`i
 `validate` would refuse, with its message), so that the bad ones go to the dead-letter stream with the
 served model's own message and the others are still scored; a row with a column missing is validated
 alone, so that the message names the column. The rows are then scored by the served model's own
-prediction on the float32 matrix, not through the pyfunc's signature enforcement (a second, per-column
-check of what was just checked, which cost as much as the model itself).
+prediction on one matrix, not through the pyfunc's signature enforcement (a second, per-column check of
+what was just checked, which cost as much as the model itself).
+
+The matrix is float64 for a tabular model, which standardises its raw columns in float64 as the HTTP
+server does (a column around 1e7 whose rows differ by less than one loses its signal in float32, whose
+steps there are 1.0), and float32 for the others, as before (the digits' 0-16 are exact in float32, and
+their model divides by 16 only). Whatever the task, the consumer writes what the served
+model answers per row: the class (classification), or the value in the target's units (regression).
 
 When the rows that passed validation still cannot be scored, the fault is
 the model's or the machine's (out of memory, a broken version), not theirs: `score` raises ModelFailure
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nightshift.stream.errors import ModelFailure, NoChampion
-from nightshift.stream.records import InputRow, Rejected, id_key
+from nightshift.stream.records import InputRow, Prediction, Rejected, id_key
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Scored:
     rows: list[InputRow]
-    labels: list[int]
+    labels: list[Prediction]
     rejected: list[Rejected]
 
 
@@ -37,14 +43,22 @@ def _message(err: Exception) -> str:
     return str(getattr(err, "message", None) or err)
 
 
+def input_dtype(classifier: object) -> type[np.floating]:
+    """The dtype of the matrix `classifier` scores: float64 for a tabular model (its standardisation runs in
+    float64, as over HTTP), float32 for the others."""
+    return np.float64 if getattr(classifier, "preprocessing", None) is not None else np.float32
+
+
 class VersionScorer:
-    """`model_name` version `version`, loaded through MLflow (`models:/NAME/VERSION`)."""
+    """`model_name` version `version`, loaded through MLflow (`models:/NAME/VERSION`): any model `nightshift
+    register` registered, scored on its own columns (`features.columns`, in its order) and task."""
+
+    dtype: type[np.floating] = np.float32
 
     def __init__(self, model_name: str, version: str) -> None:
         import mlflow.pyfunc
 
         from nightshift import tracking
-        from nightshift.served_model import PREDICTION_COLUMN
 
         tracking.client()  # the configured tracking URI, as every other step
         self.model_name = model_name
@@ -55,24 +69,28 @@ class VersionScorer:
         except Exception as err:
             raise NoChampion(f"cannot load {uri} ({type(err).__name__}: {err}); check the registry and its "
                              f"artifact store") from err
-        self.classifier = self.pyfunc.unwrap_python_model().classifier
-        self.columns: tuple[str, ...] = tuple(self.classifier.features.columns)
+        try:
+            self.classifier = self.pyfunc.unwrap_python_model().classifier
+            self.columns: tuple[str, ...] = tuple(self.classifier.features.columns)
+        except Exception as err:  # another flavour, or a pyfunc of someone else's
+            raise NoChampion(f"{uri} is not a model `nightshift register` registered ({type(err).__name__}: "
+                             f"{err}); score-stream scores those only: pass the --model-name of one") from err
         self.column_set = frozenset(self.columns)
-        self.prediction_column = PREDICTION_COLUMN
+        self.dtype = input_dtype(self.classifier)
 
     def _matrix(self, rows: list[InputRow]) -> np.ndarray:
-        """The complete rows' values as one float32 matrix, columns in the model's order (one numpy call)."""
-        return np.asarray([row.values for row in rows], dtype=np.float32)
+        """The complete rows' values as one matrix of `dtype`, columns in the model's order (one numpy call)."""
+        return np.asarray([row.values for row in rows], dtype=self.dtype)
 
-    def predict_labels(self, values: np.ndarray) -> list[int]:
-        """The model's predicted labels for a float32 matrix its validation accepted: the served model's
-        prediction (`TorchTableClassifier.predictions`, as the pyfunc answers) without going
-        through the pyfunc's signature enforcement, which re-checks by column what `invalid_rows` checked.
-        A tabular classifier answers its class values; a regression model its predicted values."""
+    def predict_labels(self, values: np.ndarray) -> list[Prediction]:
+        """What the model answers for a matrix its validation accepted: the served model's prediction
+        (`TorchTableClassifier.predictions`, as the pyfunc answers) without going through the pyfunc's
+        signature enforcement, which re-checks by column what `invalid_rows` checked. A classifier answers
+        its class values (the demo's labels 0-9); a regression model its predicted values."""
         return self.classifier.predictions(values).tolist()
 
     def score(self, rows: list[InputRow]) -> Scored:
-        """Predicted labels for the rows the served model accepts; the others rejected with its reason.
+        """Predictions for the rows the served model accepts; the others rejected with its reason.
         Raises ModelFailure when the model fails on rows its validation accepted."""
         if not rows:
             return Scored([], [], [])
@@ -101,7 +119,7 @@ class VersionScorer:
                         type(err).__name__, err)
             try:
                 good, rejected = self._validate_alone(rows)
-                values = self._matrix(good) if good else np.empty((0, len(self.columns)), dtype=np.float32)
+                values = self._matrix(good) if good else np.empty((0, len(self.columns)), dtype=self.dtype)
             except Exception as again:  # MemoryError, or what no row check explains: the batch stays pending
                 raise ModelFailure(f"{self.model_name} v{self.version}: cannot validate {len(rows)} rows "
                                    f"({type(again).__name__}: {again})", rejected=[], valid=[]) from again
@@ -138,8 +156,8 @@ class VersionScorer:
                 rejected.append(Rejected(row.entry_id, row.input_id, "missing columns", row.raw_text))
         return good, rejected
 
-    def predict_valid(self, rows: list[InputRow]) -> list[int]:
-        """Labels for rows validation already accepted (a batch being bisected after a failure); ModelFailure
+    def predict_valid(self, rows: list[InputRow]) -> list[Prediction]:
+        """Predictions for rows validation already accepted (a batch being bisected after a failure); ModelFailure
         when predict raises."""
         try:
             return self.predict_labels(self._matrix(rows))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import numpy as np
 import pytest
 
 from nightshift.stream.records import (
@@ -86,6 +88,19 @@ def test_prediction_payload_and_entry_time() -> None:
     out = json.loads(prediction_payload("x", 3, "7", 12.34567))
     assert out == {"id": "x", "prediction": 3, "model_version": "7", "latency_ms": 12.346}
     assert entry_ms("1700000000123-4") == 1700000000123
+
+
+@pytest.mark.parametrize(("answer", "written"), [
+    (np.int64(3), 3),  # a class index the model gave as numpy
+    ("malignant", "malignant"),  # a tabular model's class values as they were: before, int() raised
+    (2.5, 2.5),  # a float class value
+    (True, True),
+    (151.734375, 151.734375),  # a regression's value: before, cut to 151
+    (np.float64(-0.25), -0.25),
+])
+def test_the_prediction_is_written_as_the_model_answered_it(answer: Any, written: Any) -> None:
+    out = json.loads(prediction_payload(7, answer, "2", 1.0))
+    assert out["prediction"] == written and type(out["prediction"]) is type(written)
 
 
 def test_string_and_integer_ids_are_different_inputs() -> None:

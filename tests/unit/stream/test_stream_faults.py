@@ -58,7 +58,6 @@ class TinyScorer(VersionScorer):
         self.classifier = _Classifier()
         self.columns = COLUMNS
         self.column_set = frozenset(COLUMNS)
-        self.prediction_column = "predicted_label"
 
     def predict_labels(self, values: Any) -> list[int]:
         assert not self.classifier.invalid_rows(values), "scored a row its validation refuses"
