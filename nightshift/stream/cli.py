@@ -84,10 +84,11 @@ def add_parser(subparsers: Any) -> None:
         "score-stream", help="score a Redis stream with MODEL@champion through a consumer group, exactly once",
         description="Reads entries (one field `data`: a JSON object with `id` and the model's columns) through "
                     "a consumer group, scores them in micro-batches with the registered @champion, and writes "
-                    "{id, prediction, model_version, latency_ms} to --output; bad inputs go to --dead-letter "
-                    "with the reason. An input is acknowledged only together with its prediction, and an id "
-                    "never gets two predictions. Runs until SIGTERM/SIGINT (then finishes its batch) or "
-                    "--stop-after; prints a summary as JSON.")
+                    "{id, prediction, model_version, latency_ms} to --output (prediction: the class, or a "
+                    "regression's value); bad inputs go to --dead-letter with the reason. An input is "
+                    "acknowledged only together with its prediction, and an id never gets two predictions. "
+                    "Runs until SIGTERM/SIGINT (then finishes its batch) or --stop-after; prints a summary as "
+                    "JSON.")
     p.add_argument("--redis", default=None,
                    help=f"redis://HOST:PORT/DB (default ${REDIS_URL_ENV}); keep the password out of it, see "
                         f"--redis-password-file")
@@ -100,7 +101,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--group", required=True, help="consumer group (created on --input if missing)")
     p.add_argument("--consumer", default=None, help="this consumer's name in the group (default HOST-PID); "
                    "reuse a name after a crash and it first scores what it had read")
-    p.add_argument("--model-name", default="nightshift-digits", help="registered model (nightshift-digits)")
+    p.add_argument("--model-name", default="nightshift-digits",
+                   help="registered model to score with, any a pipeline registered: its @champion's own columns "
+                        "and task decide what an input holds and what `prediction` is (nightshift-digits)")
     p.add_argument("--batch-rows", type=int, default=256, help="most inputs per micro-batch (256)")
     p.add_argument("--batch-ms", type=int, default=50, help="most milliseconds a batch waits for rows (50)")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this many inputs")
