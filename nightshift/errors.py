@@ -13,6 +13,10 @@ class UsageError(NightshiftError):
     """A bad argument or configuration value."""
 
 
+class DagIdInvalid(UsageError):
+    """A DAG id that cannot name a folder of its own (empty, too long, a '/', '.' or '..', other characters)."""
+
+
 class DataError(NightshiftError):
     """Input data is missing, empty or unreadable."""
 

@@ -1,4 +1,4 @@
-"""The run ledger of `nightly_retrain`: one JSON line per finished run, in NIGHTSHIFT_HOME, and the code version.
+"""The run ledgers: one per pipeline's DAG, one JSON line per finished run, in NIGHTSHIFT_HOME; and the code version.
 
 It answers "what did the last successful run train on?" (the skip-training check) and feeds the
 plugin's lineage page (dataset version -> model version -> deployment). The DAG's tasks, the plugin and
@@ -25,8 +25,20 @@ LEDGER_NAME = "runs.jsonl"
 CODE_PATHS = ("nightshift", "operators", "dags", "gx", "pipelines")
 
 
+def ledgers_dir() -> Path:
+    return settings.home() / "airflow"
+
+
 def ledger_path(dag_id: str) -> Path:
-    return settings.home() / "airflow" / dag_id / LEDGER_NAME
+    """NIGHTSHIFT_HOME/airflow/<dag_id>/runs.jsonl; DagIdInvalid for a dag_id that would name another folder
+    (the lineage page takes it from a query parameter)."""
+    return ledgers_dir() / settings.checked_dag_id(dag_id) / LEDGER_NAME
+
+
+def dag_ids() -> list[str]:
+    """The DAG ids that have a ledger, sorted (the lineage page's list of pipelines)."""
+    found = (path.parent.name for path in ledgers_dir().glob(f"*/{LEDGER_NAME}") if path.is_file())
+    return sorted(name for name in found if settings.DAG_ID_PATTERN.fullmatch(name))
 
 
 def append_record(dag_id: str, record: dict[str, Any]) -> Path:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +92,36 @@ def checkpoints_dir() -> Path:
     return Path(os.environ.get("NIGHTSHIFT_CHECKPOINTS") or home() / "checkpoints")
 
 
+# A DAG id that may name a folder: Airflow's characters (letters, digits, '_', '.', '-'; at most 250), starting
+# with a letter, a digit or '_', so never '.', '..' or an option, and without '/', so it never leaves its parent.
+DAG_ID_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}")
+
+
+def checked_dag_id(dag_id: object) -> str:
+    """`dag_id` unchanged, or DagIdInvalid: it is joined into paths (the run ledger, Data Docs), and a page
+    takes it from a query parameter."""
+    from nightshift.errors import DagIdInvalid
+
+    if not isinstance(dag_id, str) or not DAG_ID_PATTERN.fullmatch(dag_id):
+        shown = repr(dag_id) if len(repr(dag_id)) <= 80 else repr(dag_id)[:77] + "..."
+        raise DagIdInvalid(f"{shown} is not a DAG id: use 1 to 250 letters, digits, '_', '.' or '-', starting "
+                           f"with a letter, a digit or '_' (e.g. nightly_retrain)")
+    return dag_id
+
+
 def data_docs_dir() -> Path:
     """The GX Data Docs site: validation pages, one folder per validation."""
     return home() / "gx" / "data_docs"
+
+
+PIPELINE_DOCS = "pipelines"  # data_docs/pipelines/<dag_id>/: the pages of that DAG's runs
+
+
+def pipeline_data_docs_dir(dag_id: str) -> Path:
+    """The Data Docs of one DAG's validations: the plugin serves them to those who may read that DAG's runs
+    (a page holds sample values of the DAG's data); pages outside `pipelines/` (`nightshift validate`'s, and
+    those written before pages had an owner) count as `nightly_retrain`'s."""
+    return data_docs_dir() / PIPELINE_DOCS / checked_dag_id(dag_id)
 
 
 def serving_dir() -> Path:

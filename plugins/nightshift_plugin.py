@@ -6,17 +6,20 @@
   the `model_version` XCom of `register`), "GX Data Docs" (the page of a failed validation, from the
   `data_docs` XCom of `validate_data`, served by this plugin) and "Search report" (the pictures of a
   `model_search` run, from the `report` XCom of its `finish` task, served by this plugin).
-- A FastAPI app under `/nightshift`: `/nightshift/lineage` lists recent `nightly_retrain` runs as dataset
-  version -> model version -> deployment (from the run ledger in NIGHTSHIFT_HOME), `/nightshift/lineage.json`
-  the same as JSON, `/nightshift/data-docs/...` the GX Data Docs pages. The page is also a nav entry.
+- A FastAPI app under `/nightshift`: `/nightshift/lineage?pipeline=<dag_id>` lists a pipeline's recent runs as
+  dataset version -> model version -> deployment (from its run ledger in NIGHTSHIFT_HOME; without `pipeline`,
+  `nightly_retrain`'s) and links the other pipelines' pages, `/nightshift/lineage.json?pipeline=<dag_id>` the
+  same as JSON, `/nightshift/data-docs/...` the GX Data Docs pages. The page is also a nav entry.
   `/nightshift/search/` lists the model searches' report pages (NIGHTSHIFT_HOME/search/<study>/report.html,
   written by `nightshift.search.report_html`), `/nightshift/search/<study>/report.html` serves one.
 
 Every endpoint is behind Airflow's auth manager, as the REST API is: a request without a valid token
-(the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read
-`nightly_retrain`'s runs gets 403 (run parameters, failure reasons and sample data values are the DAG's);
-the search pages ask for read access to `model_search`'s runs instead. `limit` (lineage, searches) is
-1..1000, else 422. `/nightshift/openapi.json` asks for a login too; FastAPI's `/docs` and `/redoc` pages
+(the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read the
+runs of the pipeline's DAG gets 403 (run parameters, failure reasons and sample data values are the DAG's):
+the lineage pages ask about the DAG `pipeline` names, and list only the pipelines the user may read; a Data
+Docs page under `pipelines/<dag_id>/` asks about that DAG, any other page about `nightly_retrain`; the search
+pages ask about `model_search`. `pipeline` must be a DAG id (it names a folder), else 422; `limit` (lineage,
+searches) is 1..1000, else 422. `/nightshift/openapi.json` asks for a login too; FastAPI's `/docs` and `/redoc` pages
 (scripts from a CDN) are off. Pages are served with a Content-Security-Policy: GX Data Docs run no script
 (their CDN scripts and styles are blocked, see DATA_DOCS_CSP), the lineage and search index pages neither.
 Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.0.0.1:5000; `make airflow`
@@ -35,10 +38,12 @@ from urllib.parse import quote
 
 from airflow.plugins_manager import AirflowPlugin
 from airflow.sdk import BaseOperatorLink
+from fastapi import Request  # FastAPI resolves the annotations of the app's dependencies in this module
 
-from nightshift.ledger import read_records
+from nightshift.errors import DagIdInvalid
+from nightshift.ledger import dag_ids, read_records
 from nightshift.search.report_html import REPORT_NAME
-from nightshift.settings import data_docs_dir, home
+from nightshift.settings import PIPELINE_DOCS, checked_dag_id, data_docs_dir, home, pipeline_data_docs_dir
 
 DAG_ID = "nightly_retrain"
 SEARCH_DAG_ID = "model_search"
@@ -162,25 +167,26 @@ def search_index_html(pages: list[Path]) -> str:
 {rows}</table></body></html>"""
 
 
-def lineage_records(limit: int = RECENT) -> list[dict[str, Any]]:
-    """The newest `limit` (1..MAX_LIMIT) records of the run ledger, newest first; a run refused by the data gate
-    gets the Data Docs page of its failing split (the `data_docs` XCom of `validate_data`) as `data_docs`."""
+def lineage_records(limit: int = RECENT, pipeline: str = DAG_ID) -> list[dict[str, Any]]:
+    """The newest `limit` (1..MAX_LIMIT) records of the run ledger of the DAG `pipeline`, newest first; a run
+    refused by the data gate gets the Data Docs page of its failing split (the `data_docs` XCom of its
+    `validate_data`) as `data_docs`. DagIdInvalid for a `pipeline` that is not a DAG id."""
     if not 1 <= limit <= MAX_LIMIT:  # 0 would read the whole ledger, a negative number drop its newest records
         raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {limit}")
-    records = list(reversed(read_records(DAG_ID, newest=limit)))
+    records = list(reversed(read_records(checked_dag_id(pipeline), newest=limit)))
     for record in records:
         if record.get("failed_task") == "validate_data" and not record.get("data_docs") and record.get("run_id"):
             try:
-                record["data_docs"] = _run_xcom(str(record["run_id"]), "validate_data", "data_docs")
+                record["data_docs"] = _run_xcom(pipeline, str(record["run_id"]), "validate_data", "data_docs")
             except Exception:  # the page must show even when the metadata DB does not answer
                 record["data_docs"] = None
     return records
 
 
-def _run_xcom(run_id: str, task_id: str, key: str) -> Any:
+def _run_xcom(dag_id: str, run_id: str, task_id: str, key: str) -> Any:
     from types import SimpleNamespace
 
-    return _xcom(SimpleNamespace(dag_id=DAG_ID, run_id=run_id, task_id=task_id, map_index=-1), key)
+    return _xcom(SimpleNamespace(dag_id=dag_id, run_id=run_id, task_id=task_id, map_index=-1), key)
 
 
 def _cell(value: Any) -> str:
@@ -219,14 +225,14 @@ def _http_url(value: Any) -> str:
     return url if url.startswith(("http://", "https://")) else ""
 
 
-def _row(r: dict[str, Any]) -> str:
+def _row(r: dict[str, Any], dag_id: str = DAG_ID) -> str:
     gate = r.get("gate") or {}
     challenger = gate.get("challenger") or {}
     accuracy = f"{challenger['accuracy']:.4f}" if isinstance(challenger.get("accuracy"), (int, float)) else ""
     dataset = (r.get("dataset_version") or "")[:12]
     run_id = str(r.get("run_id") or "")
     # Relative links: this page is PREFIX/lineage, whatever base path the API server is under.
-    run = _link(f"../dags/{DAG_ID}/runs/{quote(run_id, safe='')}", run_id) if run_id else ""
+    run = _link(f"../dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}", run_id) if run_id else ""
     model = f"v{r['model_version']}" if r.get("model_version") else "—"
     serving_url = _http_url(r.get("serving_url"))
     serving = _link(serving_url, serving_url) if serving_url else "—"
@@ -250,10 +256,26 @@ def _row(r: dict[str, Any]) -> str:
             f"<td class='outcome'>{outcome}</td><td class='links'>{' '.join(links)}</td></tr>")
 
 
-def lineage_html(records: list[dict[str, Any]]) -> str:
-    body = "\n".join(_row(r) for r in records) or "<tr><td colspan='12'>No runs recorded yet.</td></tr>"
+def lineage_url(pipeline: str) -> str:
+    """The lineage page of `pipeline`, relative to this page (PREFIX/lineage)."""
+    return f"./lineage?pipeline={quote(pipeline, safe='')}"
+
+
+def _pipeline_nav(pipeline: str, pipelines: list[str]) -> str:
+    others = [name for name in pipelines if name != pipeline]
+    if not others:
+        return ""
+    links = [f"<strong>{_cell(pipeline)}</strong>", *(_link(lineage_url(name), name) for name in others)]
+    return f"<nav>Pipelines: {' | '.join(links)}</nav>"
+
+
+def lineage_html(records: list[dict[str, Any]], pipeline: str = DAG_ID, pipelines: list[str] | None = None) -> str:
+    """The lineage page of the DAG `pipeline`; `pipelines`: the others to link (those this user may read)."""
+    empty = (f"No runs of {_cell(pipeline)} recorded yet: a run is recorded when it finishes. Is "
+             f"{_cell(pipeline)} the DAG id of a pipeline?")
+    body = "\n".join(_row(r, pipeline) for r in records) or f"<tr><td colspan='12'>{empty}</td></tr>"
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>Nightshift lineage</title>
+<html><head><meta charset="utf-8"><title>{_cell(pipeline)} lineage - Nightshift</title>
 <style>body{{font-family:sans-serif;margin:1.5em}}
 table{{border-collapse:collapse;width:100%;max-width:100%}}
 td,th{{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;font-size:14px;vertical-align:top}}
@@ -261,16 +283,17 @@ td{{overflow-wrap:anywhere;word-break:break-word}}
 td.time{{white-space:nowrap}} td.run{{max-width:16em}} td.url{{max-width:14em}}
 td.outcome{{max-width:40em;white-space:normal}} td.links{{white-space:nowrap}}
 div.reason{{color:#555;font-size:13px;margin-top:2px;white-space:pre-wrap}}
-tr.failed td{{color:#a00}}</style></head>
-<body><h2>nightly_retrain lineage</h2>
+tr.failed td{{color:#a00}} nav{{margin-bottom:.8em}}</style></head>
+<body>{_pipeline_nav(pipeline, pipelines or [])}<h2>{_cell(pipeline)} lineage</h2>
 <p>Recent runs, newest first: dataset version → model version → deployment. Times in UTC.</p>
 <table><tr><th>recorded</th><th>run</th><th>status</th><th>code</th><th>dataset</th><th></th><th>model</th>
 <th>test accuracy</th><th></th><th>serving</th><th>outcome</th><th>links</th></tr>
 {body}</table></body></html>"""
 
 
-def _require_dag_runs_read(dag_id: str = DAG_ID) -> Any:
-    """The API server's own check: may this user read the runs of `dag_id`?"""
+def _require_dag_runs_read(dag_id: str | None = DAG_ID) -> Any:
+    """The API server's own check: may this user read the runs of `dag_id`? None: of the DAG the route's
+    `dag_id` path parameter names."""
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
     from airflow.api_fastapi.core_api.security import requires_access_dag
 
@@ -286,13 +309,43 @@ def create_app() -> Any:
 
     # FastAPI's own /openapi.json, /docs and /redoc answer without a login, and the two pages load Swagger UI
     # and ReDoc from a CDN: off. The description is served below, to a logged-in user only.
-    app = FastAPI(title="Nightshift", description="nightly_retrain lineage and GX Data Docs; model search reports",
+    app = FastAPI(title="Nightshift", description="pipelines' lineage and GX Data Docs; model search reports",
                   openapi_url=None, docs_url=None, redoc_url=None)
     page_headers = {"Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff"}
     docs_headers = {"Content-Security-Policy": DATA_DOCS_CSP, "X-Content-Type-Options": "nosniff"}
     limit_query = Query(RECENT, ge=1, le=MAX_LIMIT, description=f"how many, newest first (1..{MAX_LIMIT})")
+    pipeline_query = Query(DAG_ID, description=f"the DAG id of the pipeline (default {DAG_ID})")
+    logged_in = Depends(get_user)
+    lineage = APIRouter()
+    pipeline_docs = APIRouter(dependencies=[Depends(_require_dag_runs_read(None))])  # the path's dag_id
     nightly = APIRouter(dependencies=[Depends(_require_dag_runs_read(DAG_ID))])
     search = APIRouter(dependencies=[Depends(_require_dag_runs_read(SEARCH_DAG_ID))])
+
+    def may_read(request: Request, user: Any, dag_id: str) -> bool:
+        try:
+            _require_dag_runs_read(dag_id)(request, user)
+        except HTTPException as err:
+            if err.status_code == 403:
+                return False
+            raise
+        return True
+
+    def readable_pipeline(request: Request, pipeline: str = pipeline_query, user: Any = logged_in) -> str:
+        """`pipeline`, once it is known to be a DAG id (it names the ledger's folder) whose runs this user may
+        read (Airflow's own check, for the DAG the query names; the login is asked first)."""
+        try:
+            dag_id = checked_dag_id(pipeline)
+        except DagIdInvalid as err:
+            raise HTTPException(status_code=422, detail=f"pipeline: {err}") from err
+        _require_dag_runs_read(dag_id)(request, user)
+        return dag_id
+
+    def readable_pipelines(request: Request, user: Any = logged_in) -> list[str]:
+        """The DAGs with a ledger whose runs this user may read: the page links no pipeline that would answer
+        403, and shows nobody the name of a pipeline they may not read."""
+        return [dag_id for dag_id in dag_ids() if may_read(request, user, dag_id)]
+
+    pipeline_readable, others_readable = Depends(readable_pipeline), Depends(readable_pipelines)
 
     # Return annotations are left out: with postponed evaluation FastAPI would have to resolve names
     # imported inside this function, and /openapi.json answered 500 when it could not.
@@ -300,21 +353,37 @@ def create_app() -> Any:
     def openapi():  # type: ignore[no-untyped-def]
         return JSONResponse(app.openapi())
 
-    @nightly.get("/lineage", response_class=HTMLResponse)
-    def lineage_page(limit: int = limit_query):  # type: ignore[no-untyped-def]
-        return HTMLResponse(lineage_html(lineage_records(limit)), headers=page_headers)
+    @lineage.get("/lineage", response_class=HTMLResponse)
+    def lineage_page(limit: int = limit_query, pipeline: str = pipeline_readable,  # type: ignore[no-untyped-def]
+                     pipelines: list[str] = others_readable):
+        page = lineage_html(lineage_records(limit, pipeline), pipeline, pipelines)
+        return HTMLResponse(page, headers=page_headers)
 
-    @nightly.get("/lineage.json")
-    def lineage_json(limit: int = limit_query):  # type: ignore[no-untyped-def]
-        return JSONResponse(lineage_records(limit), headers={"X-Content-Type-Options": "nosniff"})
+    @lineage.get("/lineage.json")
+    def lineage_json(limit: int = limit_query, pipeline: str = pipeline_readable):  # type: ignore[no-untyped-def]
+        return JSONResponse(lineage_records(limit, pipeline), headers={"X-Content-Type-Options": "nosniff"})
 
-    @nightly.get("/data-docs/{path:path}")
-    def data_docs(path: str):  # type: ignore[no-untyped-def]
-        root = data_docs_dir().resolve()
+    def data_docs_page(root: Path, path: str) -> Any:
+        root = root.resolve()
         target = (root / path).resolve()
         if root not in target.parents or not target.is_file():
             raise HTTPException(status_code=404, detail="no such Data Docs page")
         return FileResponse(target, headers=docs_headers)
+
+    @pipeline_docs.get("/data-docs/pipelines/{dag_id}/{path:path}")
+    def pipeline_data_docs(dag_id: str, path: str):  # type: ignore[no-untyped-def]
+        try:
+            root = pipeline_data_docs_dir(dag_id)
+        except DagIdInvalid as err:
+            raise HTTPException(status_code=404, detail="no such Data Docs page") from err
+        return data_docs_page(root, path)
+
+    @nightly.get("/data-docs/{path:path}")
+    def data_docs(path: str):  # type: ignore[no-untyped-def]
+        # Only pages no pipeline owns: a pipeline's pages answer above, to those who may read its runs.
+        if (data_docs_dir().resolve() / PIPELINE_DOCS) in (data_docs_dir().resolve() / path).resolve().parents:
+            raise HTTPException(status_code=404, detail="no such Data Docs page")
+        return data_docs_page(data_docs_dir(), path)
 
     @search.get("/search/", response_class=HTMLResponse)
     def search_index(limit: int = limit_query):  # type: ignore[no-untyped-def]
@@ -331,6 +400,8 @@ def create_app() -> Any:
         return FileResponse(target, media_type="text/html",
                             headers={"Content-Security-Policy": REPORT_CSP, "X-Content-Type-Options": "nosniff"})
 
+    app.include_router(lineage)
+    app.include_router(pipeline_docs)  # before `nightly`'s /data-docs/{path}, which would match its paths too
     app.include_router(nightly)
     app.include_router(search)
     return app

@@ -99,7 +99,8 @@ class GXDataGateOperator(GXValidateBatchOperator):
         if failed:
             # The provider says which expectation types failed; nightshift's report adds the columns,
             # sample bad values and a Data Docs page a person can open.
-            report = check_data(path, suite_file=self.pipeline.suite_path)
+            # The pages hold sample values: filed under this DAG, the plugin shows them to its readers only.
+            report = check_data(path, suite_file=self.pipeline.suite_path, pipeline=self.pipeline.dag_id)
             pages = failing_pages(report)
             if pages:
                 context["ti"].xcom_push(key="data_docs", value=pages[0])

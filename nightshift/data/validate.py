@@ -76,11 +76,12 @@ gx_dir = settings.gx_dir
 data_docs_dir = settings.data_docs_dir
 
 
-def _new_site_dir() -> Path:
+def _new_site_dir(pipeline: str | None = None) -> Path:
     # One site per validation run: GX prunes pages its (ephemeral) result store does not know, so
     # runs sharing a site would delete each other's pages.
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-    return data_docs_dir() / f"{stamp}-{uuid.uuid4().hex[:8]}"
+    parent = settings.pipeline_data_docs_dir(pipeline) if pipeline is not None else data_docs_dir()
+    return parent / f"{stamp}-{uuid.uuid4().hex[:8]}"
 
 
 @lru_cache(maxsize=8)
@@ -356,16 +357,19 @@ def validate_frame(
     return bool(validation.success), failures, page
 
 
-def check_data(path: str | Path, data_docs: bool = True, suite_file: str | Path | None = None) -> ValidationReport:
+def check_data(path: str | Path, data_docs: bool = True, suite_file: str | Path | None = None,
+               pipeline: str | None = None) -> ValidationReport:
     """Validate a Parquet file or each Parquet file of a directory; report, never raise on failed rules.
 
     `suite_file`: a suite JSON file (a pipeline's, or one `nightshift suite init` wrote) instead of gx/'s.
+    `pipeline`: the DAG id whose run validates; its Data Docs then lie under `pipelines/<dag_id>/`, which the
+    plugin serves only to those who may read that DAG's runs.
     Raises DataError when the input is missing or unreadable.
     """
     files = parquet_files(path)
     frames = [(file, read_table(file)) for file in files]  # read all first: unreadable input fails early
     suite = load_suite_file(suite_file) if suite_file is not None else load_suite()
-    context = _context(_new_site_dir())
+    context = _context(_new_site_dir(pipeline))
     reports: list[FileReport] = []
     for file, frame in frames:
         success, failures, page = validate_frame(frame, suite, data_docs=data_docs, context=context,

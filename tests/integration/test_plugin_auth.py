@@ -2,7 +2,8 @@
 
 A request without a token gets 401, a user who may not read `nightly_retrain` gets 403 on every page,
 and a user who may gets the lineage page, its JSON and the Data Docs, but never a file outside them. The
-model search reports ask for `model_search` instead: a user who may read only `nightly_retrain` gets 403.
+model search reports ask for `model_search` instead, another pipeline's lineage and Data Docs for its own DAG:
+a user who may read only `nightly_retrain` gets 403 for them, and the lineage page does not list them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ out["cookie"] = cookie.status_code
 escape = client.get("/nightshift/data-docs/..%2F..%2F..%2F..%2F..%2Fetc%2Fpasswd",
                     headers={{"Authorization": "Bearer " + tokens["alice"]}})
 out["escape"] = [escape.status_code, "root:" in escape.text]
+lineage.append_record("churn_model", {{"run_id": "c1", "status": "success", "dataset_version": "churn777"}})
+churn = ["/nightshift/lineage?pipeline=churn_model", "/nightshift/lineage.json?pipeline=churn_model",
+         "/nightshift/data-docs/pipelines/churn_model/run/index.html"]
+for name in ("alice", "retrainer"):
+    bearer = {{"Authorization": "Bearer " + tokens[name]}}
+    answers = [client.get(p, headers=bearer) for p in churn]
+    out["churn_" + name] = [a.status_code for a in answers]
+    out["churn_" + name + "_bodies"] = [a.text for a in answers]
+    out["churn_" + name + "_listed"] = "churn_model" in client.get("/nightshift/lineage", headers=bearer).text
+out["churn_escape"] = client.get("/nightshift/lineage.json?pipeline=..%2F..%2Fx",
+                                 headers={{"Authorization": "Bearer " + tokens["alice"]}}).status_code
 out["openapi"] = [client.get("/nightshift/openapi.json").status_code,
                   client.get("/nightshift/openapi.json", cookies={{"_token": tokens["alice"]}}).status_code]
 search = ["/nightshift/search/", "/nightshift/search/demo/report.html"]
@@ -63,6 +75,9 @@ def test_pages_need_a_login_and_read_access_to_the_dag(airflow_env: dict[str, st
     page = nightshift_home / "gx" / "data_docs" / "run" / "index.html"
     page.parent.mkdir(parents=True)
     page.write_text("<html>data docs: sample bad value 99.5</html>")
+    churn_page = nightshift_home / "gx" / "data_docs" / "pipelines" / "churn_model" / "run" / "index.html"
+    churn_page.parent.mkdir(parents=True)
+    churn_page.write_text("<html>churn data docs: sample 42.5</html>")
     report = nightshift_home / "search" / "demo" / "report.html"
     report.parent.mkdir(parents=True)
     report.write_text("<html>search report: trial 7 PRUNED</html>")
@@ -86,6 +101,14 @@ def test_pages_need_a_login_and_read_access_to_the_dag(airflow_env: dict[str, st
     assert "script-src 'none'" in out["alice_csp"]  # Data Docs run no script in the UI's origin
     assert out["openapi"] == [401, 200]  # the API's description: a login too (it answered 500 once)
     assert out["retrainer"] == [200, 200, 200]  # nightly_retrain's pages: yes
+
+    # Another pipeline's lineage and Data Docs: its own DAG's readers only, and listed to them only.
+    assert out["churn_alice"] == [200, 200, 200] and out["churn_alice_listed"]
+    html, records, docs = out["churn_alice_bodies"]
+    assert "churn777" in html and '"run_id":"c1"' in records.replace(" ", "") and "42.5" in docs
+    assert out["churn_retrainer"] == [403, 403, 403] and not out["churn_retrainer_listed"]
+    assert not any("churn777" in body or "42.5" in body for body in out["churn_retrainer_bodies"])
+    assert out["churn_escape"] == 422  # not a DAG id: never a path
 
     # The search reports: model_search's.
     assert out["search_anonymous"] == [401, 401]

@@ -96,7 +96,6 @@ def test_long_reasons_wrap_inside_the_frame(plugin: ModuleType) -> None:
     assert re.search(r"table\{[^}]*width:100%", style)
     assert re.search(r"td\{[^}]*overflow-wrap:anywhere", style)
     assert re.search(r"td\.outcome\{[^}]*max-width:", style)
-    assert "No runs recorded yet." in page
 
 
 def test_mlflow_run_link_finds_the_experiment_or_lets_mlflow_find_it(plugin: ModuleType,
@@ -118,3 +117,17 @@ def test_each_run_shows_the_commit_it_ran(plugin: ModuleType) -> None:
     html = plugin.lineage_html([{"run_id": "r1", "status": "success", "code_version": "0123456789abcdef0123",
                           "dataset_version": "d" * 32, "outcome": "promoted v1"}])
     assert "<th>code</th>" in html and "title='0123456789abcdef0123'>0123456789</td>" in html
+
+
+def test_the_page_names_its_pipeline_links_its_runs_and_the_other_pipelines(plugin: ModuleType) -> None:
+    page = plugin.lineage_html([promoted()], "churn.v2", ["churn.v2", "nightly_retrain", "a&b"])
+    assert "<h2>churn.v2 lineage</h2>" in page and "<title>churn.v2 lineage" in page
+    (row,) = rows(page)
+    assert "href='../dags/churn.v2/runs/scheduled__2026-11-22T02%3A00%3A00%2B00%3A00'" in row  # its own DAG's run
+    nav = page[page.index("<nav>"):page.index("</nav>")]
+    assert "<strong>churn.v2</strong>" in nav
+    assert "<a href='./lineage?pipeline=nightly_retrain'>nightly_retrain</a>" in nav
+    assert "<a href='./lineage?pipeline=a%26b'>a&amp;b</a>" in nav  # quoted in the link, escaped in the text
+    assert "<nav>" not in plugin.lineage_html([], "churn.v2", ["churn.v2"])  # no other pipeline: no list
+    empty = plugin.lineage_html([], "no_such_dag", [])
+    assert "No runs of no_such_dag recorded yet" in empty and "DAG id of a pipeline" in empty

@@ -1,15 +1,17 @@
 """The plugin's FastAPI app (plugins/nightshift_plugin.py `create_app`) in-process, with a TestClient.
 
 Anonymous requests reach Airflow's own auth dependency (`get_user`), which answers 401 before it needs an
-auth manager or a database; an authorised user is stood in for by overriding the plugin's access checks
-(the real auth manager's 403/200 is tests/integration/test_plugin_auth.py's business).
+auth manager or a database. A logged-in user is stood in for by overriding `get_user`, and the auth manager
+by one that lets the user read the runs of the DAGs a test names: Airflow's own `requires_access_dag` still
+decides (the real auth managers' 403/200 is tests/integration/test_plugin_auth.py's business).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,15 +34,48 @@ def client(app: Any) -> Any:
     return TestClient(app, raise_server_exceptions=False)
 
 
+class DagReaders:
+    """An auth manager: a user may read the DAGs in its `readable` (None: every DAG) and nothing else."""
+
+    def __init__(self) -> None:
+        self.asked: list[Any] = []
+
+    def is_authorized_dag(self, *, method: Any, user: Any, access_entity: Any = None, details: Any = None) -> bool:
+        dag_id = getattr(details, "id", None)
+        self.asked.append((method, str(access_entity), dag_id))
+        return user.readable is None or dag_id in user.readable
+
+
 @pytest.fixture
-def logged_in(plugin: ModuleType) -> Any:
-    """A client of another instance of the app, whose user passes every access check the routes carry."""
-    app = plugin.create_app()
-    for route in app.routes:
-        for dependency in getattr(route, "dependencies", ()):
-            app.dependency_overrides[dependency.dependency] = lambda: None
-    assert app.dependency_overrides
-    return client(app)
+def auth(monkeypatch: pytest.MonkeyPatch) -> DagReaders:
+    from airflow.api_fastapi.core_api import security
+    from airflow.models.dag import DagModel
+
+    manager = DagReaders()
+    monkeypatch.setattr(security, "get_auth_manager", lambda: manager)
+    monkeypatch.setattr(DagModel, "get_team_name", staticmethod(lambda dag_id, **_: None))  # no metadata DB
+    return manager
+
+
+@pytest.fixture
+def as_user(plugin: ModuleType, auth: DagReaders) -> Callable[..., Any]:
+    """as_user(*dag_ids): a client of another instance of the app, logged in as a user who may read the runs
+    of `dag_ids` only (none named: of every DAG)."""
+    from airflow.api_fastapi.core_api.security import get_user
+
+    def make(*readable: str) -> Any:
+        user = SimpleNamespace(username="someone", readable=set(readable) if readable else None)
+        app = plugin.create_app()
+        app.dependency_overrides[get_user] = lambda: user
+        return client(app)
+
+    return make
+
+
+@pytest.fixture
+def logged_in(as_user: Callable[..., Any]) -> Any:
+    """A client whose user may read every DAG's runs."""
+    return as_user()
 
 
 def concrete(path: str) -> str:
@@ -111,3 +146,80 @@ def test_the_plugins_own_pages_run_no_script(logged_in: Any) -> None:
     for path in ("/lineage", "/search/"):
         policy = csp(logged_in.get(path))
         assert policy.get("default-src") == "'none'" and "script-src" not in policy, (path, policy)
+
+
+def test_each_pipeline_shows_its_own_runs_and_the_default_is_nightly_retrain(as_user: Callable[..., Any]) -> None:
+    from nightshift.ledger import append_record
+
+    append_record("nightly_retrain", {"run_id": "digits-run", "status": "success"})
+    append_record("churn_model", {"run_id": "churn-run", "status": "success", "dataset_version": "c0ffee"})
+    user = as_user()
+    assert [r["run_id"] for r in user.get("/lineage.json").json()] == ["digits-run"]  # old links: as before
+    assert [r["run_id"] for r in user.get("/lineage.json", params={"pipeline": "churn_model"}).json()] == ["churn-run"]
+    page = user.get("/lineage", params={"pipeline": "churn_model"})
+    assert page.status_code == 200 and "<h2>churn_model lineage</h2>" in page.text and "c0ffee" in page.text
+    assert "digits-run" not in page.text and "href='./lineage?pipeline=nightly_retrain'" in page.text
+    unknown = user.get("/lineage", params={"pipeline": "no_such_dag"})  # no ledger: an empty page, not a 500
+    assert unknown.status_code == 200 and "No runs of no_such_dag recorded yet" in unknown.text
+    assert user.get("/lineage.json", params={"pipeline": "no_such_dag"}).json() == []
+
+
+NOT_DAG_IDS = ("../x", "..", ".", "a/b", "/etc", "x" * 251, "", "-x", "nightly_retrain\n", "a b")
+
+
+def test_a_pipeline_that_is_not_a_dag_id_is_refused_before_it_names_a_path(as_user: Callable[..., Any], auth: Any,
+                                                                           app: Any, nightshift_home: Path,
+                                                                           plugin: ModuleType) -> None:
+    from nightshift.errors import DagIdInvalid
+
+    # Where "..", "../x" and "." would lead the ledger path: never read.
+    for ledger in (nightshift_home / "runs.jsonl", nightshift_home / "x" / "runs.jsonl",
+                   nightshift_home / "airflow" / "runs.jsonl"):
+        ledger.parent.mkdir(parents=True, exist_ok=True)
+        ledger.write_text('{"run_id": "secret-run"}\n')
+    user, anonymous = as_user(), client(app)
+    for bad in NOT_DAG_IDS:
+        for path in ("/lineage", "/lineage.json"):
+            answer = user.get(path, params={"pipeline": bad})
+            assert answer.status_code == 422 and "secret-run" not in answer.text, (bad, path, answer.text)
+            assert "is not a DAG id" in answer.json()["detail"]
+            assert anonymous.get(path, params={"pipeline": bad}).status_code == 401  # the login is asked first
+        with pytest.raises(DagIdInvalid, match="is not a DAG id"):
+            plugin.lineage_records(pipeline=bad)
+    assert not {dag_id for *_, dag_id in auth.asked} & set(NOT_DAG_IDS)  # nor asked the auth manager about it
+
+
+def test_a_user_reads_only_the_pipelines_whose_runs_they_may_read(as_user: Callable[..., Any], auth: Any) -> None:
+    from nightshift.ledger import append_record
+
+    append_record("nightly_retrain", {"run_id": "digits-run", "status": "success"})
+    append_record("churn_model", {"run_id": "churn-run", "status": "success", "reason": "sample value 42.5"})
+    digits_only = as_user("nightly_retrain")
+    for path in ("/lineage", "/lineage.json"):
+        refused = digits_only.get(path, params={"pipeline": "churn_model"})
+        assert refused.status_code == 403 and "churn-run" not in refused.text and "42.5" not in refused.text
+    assert ("GET", "DagAccessEntity.RUN", "churn_model") in auth.asked  # Airflow's check, for the DAG asked for
+    page = digits_only.get("/lineage")
+    assert page.status_code == 200 and "digits-run" in page.text
+    assert "churn_model" not in page.text  # the list holds only what the user may open
+    churn_only = as_user("churn_model")
+    assert churn_only.get("/lineage").status_code == 403  # the default pipeline is a DAG like any other
+    page = churn_only.get("/lineage", params={"pipeline": "churn_model"})
+    assert page.status_code == 200 and "churn-run" in page.text and "nightly_retrain" not in page.text
+
+
+def test_a_pipelines_data_docs_are_for_its_readers_only(as_user: Callable[..., Any], nightshift_home: Path) -> None:
+    docs = nightshift_home / "gx" / "data_docs"
+    for page, text in ((docs / "pipelines" / "churn_model" / "run" / "x.html", "churn sample 42.5"),
+                       (docs / "run" / "index.html", "digits sample 99.5")):  # no owner: nightly_retrain's
+        page.parent.mkdir(parents=True)
+        page.write_text(text)
+    churn_only, digits_only = as_user("churn_model"), as_user("nightly_retrain")
+    assert churn_only.get("/data-docs/pipelines/churn_model/run/x.html").text == "churn sample 42.5"
+    assert churn_only.get("/data-docs/run/index.html").status_code == 403
+    assert digits_only.get("/data-docs/run/index.html").text == "digits sample 99.5"
+    for path in ("/data-docs/pipelines/churn_model/run/x.html",
+                 "/data-docs/pipelines%2Fchurn_model%2Frun%2Fx.html",  # not through the ownerless pages' route
+                 "/data-docs/pipelines/nightly_retrain/..%2Fchurn_model%2Frun%2Fx.html"):  # nor out of its own
+        answer = digits_only.get(path)
+        assert answer.status_code in (403, 404) and "42.5" not in answer.text, (path, answer.status_code)

@@ -72,3 +72,18 @@ def test_an_installed_package_is_versioned_by_its_sources(monkeypatch: pytest.Mo
     (tmp_path / "nightshift" / "trainer.py").unlink()
     with pytest.raises(CodeVersionUnknown, match="no Python sources"):
         ledger.code_version()
+
+
+def test_a_ledger_is_found_by_dag_id_and_never_outside_its_folder(nightshift_home: Path) -> None:
+    from nightshift.errors import DagIdInvalid
+
+    ledger.append_record("churn.v2", {"run_id": "r1"})
+    ledger.append_record("nightly_retrain", {"run_id": "r2"})
+    (nightshift_home / "airflow" / "dags").mkdir()  # an AIRFLOW_HOME folder, no ledger
+    assert ledger.dag_ids() == ["churn.v2", "nightly_retrain"]
+    for bad in ("..", ".", "../x", "a/b", "", "x" * 251, "-x"):
+        with pytest.raises(DagIdInvalid, match="is not a DAG id"):
+            ledger.ledger_path(bad)
+        with pytest.raises(DagIdInvalid):
+            ledger.append_record(bad, {"run_id": "r3"})
+    assert ledger.ledger_path("x" * 250).parent.name == "x" * 250  # Airflow's longest DAG id

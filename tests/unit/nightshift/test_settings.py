@@ -78,3 +78,14 @@ def test_the_telemetry_opt_outs_respect_what_the_user_set(monkeypatch: pytest.Mo
 
     assert os.environ["GX_ANALYTICS_ENABLED"] == "false" and os.environ["DVC_NO_ANALYTICS"] == "1"
     assert os.environ["DO_NOT_TRACK"] == "0"
+
+
+def test_a_pipelines_data_docs_lie_in_its_own_folder(nightshift_home: Path) -> None:
+    from nightshift.data.validate import _new_site_dir
+    from nightshift.errors import DagIdInvalid
+
+    docs = nightshift_home / "gx" / "data_docs"
+    assert _new_site_dir("churn_model").parent == docs / "pipelines" / "churn_model"  # the plugin asks its readers
+    assert _new_site_dir().parent == docs  # `nightshift validate`'s pages: no owner
+    with pytest.raises(DagIdInvalid):
+        settings.pipeline_data_docs_dir("../gx")
