@@ -81,20 +81,38 @@ def declaration_path(given: str | os.PathLike[str]) -> Path:
 def pipeline_dag(declaration: Pipeline | str | os.PathLike[str]) -> DAG:
     """The retraining DAG of `declaration` (a Pipeline, a YAML path, or a stub's `__file__`); for a declaration
     that is not valid, an `InvalidPipelineDag` that fails the file's import with the loader's one line."""
-    from nightshift.pipelines import Pipeline, PipelineInvalid, check_siblings, load_pipeline
+    from nightshift.pipelines import PipelineInvalid
+
+    try:
+        pipeline = read_declaration(declaration)
+    except PipelineInvalid as err:
+        return invalid_dag(declaration, err)
+    return build_dag(pipeline)
+
+
+def read_declaration(declaration: Pipeline | str | os.PathLike[str]) -> Pipeline:
+    """The pipeline `declaration` is or names (a YAML path, or a stub's `__file__`); PipelineInvalid when the file
+    is not valid, or another declaration of its folder declares its model_name or dataset asset."""
+    from nightshift.pipelines import Pipeline, check_siblings, load_pipeline
 
     if isinstance(declaration, Pipeline):
-        return build_dag(declaration)
-    path = declaration_path(declaration)
-    try:
-        pipeline = load_pipeline(path)
-        check_siblings(pipeline)  # another declaration of the folder with its model_name or dataset asset
-    except PipelineInvalid as err:
-        placeholder = InvalidPipelineDag(dag_id=f"invalid_pipeline__{_safe_id(path.stem)}", schedule=None,
-                                         start_date=START_DATE, tags=["nightshift"])
-        placeholder.problem = err
-        return placeholder
-    return build_dag(pipeline)
+        return declaration
+    pipeline = load_pipeline(declaration_path(declaration))
+    check_siblings(pipeline)
+    return pipeline
+
+
+def invalid_dag(declaration: Pipeline | str | os.PathLike[str], problem: Exception,
+                suffix: str = "") -> InvalidPipelineDag:
+    """The stand-in for a DAG of the invalid `declaration` (`suffix`: which DAG of the file), failing its import
+    with `problem`."""
+    from nightshift.pipelines import Pipeline
+
+    name = declaration.dag_id if isinstance(declaration, Pipeline) else declaration_path(declaration).stem
+    placeholder = InvalidPipelineDag(dag_id=f"invalid_pipeline__{_safe_id(name)}{suffix}", schedule=None,
+                                     start_date=START_DATE, tags=["nightshift"])
+    placeholder.problem = problem
+    return placeholder
 
 
 def pipeline_for(dag_id: str) -> Pipeline | None:
