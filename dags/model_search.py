@@ -1,7 +1,7 @@
-"""`model_search`: the model search of the demo pipeline, pipelines/digits.yaml (`nightly_retrain`, the digits
-CNN), built by the search DAG factory (nightly_tasks.search): an Optuna search (ASHA or Hyperband) whose trials are
-Horovod training jobs, writing NIGHTSHIFT_HOME/search/nightly_retrain/best.json. Another pipeline's search DAG is
-one more line in its DAG file (`search_dag(__file__)`, named `<dag_id>__search`).
+"""`model_search`: the Airflow DAG of the demo pipeline's model search (pipelines/digits.yaml, `nightly_retrain`,
+the digits CNN), built by the search DAG factory (nightly_tasks.search): an Optuna search (ASHA or Hyperband) whose
+trials are Horovod training jobs, writing NIGHTSHIFT_HOME/search/nightly_retrain/best.json. Another pipeline's
+search DAG is one more line in its DAG file (`search_dag(__file__)`, named `<dag_id>__search`).
 """
 
 from __future__ import annotations

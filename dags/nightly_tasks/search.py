@@ -1,7 +1,8 @@
 """A pipeline's model search DAG: an Optuna search (ASHA or Hyperband) of one declared pipeline's training
 options, each trial a Horovod training job of what that pipeline trains.
 
-    # dags/churn.py, beside dags/churn.yaml: the pipeline's DAG, and its model search DAG churn_retrain__search
+    # dags/churn.py, beside dags/churn.yaml: the Airflow DAGs of that declaration (Airflow parses only files
+    # that say "airflow" and "dag"): the pipeline's, and its model search churn_retrain__search
     from nightly_tasks.factory import pipeline_dag
     from nightly_tasks.search import search_dag
     dag = pipeline_dag(__file__)
