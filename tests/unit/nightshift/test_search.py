@@ -495,3 +495,32 @@ def test_a_study_stored_before_searches_had_a_pipeline_continues_as_nightly_retr
     study.set_user_attr(SETTINGS_ATTR, stored)  # as an older Nightshift stored it
     open_study(storage, "old", settings())
     assert load_study(storage, "old")[1].pipeline == "nightly_retrain"
+
+
+def test_the_cli_searches_for_the_pipeline_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from nightshift.cli import main
+    from nightshift.search import runner
+    from tests.conftest import DIGITS_YAML
+
+    asked: list[Any] = []
+    monkeypatch.setattr(runner, "run_search", lambda request: asked.append(request) or {})
+    declaration = yaml.safe_load(DIGITS_YAML.read_text())
+    declaration.update(dag_id="diabetes_retrain", model_name="diabetes-regressor", task="regression",
+                       gate={"primary": "rmse", "floor": 100.0}, model={"name": "mlp", "kwargs": {"hidden": 16}})
+    declaration["dataset"].update(loader="tabular", label="progression", asset="diabetes")
+    path = tmp_path / "diabetes.yaml"
+    path.write_text(yaml.safe_dump(declaration))
+    search = ["search", "--data", str(tmp_path), "--trials", "2", "--max-epochs", "2",
+              "--space", '{"lr": {"type": "float", "low": 0.01, "high": 0.1}}']
+    assert main([*search, "--pipeline", str(path)]) == 0 and main(search) == 0
+    mine, default = (request.settings for request in asked)
+    assert (mine.pipeline, mine.objective, mine.direction) == ("diabetes_retrain", "val_rmse", "minimize")
+    assert mine.fixed == {"dataset": "tabular", "dataset_options": {"label": "progression"}, "task": "regression",
+                          "model": "mlp", "model_kwargs.hidden": 16}
+    assert (default.pipeline, default.objective, default.fixed) == ("nightly_retrain", "val_accuracy", {})
+    capsys.readouterr()
+    assert main([*search, "--pipeline", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: (top level): cannot be read" in capsys.readouterr().err
