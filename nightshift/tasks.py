@@ -42,6 +42,10 @@ DEFAULT_GATES: dict[str, tuple[str, dict[str, float], float | None]] = {
     REGRESSION: ("rmse", {}, None),
 }
 
+# The metric the trainer reports on the validation split after every epoch, as `val_<name>`
+# (nightshift.train.trainer.Trainer.evaluate): what a model search of a pipeline of the task optimises.
+VALIDATION_METRICS = {BINARY: "accuracy", MULTICLASS: "accuracy", REGRESSION: "rmse"}
+
 
 def check_task(task: str) -> str:
     if task not in METRICS:
@@ -51,6 +55,11 @@ def check_task(task: str) -> str:
 
 def metric_names(task: str) -> tuple[str, ...]:
     return tuple(m.name for m in METRICS[check_task(task)])
+
+
+def validation_metric(task: str) -> Metric:
+    """The metric the trainer reports for `task` after every epoch (as `val_<name>`), with its direction."""
+    return metric(task, VALIDATION_METRICS[check_task(task)])
 
 
 def metric(task: str, name: str) -> Metric:

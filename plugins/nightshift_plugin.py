@@ -10,8 +10,9 @@
   dataset version -> model version -> deployment (from its run ledger in NIGHTSHIFT_HOME; without `pipeline`,
   `nightly_retrain`'s) and links the other pipelines' pages, `/nightshift/lineage.json?pipeline=<dag_id>` the
   same as JSON, `/nightshift/data-docs/...` the GX Data Docs pages. The page is also a nav entry.
-  `/nightshift/search/` lists the model searches' report pages (NIGHTSHIFT_HOME/search/<study>/report.html,
-  written by `nightshift.search.report_html`), `/nightshift/search/<study>/report.html` serves one.
+  `/nightshift/search/` lists the model searches' report pages (NIGHTSHIFT_HOME/search/<pipeline>/<study>/
+  report.html, written by `nightshift.search.report_html`; search/<study>/report.html before searches were per
+  pipeline), `/nightshift/search/<pipeline>/<study>/report.html` serves one.
 
 Every endpoint is behind Airflow's auth manager, as the REST API is: a request without a valid token
 (the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read the
@@ -42,6 +43,7 @@ from fastapi import Request  # FastAPI resolves the annotations of the app's dep
 
 from nightshift.errors import DagIdInvalid
 from nightshift.ledger import dag_ids, read_records
+from nightshift.pipelines.spec import SEARCH_DAG_SUFFIX
 from nightshift.search.report_html import REPORT_NAME
 from nightshift.settings import PIPELINE_DOCS, checked_dag_id, data_docs_dir, home, pipeline_data_docs_dir
 
@@ -143,27 +145,29 @@ class SearchReportLink(BaseOperatorLink):
     name = "Search report"
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
-        if ti_key.dag_id != SEARCH_DAG_ID:
+        if ti_key.dag_id != SEARCH_DAG_ID and not str(ti_key.dag_id).endswith(SEARCH_DAG_SUFFIX):
             return ""
         return search_report_url(_xcom(ti_key, "report"))
 
 
 def search_reports(limit: int = RECENT) -> list[Path]:
-    """The newest `limit` search report pages, newest first."""
-    pages = [p for p in search_root().glob(f"*/{REPORT_NAME}") if p.is_file()]
+    """The newest `limit` search report pages (search/<pipeline>/<study>/, or search/<study>/ from before searches
+    were per pipeline), newest first."""
+    root = search_root()
+    pages = [p for pattern in (f"*/*/{REPORT_NAME}", f"*/{REPORT_NAME}") for p in root.glob(pattern) if p.is_file()]
     return sorted(pages, key=lambda p: p.stat().st_mtime, reverse=True)[:limit]
 
 
 def search_index_html(pages: list[Path]) -> str:
     rows = "\n".join(
-        f"<tr><td>{_link(search_report_url(p, prefix='..'), p.parent.name)}</td>"
+        f"<tr><td>{_link(search_report_url(p, prefix='..'), p.parent.relative_to(search_root()).as_posix())}</td>"
         f"<td>{_cell(readable_time(datetime.fromtimestamp(p.stat().st_mtime, UTC).isoformat()))}</td></tr>"
         for p in pages) or "<tr><td colspan='2'>No search has written a report yet.</td></tr>"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Nightshift model searches</title>
 <style>body{{font-family:sans-serif;margin:1.5em}} td,th{{padding:4px 8px;text-align:left}}</style></head>
 <body><h2>model_search reports</h2><p>Newest first; each page shows a study's pictures and trials.</p>
-<table><tr><th>study</th><th>written</th></tr>
+<table><tr><th>pipeline/study</th><th>written</th></tr>
 {rows}</table></body></html>"""
 
 

@@ -9,7 +9,8 @@ the same name beside it), and builds validate_data → stage_dataset → check_c
 evaluate → register → approve → deploy → report with the declaration's suite, data, model, gate, deployment,
 schedule and training defaults. Everything a pipeline owns is named by its dag_id or model name: the run
 workspaces and checkpoints (dag_id/run_id), the MLflow experiment (the dag_id), the registered model and its
-`@champion`, the local model server (one per model, nightshift.deploy.local), the run ledger (dag_id).
+`@champion`, the local model server (one per model, nightshift.deploy.local), the run ledger (dag_id), the model
+search's best.json and report pages (NIGHTSHIFT_HOME/search/<dag_id>/; its search DAG: nightly_tasks.search).
 
 One DAG file per declaration, so a bad declaration breaks its own DAG only. It does not raise at import:
 `pipeline_dag` returns an `InvalidPipelineDag` whose `validate()` raises the loader's message, which Airflow's
@@ -81,20 +82,38 @@ def declaration_path(given: str | os.PathLike[str]) -> Path:
 def pipeline_dag(declaration: Pipeline | str | os.PathLike[str]) -> DAG:
     """The retraining DAG of `declaration` (a Pipeline, a YAML path, or a stub's `__file__`); for a declaration
     that is not valid, an `InvalidPipelineDag` that fails the file's import with the loader's one line."""
-    from nightshift.pipelines import Pipeline, PipelineInvalid, check_siblings, load_pipeline
+    from nightshift.pipelines import PipelineInvalid
+
+    try:
+        pipeline = read_declaration(declaration)
+    except PipelineInvalid as err:
+        return invalid_dag(declaration, err)
+    return build_dag(pipeline)
+
+
+def read_declaration(declaration: Pipeline | str | os.PathLike[str]) -> Pipeline:
+    """The pipeline `declaration` is or names (a YAML path, or a stub's `__file__`); PipelineInvalid when the file
+    is not valid, or another declaration of its folder declares its model_name or dataset asset."""
+    from nightshift.pipelines import Pipeline, check_siblings, load_pipeline
 
     if isinstance(declaration, Pipeline):
-        return build_dag(declaration)
-    path = declaration_path(declaration)
-    try:
-        pipeline = load_pipeline(path)
-        check_siblings(pipeline)  # another declaration of the folder with its model_name or dataset asset
-    except PipelineInvalid as err:
-        placeholder = InvalidPipelineDag(dag_id=f"invalid_pipeline__{_safe_id(path.stem)}", schedule=None,
-                                         start_date=START_DATE, tags=["nightshift"])
-        placeholder.problem = err
-        return placeholder
-    return build_dag(pipeline)
+        return declaration
+    pipeline = load_pipeline(declaration_path(declaration))
+    check_siblings(pipeline)
+    return pipeline
+
+
+def invalid_dag(declaration: Pipeline | str | os.PathLike[str], problem: Exception,
+                suffix: str = "") -> InvalidPipelineDag:
+    """The stand-in for a DAG of the invalid `declaration` (`suffix`: which DAG of the file), failing its import
+    with `problem`."""
+    from nightshift.pipelines import Pipeline
+
+    name = declaration.dag_id if isinstance(declaration, Pipeline) else declaration_path(declaration).stem
+    placeholder = InvalidPipelineDag(dag_id=f"invalid_pipeline__{_safe_id(name)}{suffix}", schedule=None,
+                                     start_date=START_DATE, tags=["nightshift"])
+    placeholder.problem = problem
+    return placeholder
 
 
 def pipeline_for(dag_id: str) -> Pipeline | None:
@@ -146,12 +165,12 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                                          "declared data."),
         "epochs": Param(training.epochs, type="integer", minimum=1, maximum=1000, title="Epochs",
                         description="Training epochs."),
-        # Empty (null): the best model search's value (search/best.json, read when the run starts), else the
-        # trainer's default. A value given at trigger time wins.
+        # Empty (null): the pipeline's best model search's value (search/<dag_id>/best.json, read when the run
+        # starts), else the trainer's default. A value given at trigger time wins.
         "learning_rate": Param(training.learning_rate, type=["null", "number"], exclusiveMinimum=0, maximum=10,
                                title="Learning rate",
-                               description="Base learning rate, multiplied by the number of workers. Empty: the "
-                                           "best model search's (search/best.json), else 0.05."),
+                               description=f"Base learning rate, multiplied by the number of workers. Empty: the "
+                                           f"best model search's (search/{pipeline.dag_id}/best.json), else 0.05."),
         "batch_size": Param(training.batch_size, type=["null", "integer"], minimum=1, maximum=65536,
                             title="Batch size",
                             description="Batch size per worker. Empty: the best model search's, else 32."),
@@ -241,8 +260,9 @@ When the dataset version, the code and the training parameters are the same as i
 run, `skip_training` runs instead of `train` and nothing downstream of it (unless `force`).
 
 Training parameters left empty (`learning_rate`, `batch_size`, `momentum`, `model_kwargs`) take the best
-configuration of the last `model_search` (`NIGHTSHIFT_HOME/search/best.json`, read by `check_changes` when the
-run starts) when it searched this pipeline's dataset loader, else the declaration's model and the trainer's
+configuration of this pipeline's last model search (`NIGHTSHIFT_HOME/search/{pipeline.dag_id}/best.json`, written
+by its search DAG, `{pipeline.search_dag_id}` when its DAG file adds `search_dag(__file__)`; read by
+`check_changes` when the run starts; no other pipeline's), else the declaration's model and the trainer's
 defaults; the MLflow tag `nightshift.training_defaults` and the lineage record say which values came from where
 (and best.json's study and trial). A malformed best.json fails `check_changes`.
 

@@ -20,6 +20,8 @@ SPLIT_NAMES = ("train", "validation", "test")
 GX_PREFIX = "gx:"
 # The built-in table loader (nightshift.datasets): it takes the label and the feature columns as options.
 TABULAR = "tabular"
+# A pipeline's model search DAG is named `<dag_id>__search` (nightly_tasks.search; the demo's is model_search).
+SEARCH_DAG_SUFFIX = "__search"
 
 
 def frozen(value: Any) -> Any:
@@ -187,6 +189,16 @@ class Pipeline:
     def champion_asset_uri(self) -> str:
         """The Airflow Asset `deploy` emits."""
         return f"nightshift://models/{self.model_name}/champion"
+
+    @property
+    def search_dag_id(self) -> str:
+        """The dag_id of the pipeline's model search DAG (nightly_tasks.search.search_dag)."""
+        return f"{self.dag_id}{SEARCH_DAG_SUFFIX}"
+
+    @property
+    def search_asset_uri(self) -> str:
+        """The Airflow Asset the search DAG's `finish` emits when it writes the pipeline's best.json."""
+        return f"nightshift://search/{self.dag_id}/best"
 
     def to_dict(self) -> dict[str, Any]:
         """The declaration with every default filled in: plain JSON values, valid against the schema, and

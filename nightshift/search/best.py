@@ -1,12 +1,16 @@
-"""The best configuration a search found, where training reads its defaults: `search/best.json`.
+"""The best configuration a search found, where training reads its defaults: one best.json per pipeline,
+`NIGHTSHIFT_HOME/search/<pipeline>/best.json` (`nightshift.search.pipeline`).
 
-Written atomically under NIGHTSHIFT_HOME with its lineage (study, storage, trial, MLflow parent and
-trial runs, data) and a version that grows by one whenever the content changes; every version is kept
-beside it as `search/best-v<N>.json`. Writing the same best again changes nothing, so a retried task or
-a re-run search does not bump the version.
+Written atomically with its pipeline and lineage (study, storage, trial, MLflow parent and trial runs, data)
+and a version that grows by one whenever the content changes; every version is kept beside it as
+`best-v<N>.json`. Writing the same best again changes nothing, so a retried task or a re-run search does not
+bump the version. A search writes its own pipeline's file only, so two pipelines' searches never overwrite
+each other's best.
 
-`training_defaults` is how `nightly_retrain` reads it, at run time: a training parameter the trigger left
-empty (null) takes best.json's value, else the trainer's built-in default; one the trigger set wins.
+`training_defaults` is how a pipeline's DAG (`nightly_retrain` and the others) reads its own file, at run time: a
+training parameter the trigger left empty (null) takes best.json's value, else the declaration's model and the
+trainer's built-in default; one the trigger set wins. `NIGHTSHIFT_HOME/search/best.json`, written before searches
+were per pipeline (naming none), is read for nightly_retrain alone, until a search writes nightly_retrain's own.
 """
 
 from __future__ import annotations
@@ -20,19 +24,36 @@ from nightshift import settings
 from nightshift.errors import UsageError
 from nightshift.fsutil import atomic_write_json
 from nightshift.search.errors import BestConfigInvalid
+from nightshift.search.pipeline import DEFAULT_PIPELINE, search_dir
 
 # nightly_retrain's training Params -> the trainer options they set, in the order they are reported.
 RETRAIN_PARAMS = {"learning_rate": "lr", "batch_size": "batch_size", "momentum": "momentum",
                   "model_kwargs": "model_kwargs"}
 # Taken from best.json together with `model_kwargs` (arguments are for their model); no Param of its own.
 MODEL = "model"
-# The pipeline a best.json without `pipeline` was searched for: the model_search DAG searches the demo digits
-# data of `nightly_retrain`, and says no pipeline; another pipeline's search must name its own.
-SEARCHED_PIPELINE = "nightly_retrain"
+# The pipeline a best.json without `pipeline` was searched for: before searches were per pipeline, every search
+# was of nightly_retrain's demo digits and named no pipeline.
+SEARCHED_PIPELINE = DEFAULT_PIPELINE
+BEST_NAME = "best.json"
 
 
-def best_path() -> Path:
-    return settings.home() / "search" / "best.json"
+def best_path(pipeline: str = SEARCHED_PIPELINE) -> Path:
+    """The best.json a search of `pipeline` writes: NIGHTSHIFT_HOME/search/<pipeline>/best.json."""
+    return search_dir(pipeline) / BEST_NAME
+
+
+def legacy_best_path() -> Path:
+    """NIGHTSHIFT_HOME/search/best.json: where every search wrote before searches were per pipeline."""
+    return settings.home() / "search" / BEST_NAME
+
+
+def pipeline_best_path(pipeline: str) -> Path:
+    """The best.json `pipeline`'s training reads: its own, else for nightly_retrain the one written before
+    searches were per pipeline, when that exists and its own does not."""
+    own = best_path(pipeline)
+    if pipeline == SEARCHED_PIPELINE and not own.exists() and legacy_best_path().exists():
+        return legacy_best_path()
+    return own
 
 
 def read_best(path: Path | None = None) -> dict[str, Any] | None:
@@ -46,8 +67,9 @@ def read_best(path: Path | None = None) -> dict[str, Any] | None:
 
 
 def write_best(record: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
-    """Write `record` (without version and time) as the new best; return what is in the file now."""
-    path = path or best_path()
+    """Write `record` (without version and time) as the new best of its pipeline (default path: that pipeline's
+    best.json, nightly_retrain's for a record naming none); return what is in the file now."""
+    path = path or best_path(record.get("pipeline") or SEARCHED_PIPELINE)
     path.parent.mkdir(parents=True, exist_ok=True)
     current = read_best(path)
     if current is not None and {k: v for k, v in current.items() if k not in ("version", "written_at")} == record:
@@ -62,7 +84,8 @@ def write_best(record: dict[str, Any], path: Path | None = None) -> dict[str, An
 def best_record(report: dict[str, Any], *, storage: str, data: str, max_epochs: int, train_options: dict[str, Any],
                 mlflow: dict[str, Any], pipeline: str | None = None) -> dict[str, Any]:
     """The content of best.json for a study report whose best trial is `report["best"]`; `pipeline`: the dag_id
-    of the pipeline the search was for, the only one whose training it fills (None: SEARCHED_PIPELINE)."""
+    of the pipeline the search was for, the only one whose training it fills (None: SEARCHED_PIPELINE, for a
+    record without it)."""
     best = report["best"]
     return {
         **({"pipeline": pipeline} if pipeline else {}),
@@ -111,9 +134,9 @@ def load_best(path: Path | None = None) -> dict[str, Any] | None:
 
 
 def _invalid(path: Path, reason: str) -> BestConfigInvalid:
-    return BestConfigInvalid(f"{path} {reason}: fix or delete it (the next model_search run writes it again; "
-                             f"without it training takes its built-in defaults), or trigger with every training "
-                             f"parameter set ({', '.join(RETRAIN_PARAMS)})")
+    return BestConfigInvalid(f"{path} {reason}: fix or delete it (the pipeline's next model search writes it "
+                             f"again; without it training takes its built-in defaults), or trigger with every "
+                             f"training parameter set ({', '.join(RETRAIN_PARAMS)})")
 
 
 def _positive_number(value: Any) -> bool:
@@ -154,11 +177,12 @@ def training_defaults(params: dict[str, Any], path: Path | None = None, *, model
     """The trainer options of a pipeline run (`nightly_retrain` and the others) from its Params (`RETRAIN_PARAMS`).
 
     `model` and `model_kwargs`: the pipeline's declared model, which replaces the trainer's built-in one (None:
-    the trainer's). `dataset`: the pipeline's dataset loader; best.json is read only when its search trained on
-    that loader (its `train_options.dataset`, else the trainer's default): another dataset's best learning rate
-    or model says nothing about this one's. `pipeline`: the pipeline's dag_id; best.json is read only when its
-    search was for that pipeline (its `pipeline`, else SEARCHED_PIPELINE). Declared `model_kwargs` that are not
-    empty win over best.json's model and model arguments (only the trigger's model_kwargs Param beats them).
+    the trainer's). `pipeline`: the pipeline's dag_id (None: SEARCHED_PIPELINE), whose own best.json is read
+    (`pipeline_best_path`; `path` replaces it), and only when its search was for that pipeline (its `pipeline`,
+    else SEARCHED_PIPELINE). `dataset`: the pipeline's dataset loader; best.json is read only when its search
+    trained on that loader (its `train_options.dataset`, else the trainer's default): another dataset's best
+    learning rate or model says nothing about this one's. Declared `model_kwargs` that are not empty win over
+    best.json's model and model arguments (only the trigger's model_kwargs Param beats them).
 
     A Param the trigger set wins; one left null takes best.json's value when a search wrote one, else the
     trainer's built-in default. `model` goes with `model_kwargs`: from best.json when `model_kwargs` does,
@@ -170,7 +194,7 @@ def training_defaults(params: dict[str, Any], path: Path | None = None, *, model
     """
     from nightshift.train.config import TrainConfig
 
-    path = path or best_path()
+    path = path or pipeline_best_path(pipeline or SEARCHED_PIPELINE)
     params = {**params, "model_kwargs": _model_kwargs(params.get("model_kwargs"))}
     fields = TrainConfig.__dataclass_fields__
     builtin: dict[str, Any] = {MODEL: model if model is not None else fields[MODEL].default,

@@ -13,10 +13,15 @@ def add_parser(subparsers: Any) -> None:
     search = subparsers.add_parser(
         "search", help="search trainer options with Optuna, stopping bad trials early; prints the study as JSON",
         description="Trials run one after another with the real trainer in this process; each reports "
-                    "val_accuracy after every epoch and is pruned at the pruner's rungs. The study lives in "
-                    "NIGHTSHIFT_HOME/search/optuna.db unless --storage; the best configuration goes to "
-                    "NIGHTSHIFT_HOME/search/best.json.")
+                    "val_accuracy (val_rmse for a regression) after every epoch and is pruned at the pruner's "
+                    "rungs. The study lives in NIGHTSHIFT_HOME/search/optuna.db unless --storage; the best "
+                    "configuration goes to NIGHTSHIFT_HOME/search/<pipeline>/best.json, which that pipeline's "
+                    "training reads.")
     search.add_argument("--data", required=True, help="dataset directory (train/validation/test.parquet)")
+    search.add_argument("--pipeline", default=None, metavar="DECLARATION",
+                        help="the pipeline declaration (YAML) to search for: every trial trains its dataset loader, "
+                             "task and model, the objective is its task's, and the result is its best.json "
+                             "(default: nightly_retrain, the demo digits, with the trainer's defaults)")
     search.add_argument("--space", required=True,
                         help='search space: a JSON object (or @FILE), e.g. {"lr": {"type": "float", "low": 1e-3, '
                              '"high": 0.3, "log": true}, "batch_size": {"type": "categorical", "choices": [16, 64]}}')
@@ -44,17 +49,24 @@ def add_parser(subparsers: Any) -> None:
 
 def _search(args: argparse.Namespace) -> dict[str, Any]:
     from nightshift.search import tracking
+    from nightshift.search.pipeline import DEFAULT_PIPELINE, fixed_options
     from nightshift.search.runner import SearchRequest, run_search
     from nightshift.search.space import load_json_object
     from nightshift.search.study import SearchSettings
     from nightshift.train.cli import configure_logging
 
     configure_logging()
+    space, fixed = load_json_object(args.space, "search space"), load_json_object(args.fixed, "fixed options")
+    pipeline = DEFAULT_PIPELINE
+    if args.pipeline:
+        from nightshift.pipelines import load_pipeline
+
+        declared = load_pipeline(args.pipeline)
+        fixed, pipeline = fixed_options(declared, space, fixed), declared.dag_id
     settings = SearchSettings(
-        space=load_json_object(args.space, "search space"), fixed=load_json_object(args.fixed, "fixed options"),
-        data=str(Path(args.data).expanduser().resolve()), max_epochs=args.max_epochs, min_epochs=args.min_epochs,
-        reduction_factor=args.reduction_factor, pruner=args.pruner, sampler=args.sampler, seed=args.seed,
-        startup_trials=args.startup_trials)
+        space=space, fixed=fixed, data=str(Path(args.data).expanduser().resolve()), max_epochs=args.max_epochs,
+        min_epochs=args.min_epochs, reduction_factor=args.reduction_factor, pruner=args.pruner, sampler=args.sampler,
+        seed=args.seed, startup_trials=args.startup_trials, pipeline=pipeline)
     request = SearchRequest(settings=settings, trials=args.trials, storage=args.storage, study=args.study,
                             experiment=args.experiment or tracking.EXPERIMENT, budget_hours=args.budget_hours)
     return run_search(request)

@@ -1,6 +1,6 @@
-"""A search's pictures on one self-contained HTML page: `NIGHTSHIFT_HOME/search/<study>/report.html`.
+"""A search's pictures on one self-contained HTML page: `NIGHTSHIFT_HOME/search/<pipeline>/<study>/report.html`.
 
-Optuna's plotly figures: the optimisation history, the intermediate values (val_accuracy per epoch) of
+Optuna's plotly figures: the optimisation history, the intermediate values (the objective per epoch) of
 the completed and of the pruned trials apart, the parameter importances (fANOVA, seeded) and the
 parallel coordinates; then a table of every trial. plotly.js is inlined once, so the page opens
 offline and nothing is fetched when it is viewed (its Content-Security-Policy allows no request at
@@ -9,7 +9,7 @@ in its place. Everything from the study (its name, parameter values, errors) is 
 escapes `</` in the figure JSON, the rest goes through `html.escape`.
 
 Written by `finish_search` (the CLI and the DAG's `finish`); the Airflow plugin serves it at
-`/nightshift/search/<study folder>/report.html`, and the `finish` task links to it.
+`/nightshift/search/<pipeline>/<study folder>/report.html`, and the `finish` task links to it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nightshift.fsutil import atomic_write_bytes
-from nightshift.search.study import DIRECTION, OBJECTIVE, SearchSettings, study_dir, trial_summary
+from nightshift.search.pipeline import DEFAULT_PIPELINE
+from nightshift.search.study import SearchSettings, study_dir, trial_summary
 
 if TYPE_CHECKING:
     import optuna
@@ -45,13 +46,13 @@ class Unavailable(Exception):
     """A figure that cannot be drawn for this study; the message says why, on the page."""
 
 
-def report_path(study: str) -> Path:
-    return study_dir(study) / REPORT_NAME
+def report_path(study: str, pipeline: str = DEFAULT_PIPELINE) -> Path:
+    return study_dir(study, pipeline) / REPORT_NAME
 
 
 def write_report(study: optuna.Study, settings: SearchSettings, path: Path | None = None) -> Path:
     """Render the page of `study` and write it atomically to `path` (default `report_path`)."""
-    path = path or report_path(study.study_name)
+    path = path or report_path(study.study_name, settings.pipeline)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, render_report(study, settings).encode())
     return path
@@ -66,7 +67,7 @@ def render_report(study: optuna.Study, settings: SearchSettings) -> str:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     trials = study.get_trials(deepcopy=False)
     sections = []
-    for key, title, build in _figures():
+    for key, title, build in _figures(settings):
         try:
             with warnings.catch_warnings():  # Optuna warns about empty figures; the page says why instead
                 warnings.simplefilter("ignore")
@@ -82,7 +83,7 @@ def render_report(study: optuna.Study, settings: SearchSettings) -> str:
     return PAGE.format(
         csp=html.escape(CSP, quote=True), title=_text(f"Model search {study.study_name}"),
         plotlyjs=plotly.offline.get_plotlyjs(), header=_header(study, settings, trials),
-        sections="\n".join(sections), table=_table(trials),
+        sections="\n".join(sections), table=_table(trials, settings.objective),
         footer=_text(f"Written {datetime.now(UTC).isoformat(timespec='seconds')} with Optuna "
                      f"{optuna.__version__} and plotly {plotly.__version__}."))
 
@@ -90,15 +91,18 @@ def render_report(study: optuna.Study, settings: SearchSettings) -> str:
 # --- figures -----------------------------------------------------------------------------------------
 
 
-def _figures() -> list[tuple[str, str, Callable[[optuna.Study, list[Any]], go.Figure]]]:
+def _figures(settings: SearchSettings) -> list[tuple[str, str, Callable[[optuna.Study, list[Any]], go.Figure]]]:
+    objective = settings.objective
     return [
-        ("history", "Optimisation history", _history),
-        ("intermediate-complete", f"Intermediate values ({OBJECTIVE} per epoch): completed trials",
-         lambda study, trials: _intermediate(study, trials, "COMPLETE")),
-        ("intermediate-pruned", f"Intermediate values ({OBJECTIVE} per epoch): pruned trials",
-         lambda study, trials: _intermediate(study, trials, "PRUNED")),
-        ("importances", "Parameter importances (fANOVA)", _importances),
-        ("parallel", "Parallel coordinates (completed trials)", _parallel),
+        ("history", "Optimisation history", lambda study, trials: _history(study, trials, objective)),
+        ("intermediate-complete", f"Intermediate values ({objective} per epoch): completed trials",
+         lambda study, trials: _intermediate(study, trials, "COMPLETE", settings)),
+        ("intermediate-pruned", f"Intermediate values ({objective} per epoch): pruned trials",
+         lambda study, trials: _intermediate(study, trials, "PRUNED", settings)),
+        ("importances", "Parameter importances (fANOVA)",
+         lambda study, trials: _importances(study, trials, objective)),
+        ("parallel", "Parallel coordinates (completed trials)",
+         lambda study, trials: _parallel(study, trials, objective)),
     ]
 
 
@@ -106,15 +110,15 @@ def _complete(trials: list[Any]) -> list[Any]:
     return [t for t in trials if t.state.name == "COMPLETE"]
 
 
-def _history(study: optuna.Study, trials: list[Any]) -> go.Figure:
+def _history(study: optuna.Study, trials: list[Any], objective: str) -> go.Figure:
     from optuna.visualization import plot_optimization_history
 
     if not _complete(trials):
         raise Unavailable("no trial has completed yet")
-    return plot_optimization_history(study, target_name=OBJECTIVE)
+    return plot_optimization_history(study, target_name=objective)
 
 
-def _intermediate(study: optuna.Study, trials: list[Any], state: str) -> go.Figure:
+def _intermediate(study: optuna.Study, trials: list[Any], state: str, settings: SearchSettings) -> go.Figure:
     """Optuna's intermediate-values figure of the trials in `state` only (a copy of them in memory)."""
     import optuna
     from optuna.visualization import plot_intermediate_values
@@ -122,18 +126,18 @@ def _intermediate(study: optuna.Study, trials: list[Any], state: str) -> go.Figu
     chosen = [t for t in trials if t.state.name == state and t.intermediate_values]
     if not chosen:
         raise Unavailable(f"no {state} trial reported an intermediate value")
-    subset = optuna.create_study(direction=DIRECTION, study_name=f"{study.study_name} {state}")
+    subset = optuna.create_study(direction=settings.direction, study_name=f"{study.study_name} {state}")
     subset.add_trials(chosen)  # numbered 0, 1, ... again: the legend gets the study's numbers back below
     figure = plot_intermediate_values(subset)
     for trace in figure.data:
         copied = re.fullmatch(r"Trial\s*(\d+)", str(trace.name or ""))
         if copied and int(copied.group(1)) < len(chosen):
             trace.name = f"Trial {chosen[int(copied.group(1))].number}"
-    figure.update_layout(xaxis_title="epoch", yaxis_title=OBJECTIVE, showlegend=True)
+    figure.update_layout(xaxis_title="epoch", yaxis_title=settings.objective, showlegend=True)
     return figure
 
 
-def _importances(study: optuna.Study, trials: list[Any]) -> go.Figure:
+def _importances(study: optuna.Study, trials: list[Any], objective: str) -> go.Figure:
     from optuna.importance import FanovaImportanceEvaluator
     from optuna.visualization import plot_param_importances
 
@@ -143,17 +147,17 @@ def _importances(study: optuna.Study, trials: list[Any]) -> go.Figure:
     if not any(len({json.dumps(t.params.get(name), sort_keys=True) for t in done}) > 1
                for name in {name for t in done for name in t.params}):
         raise Unavailable("every completed trial has the same parameters, so none can matter more")
-    return plot_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=0), target_name=OBJECTIVE)
+    return plot_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=0), target_name=objective)
 
 
-def _parallel(study: optuna.Study, trials: list[Any]) -> go.Figure:
+def _parallel(study: optuna.Study, trials: list[Any], objective: str) -> go.Figure:
     from optuna.visualization import plot_parallel_coordinate
 
     if not _complete(trials):
         raise Unavailable("no trial has completed yet")
     if not any(t.params for t in _complete(trials)):
         raise Unavailable("the completed trials have no parameters")
-    return plot_parallel_coordinate(study, target_name=OBJECTIVE)
+    return plot_parallel_coordinate(study, target_name=objective)
 
 
 # --- text --------------------------------------------------------------------------------------------
@@ -173,7 +177,8 @@ def _header(study: optuna.Study, settings: SearchSettings, trials: list[Any]) ->
     counts = {state: sum(t.state.name == state for t in trials) for state in STATES}
     states = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
     lines = [
-        f"<p>Objective: <b>{_text(OBJECTIVE)}</b>, maximised. Pruner <b>{_text(settings.pruner)}</b> "
+        f"<p>Pipeline <b>{_text(settings.pipeline)}</b>. Objective: <b>{_text(settings.objective)}</b>, "
+        f"{settings.direction[:-2]}sed. Pruner <b>{_text(settings.pruner)}</b> "
         f"(min_epochs {settings.min_epochs}, reduction_factor {settings.reduction_factor}), sampler "
         f"<b>{_text(settings.sampler)}</b> (seed {settings.seed}), max_epochs {settings.max_epochs}.</p>",
         f"<p class='counts'>{len(trials)} trials: {_text(states or 'none yet')}; "
@@ -183,16 +188,16 @@ def _header(study: optuna.Study, settings: SearchSettings, trials: list[Any]) ->
     if done:
         best = study.best_trial
         params = ", ".join(f"{_text(k)}={_text(_value(v))}" for k, v in best.params.items())
-        lines.append(f"<p class='best'>Best: trial {best.number}, {_text(OBJECTIVE)} "
+        lines.append(f"<p class='best'>Best: trial {best.number}, {_text(settings.objective)} "
                      f"{_text(_value(best.value))} ({params}).</p>")
     else:
         lines.append("<p class='best'>No trial has completed yet: there is no best configuration.</p>")
     return "\n".join(lines)
 
 
-def _table(trials: list[Any]) -> str:
+def _table(trials: list[Any], objective: str) -> str:
     names = sorted({name for t in trials for name in t.params})
-    head = "".join(f"<th>{_text(h)}</th>" for h in ("trial", "state", "epochs", OBJECTIVE, *names, "error"))
+    head = "".join(f"<th>{_text(h)}</th>" for h in ("trial", "state", "epochs", objective, *names, "error"))
     rows = []
     for trial in trials:
         summary = trial_summary(trial)

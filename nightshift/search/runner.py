@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from nightshift import settings as nightshift_settings
 from nightshift.errors import UsageError
 from nightshift.search import tracking
-from nightshift.search.best import best_record, write_best
+from nightshift.search.best import best_path, best_record, write_best
+from nightshift.search.pipeline import DEFAULT_PIPELINE
 from nightshift.search.report_html import write_report
 from nightshift.search.space import SearchSpace, parse_space
 from nightshift.search.study import (
@@ -80,9 +81,9 @@ class SearchContext:
     parent_run_id: str
 
 
-def trial_dir(study: str, number: int) -> Path:
-    """Where trial `number` of `study` keeps its outputs (`out/`) and checkpoints (`checkpoints/`)."""
-    return study_dir(study) / f"trial-{number}"
+def trial_dir(study: str, number: int, pipeline: str = DEFAULT_PIPELINE) -> Path:
+    """Where trial `number` of `study` (of `pipeline`) keeps its outputs (`out/`) and checkpoints (`checkpoints/`)."""
+    return study_dir(study, pipeline) / f"trial-{number}"
 
 
 def check_data(space: SearchSpace, data: str) -> None:
@@ -91,8 +92,10 @@ def check_data(space: SearchSpace, data: str) -> None:
     from nightshift.train.config import TrainConfig
 
     dataset = str(space.fixed.get("dataset", TrainConfig.dataset))
+    task = str(space.fixed.get("task", TrainConfig.task))
+    options = dict(space.fixed.get("dataset_options") or {})
     for split in ("train", "validation"):
-        load_split(dataset, data, split)
+        load_split(dataset, data, split, task=task, options=options)
 
 
 def open_search(settings: SearchSettings, *, storage: str | None, study: str | None,
@@ -102,6 +105,7 @@ def open_search(settings: SearchSettings, *, storage: str | None, study: str | N
     check_data(space, settings.data)
     url = check_storage(storage or default_storage())
     name = study or settings.default_study_name()
+    study_dir(name, settings.pipeline)  # a name its pipeline's folder cannot hold fails before the study exists
     opened = open_study(url, name, settings)
     stale = fail_stale(opened)
     if stale:
@@ -135,10 +139,10 @@ def finish_search(ctx: SearchContext, budget: dict[str, Any] | None = None) -> d
             report, storage=ctx.storage, data=ctx.settings.data, max_epochs=ctx.settings.max_epochs,
             train_options=ctx.space.train_options(report["best"]["params"]),
             mlflow={"tracking_uri": nightshift_settings.mlflow_tracking_uri(), "experiment": ctx.experiment,
-                    "parent_run_id": ctx.parent_run_id, "trial_run_id": trial_run})
-        written = write_best(record)
-        report["best_file"] = {"path": str(nightshift_settings.home() / "search" / "best.json"),
-                               "version": written["version"]}
+                    "parent_run_id": ctx.parent_run_id, "trial_run_id": trial_run}, pipeline=ctx.settings.pipeline)
+        path = best_path(ctx.settings.pipeline)
+        written = write_best(record, path)
+        report["best_file"] = {"path": str(path), "version": written["version"]}
     report["report"] = str(write_report(ctx.study, ctx.settings))
     tracking.finish_parent(ctx.parent_run_id, report)
     return report
@@ -170,17 +174,17 @@ def run_trial(ctx: SearchContext, trial: optuna.Trial, params: dict[str, Any]) -
     from nightshift.train.config import TrainConfig
 
     study, number = ctx.study, trial.number
-    where = trial_dir(study.study_name, number)
+    where = trial_dir(study.study_name, number, ctx.settings.pipeline)
     log.info("study %s trial %d: %s", study.study_name, number, params)
     try:
         config = TrainConfig(data=Path(ctx.settings.data), out=where / "out", checkpoint_dir=where / "checkpoints",
                              epochs=ctx.settings.max_epochs, **ctx.space.train_options(params))
-        summary = run(config, on_epoch=TrialReporter(trial, ctx.settings.max_epochs))
+        summary = run(config, on_epoch=TrialReporter(trial, ctx.settings.max_epochs, ctx.settings.objective))
     except BaseException as err:
         fail_trial(study, number, f"{type(err).__name__}: {err}")
         log.warning("study %s trial %d failed: %s: %s", study.study_name, number, type(err).__name__, err)
         tracking.log_trial(ctx.experiment_id, ctx.parent_run_id, study.study_name, _frozen(study, number),
-                           ctx.space.fixed)
+                           ctx.space.fixed, ctx.settings.objective)
         if not isinstance(err, Exception):  # interrupted or terminated: stop the search too
             raise
         return _frozen(study, number)
@@ -188,9 +192,10 @@ def run_trial(ctx: SearchContext, trial: optuna.Trial, params: dict[str, Any]) -
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         log.info("study %s trial %d pruned after epoch %d", study.study_name, number, summary["stopped_at_epoch"])
     else:
-        study.tell(trial, float(summary["val_accuracy"]))
+        study.tell(trial, float(summary[ctx.settings.objective]))
     frozen = _frozen(study, number)
-    tracking.log_trial(ctx.experiment_id, ctx.parent_run_id, study.study_name, frozen, ctx.space.fixed)
+    tracking.log_trial(ctx.experiment_id, ctx.parent_run_id, study.study_name, frozen, ctx.space.fixed,
+                       ctx.settings.objective)
     return frozen
 
 

@@ -4,8 +4,10 @@ A space is a JSON object. Each key is a trainer option (`lr`, `batch_size`, `mom
 `precision`, `compression`) or a model argument (`model_kwargs.channels`); each value is
 `{"type": "float", "low": L, "high": H [, "log": true] [, "step": S]}`, the same with `"type": "int"`, or
 `{"type": "categorical", "choices": [...]}` (choices: null, booleans, numbers or strings). The options
-that every trial shares (`fixed`) use the same keys, plus `dataset`, `threads`, `device`,
-`checkpoint_every`, `keep_checkpoints` and `log_every`. Epochs are the search's `max_epochs`.
+that every trial shares (`fixed`) use the same keys, plus `dataset`, `dataset_options`, `task`, `threads`,
+`device`, `checkpoint_every`, `keep_checkpoints` and `log_every` (a pipeline's search fixes the dataset, its
+options, the task and the model from the declaration, `nightshift.search.pipeline`). Epochs are the
+search's `max_epochs`.
 
 `parse_space` refuses a malformed entry or an unknown option naming the key, and tries the ends of
 every range (and every choice) against `TrainConfig`'s own checks, so `momentum` up to 1.5 is refused
@@ -32,8 +34,8 @@ MODEL_KWARGS = "model_kwargs."
 TUNABLE = {"lr": "number", "batch_size": "int", "momentum": "number", "seed": "int", "model": "str",
            "precision": "str", "compression": "str"}
 # Options a search may fix for every trial, besides the tunable ones.
-FIXED_ONLY = {"dataset": "str", "threads": "int", "device": "str", "checkpoint_every": "int",
-              "keep_checkpoints": "int", "log_every": "int"}
+FIXED_ONLY = {"dataset": "str", "dataset_options": "object", "task": "str", "threads": "int", "device": "str",
+              "checkpoint_every": "int", "keep_checkpoints": "int", "log_every": "int"}
 TYPES = ("float", "int", "categorical")
 FIELDS = {"float": {"type", "low", "high", "log", "step"}, "int": {"type", "low", "high", "log", "step"},
           "categorical": {"type", "choices"}}
@@ -123,7 +125,7 @@ def load_json_object(text: str | dict[str, Any], what: str) -> dict[str, Any]:
 def parse_space(space: str | dict[str, Any], fixed: str | dict[str, Any] | None = None) -> SearchSpace:
     """Check a space and its fixed options; every error names the key."""
     raw = load_json_object(space, "search space")
-    fixed_flat = _flatten_fixed(load_json_object(fixed or {}, "fixed options"))
+    fixed_flat = flatten_fixed(load_json_object(fixed or {}, "fixed options"))
     if not raw:
         raise SearchSpaceInvalid("the search space is empty: give at least one trainer option to search")
     dimensions = tuple(_dimension(key, spec) for key, spec in raw.items())
@@ -137,7 +139,8 @@ def parse_space(space: str | dict[str, Any], fixed: str | dict[str, Any] | None 
     return parsed
 
 
-def _flatten_fixed(fixed: dict[str, Any]) -> dict[str, Any]:
+def flatten_fixed(fixed: dict[str, Any]) -> dict[str, Any]:
+    """Fixed options with flat keys: a nested `model_kwargs` object as `model_kwargs.<argument>` keys."""
     flat = {k: v for k, v in fixed.items() if k != "model_kwargs"}
     nested = fixed.get("model_kwargs", {})
     if not isinstance(nested, dict):

@@ -1,26 +1,30 @@
-"""The steps of the `model_search` DAG as plain functions (no Airflow): prepare, ask, tell, finish.
+"""The steps of a pipeline's search DAG (`model_search` for nightly_retrain, nightly_tasks.search) as plain
+functions (no Airflow): prepare, ask, tell, finish.
 
-`prepare` checks the space and opens the study and the MLflow parent run; each trial slot then `ask`s
-the study for a trial (ask-and-tell through the storage; an identical retry gets the same trial back),
+`prepare` takes what the pipeline's declaration fixes (data loader and options, task, model, objective:
+`nightshift.search.pipeline`), checks the space and opens the study and the MLflow parent run; each trial
+slot then `ask`s the study for a trial (ask-and-tell through the storage; an identical retry gets the same trial back),
 a `HorovodKubernetesOperator` runs `trial_command` (the trainer reporting to the trial by
-`--search-*`), and `tell` gives the study the outcome: COMPLETE with the last epoch's val_accuracy,
-PRUNED when the trainer stopped at a rung, FAIL when the training task failed. `finish` fails what a
-dead task left RUNNING, writes best.json and the report page and ends the parent run. The DAG turns `BudgetSpent` and a
-pruned trial into skipped tasks.
+`--search-*`), and `tell` gives the study the outcome: COMPLETE with the last epoch's objective
+(val_accuracy, val_rmse), PRUNED when the trainer stopped at a rung, FAIL when the training task failed.
+`finish` fails what a dead task left RUNNING, writes the pipeline's best.json and the report page and ends
+the parent run. The DAG turns `BudgetSpent` and a pruned trial into skipped tasks.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nightshift import settings as nightshift_settings
 from nightshift.errors import NightshiftError
 from nightshift.search import tracking
+from nightshift.search.pipeline import fixed_options, objective_note
 from nightshift.search.runner import SearchContext, budget_report, finish_search, open_search, trial_dir
 from nightshift.search.space import load_json_object, parse_space
 from nightshift.search.study import (
@@ -34,13 +38,16 @@ from nightshift.search.study import (
     trial_summary,
 )
 
-DEMO_DATASET = "demo-data/digits"
-EXPERIMENT = "model_search"
-# Trainer options as `python -m nightshift.train` flags (model_kwargs goes as one JSON object).
+if TYPE_CHECKING:
+    from nightshift.pipelines import Pipeline
+
+log = logging.getLogger("nightshift.search")
+
+# Trainer options as `python -m nightshift.train` flags (model_kwargs and dataset_options go as one JSON object).
 FLAGS = {"lr": "--lr", "batch_size": "--batch-size", "momentum": "--momentum", "seed": "--seed", "model": "--model",
          "precision": "--precision", "compression": "--compression", "dataset": "--dataset", "threads": "--threads",
          "device": "--device", "checkpoint_every": "--checkpoint-every", "keep_checkpoints": "--keep-checkpoints",
-         "log_every": "--log-every"}
+         "log_every": "--log-every", "task": "--task", "dataset_options": "--dataset-options"}
 
 
 class BudgetSpent(NightshiftError):
@@ -55,36 +62,28 @@ class NoTrialCompleted(NightshiftError):
         self.report = report  # the search's report page, written all the same
 
 
-def resolve_data(data_source: str | None) -> Path:
-    """The data directory: one under the data roots, or the demo dataset in NIGHTSHIFT_HOME (written if missing)."""
-    if data_source and data_source.strip():
-        return nightshift_settings.confined_data_source(data_source.strip())
-    from nightshift.data.demo import write_demo_dataset
-    from nightshift.datasets import SPLITS, split_path
-
-    path = nightshift_settings.home() / DEMO_DATASET
-    if not all(split_path(path, s).is_file() for s in SPLITS):
-        write_demo_dataset(path, seed=0)
-    return path
-
-
 def default_study_name(dag_id: str, run_id: str) -> str:
     from nightshift.fsutil import safe_name
 
     return f"{dag_id}__{safe_name(run_id)}"
 
 
-def prepare(params: dict[str, Any], *, dag_id: str, run_id: str, storage: str | None) -> dict[str, Any]:
-    """Check the search (space, options, data), open its study and parent run; what every trial needs."""
-    data = resolve_data(params.get("data_source"))
+def prepare(params: dict[str, Any], *, pipeline: Pipeline, data: Path, dag_id: str, run_id: str,
+            storage: str | None) -> dict[str, Any]:
+    """Check the search of `pipeline` (space, options, `data`: the run's data directory, resolved and confined
+    by the DAG as its training's), open its study and parent run (MLflow experiment: the search DAG's id, `dag_id`);
+    what every trial needs."""
+    space = load_json_object(params["space"], "search space")
     settings = SearchSettings(
-        space=load_json_object(params["space"], "search space"),
-        fixed=load_json_object(params.get("fixed") or {}, "fixed options"), data=str(data),
-        max_epochs=int(params["max_epochs"]), min_epochs=int(params["min_epochs"]),
+        space=space, fixed=fixed_options(pipeline, space, load_json_object(params.get("fixed") or {}, "fixed options")),
+        data=str(data), max_epochs=int(params["max_epochs"]), min_epochs=int(params["min_epochs"]),
         reduction_factor=int(params["reduction_factor"]), pruner=str(params.get("pruner", "asha")),
-        sampler=str(params.get("sampler", "tpe")), seed=int(params.get("seed", 0)))
+        sampler=str(params.get("sampler", "tpe")), seed=int(params.get("seed", 0)), pipeline=pipeline.dag_id)
+    note = objective_note(pipeline)
+    if note:
+        log.warning("%s", note)
     study = params.get("study") or default_study_name(dag_id, run_id)
-    ctx = open_search(settings, storage=storage, study=study, experiment=EXPERIMENT)
+    ctx = open_search(settings, storage=storage, study=study, experiment=dag_id)
     gpus = int(params.get("gpus_per_worker", 0))
     budget = params.get("budget_hours")
     return {
@@ -140,11 +139,13 @@ def trial_command(search: dict[str, Any], settings: SearchSettings, number: int,
     """The trainer command of trial `number` (the operator adds --checkpoint-dir, kept across retries)."""
     study = search["study"]
     command = ["python", "-m", "nightshift.train", "--data", search["data"],
-               "--out", str(trial_dir(study, number) / "out"), "--epochs", str(settings.max_epochs),
+               "--out", str(trial_dir(study, number, settings.pipeline) / "out"), "--epochs", str(settings.max_epochs),
                "--device", search["device"]]
     for key, value in options.items():
         if key == "model_kwargs":
             command += ["--model-kwargs", _json(value)]
+        elif isinstance(value, dict):
+            command += [FLAGS[key], _json(value)]
         elif key == "device":
             command[command.index("--device") + 1] = str(value)
         else:
@@ -180,10 +181,11 @@ def tell(search: dict[str, Any], asked: dict[str, Any], trained: dict[str, Any] 
         elif settings.max_epochs in frozen.intermediate_values:
             study.tell(number, frozen.intermediate_values[settings.max_epochs])
         else:
-            fail_trial(study, number, f"training succeeded but reported no val_accuracy for epoch "
+            fail_trial(study, number, f"training succeeded but reported no {settings.objective} for epoch "
                                       f"{settings.max_epochs}")
     frozen = study.get_trials(deepcopy=False)[number]
-    tracking.log_trial(search["experiment_id"], search["parent_run_id"], search["study"], frozen, settings.fixed)
+    tracking.log_trial(search["experiment_id"], search["parent_run_id"], search["study"], frozen, settings.fixed,
+                       settings.objective)
     return trial_summary(frozen)
 
 
@@ -195,7 +197,7 @@ def finish(search: dict[str, Any]) -> dict[str, Any]:
         if trial.state.name == "RUNNING" and owner.get("run_id") == search["run_id"]:
             fail_trial(study, trial.number, "its DAG run ended without telling the study")
             tracking.log_trial(search["experiment_id"], search["parent_run_id"], search["study"],
-                               study.get_trials(deepcopy=False)[trial.number], settings.fixed)
+                               study.get_trials(deepcopy=False)[trial.number], settings.fixed, settings.objective)
     ctx = SearchContext(settings=settings, space=parse_space(settings.space, settings.fixed), study=study,
                         storage=search["storage"], experiment=search["experiment"],
                         experiment_id=search["experiment_id"], parent_run_id=search["parent_run_id"])

@@ -4,7 +4,9 @@ A study lives in a real database: SQLite under NIGHTSHIFT_HOME (`search/optuna.d
 SQLAlchemy URL Optuna takes (PostgreSQL: `postgresql://user@host:5432/db`). The search's settings are
 stored in the study (user attribute `nightshift.search`), so every process that opens it by name (the
 CLI, an Airflow task, a trainer's rank 0) builds the same pruner, and a study is never continued with
-other settings. The objective is the validation accuracy, maximised.
+other settings. The settings name the pipeline the search is for (`nightshift.search.pipeline`), and the
+objective follows the task its trials train: the validation accuracy maximised, or for a regression the
+validation RMSE minimised (`nightshift.tasks.validation_metric`).
 
 Sampling is seeded per trial (`seed`, trial number): the same settings give the same configurations
 whichever process asks, one after another or several at once.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,14 +30,14 @@ from urllib.parse import urlsplit
 from nightshift import settings as nightshift_settings
 from nightshift.errors import UsageError
 from nightshift.search.errors import StudyMismatch
+from nightshift.search.pipeline import DEFAULT_PIPELINE, check_pipeline, search_dir
+from nightshift.tasks import MULTICLASS, validation_metric
 
 if TYPE_CHECKING:
     import optuna
 
     from nightshift.search.space import SearchSpace
 
-OBJECTIVE = "val_accuracy"
-DIRECTION: Literal["maximize"] = "maximize"
 PRUNERS = ("asha", "hyperband", "none")  # none: every trial runs to max_epochs (a baseline)
 SAMPLERS = ("tpe", "random")
 # Trial and study user attributes.
@@ -61,8 +64,11 @@ class SearchSettings:
     sampler: str = "tpe"
     seed: int = 0
     startup_trials: int = 10
+    # The dag_id of the pipeline whose best.json the search writes (a study stored before it had one: the default).
+    pipeline: str = DEFAULT_PIPELINE
 
     def __post_init__(self) -> None:
+        check_pipeline(self.pipeline)
         for name, minimum in (("max_epochs", 1), ("min_epochs", 1), ("reduction_factor", 2), ("startup_trials", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -75,6 +81,20 @@ class SearchSettings:
             raise UsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise UsageError(f"--seed must be an integer, got {self.seed!r}")
+
+    @property
+    def task(self) -> str:
+        """What the trials train (the `task` fixed option, else the trainer's default)."""
+        return str(self.fixed.get("task", MULTICLASS))
+
+    @property
+    def objective(self) -> str:
+        """The metric trials report after every epoch and the study optimises: `val_accuracy`, `val_rmse`."""
+        return f"val_{validation_metric(self.task).name}"
+
+    @property
+    def direction(self) -> Literal["maximize", "minimize"]:
+        return "maximize" if validation_metric(self.task).higher_is_better else "minimize"
 
     def to_json(self) -> dict[str, Any]:
         return json.loads(json.dumps(asdict(self), sort_keys=True))
@@ -99,11 +119,16 @@ def default_storage() -> str:
     return f"sqlite:///{path}"
 
 
-def study_dir(study: str) -> Path:
-    """The folder of `study` under NIGHTSHIFT_HOME/search: its trials' outputs and its report page."""
+def study_dir(study: str, pipeline: str = DEFAULT_PIPELINE) -> Path:
+    """The folder of `study` in its pipeline's (NIGHTSHIFT_HOME/search/<pipeline>): its trials' outputs and its
+    report page. UsageError for a study named as the pipeline's best.json files are."""
     from nightshift.fsutil import safe_name
 
-    return nightshift_settings.home() / "search" / safe_name(study)  # injective: never another study's folder
+    name = safe_name(study)  # injective: never another study's folder
+    if re.fullmatch(r"best(-v\d+)?\.json", name):
+        raise UsageError(f"study name {study!r} is the name of the pipeline's best configuration file; name the "
+                         f"study otherwise")
+    return search_dir(pipeline) / name
 
 
 def check_storage(url: str) -> str:
@@ -188,18 +213,21 @@ def open_study(storage: str, name: str, settings: SearchSettings) -> optuna.Stud
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with _storage_errors(storage):
         study = optuna.create_study(storage=_sqlite_folder(check_storage(storage)), study_name=name,
-                                    direction=DIRECTION, load_if_exists=True, pruner=build_pruner(settings),
-                                    sampler=build_sampler(settings))
+                                    direction=settings.direction, load_if_exists=True,
+                                    pruner=build_pruner(settings), sampler=build_sampler(settings))
     stored = study.user_attrs.get(SETTINGS_ATTR)
     wanted = settings.to_json()
+    if isinstance(stored, dict):  # with the defaults of the settings added since it was stored
+        stored = SearchSettings.from_json(stored).to_json()
     if stored is None:
         study.set_user_attr(SETTINGS_ATTR, wanted)
     elif stored != wanted:
         differ = sorted(k for k in set(stored) | set(wanted) if stored.get(k) != wanted.get(k))
         raise StudyMismatch(f"study {name!r} in {storage} was created with other settings ({', '.join(differ)} "
                             f"differ): pass another --study, or the same settings to continue it")
-    if [d.name for d in study.directions] != [DIRECTION.upper()]:
-        raise StudyMismatch(f"study {name!r} in {storage} is not a single-objective maximisation")
+    if [d.name for d in study.directions] != [settings.direction.upper()]:
+        raise StudyMismatch(f"study {name!r} in {storage} is not a single-objective {settings.direction[:-1]}ation "
+                            f"of {settings.objective}: pass another --study")
     return study
 
 
@@ -296,8 +324,8 @@ def epoch_metrics(trial: optuna.trial.FrozenTrial) -> dict[int, dict[str, float]
 
 
 def trial_summary(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
-    """`number`, `state`, `epochs` (trained) and `value`: the final val_accuracy of a COMPLETE trial, the
-    last one a PRUNED trial reported, none for FAIL."""
+    """`number`, `state`, `epochs` (trained) and `value`: the final objective (val_accuracy, val_rmse) of a
+    COMPLETE trial, the last one a PRUNED trial reported, none for FAIL."""
     value: float | None = None
     if trial.state.name == "COMPLETE":
         value = trial.value
@@ -331,7 +359,9 @@ def study_report(study: optuna.Study, settings: SearchSettings) -> dict[str, Any
         best = {"trial": top.number, "params": top.params, "value": top.value}
     return {
         "study": study.study_name,
-        "objective": OBJECTIVE,
+        "pipeline": settings.pipeline,
+        "objective": settings.objective,
+        "direction": settings.direction,
         "best": best,
         "trials": [trial_summary(t) for t in trials],
         "epochs_spent": sum(len(t.intermediate_values) for t in trials),

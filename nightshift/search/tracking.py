@@ -12,7 +12,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from nightshift.search.study import OBJECTIVE, SearchSettings, epoch_metrics
+from nightshift.search.study import SearchSettings, epoch_metrics
 from nightshift.tracking import RUN_KEY_TAG, client, ensure_experiment
 
 if TYPE_CHECKING:
@@ -66,14 +66,16 @@ def start_parent(experiment: str, study: str, storage: str, settings: SearchSett
     tags = {RUN_KEY_TAG: parent_key(study), STUDY_TAG: study, ROLE_TAG: "search", "nightshift.search.storage": storage}
     run = mlflow_client.create_run(experiment_id, run_name=study, tags=tags)
     values = settings.to_json()
-    params = {"space": values.pop("space"), "fixed": values.pop("fixed"), **values, "objective": OBJECTIVE}
+    params = {"space": values.pop("space"), "fixed": values.pop("fixed"), **values, "objective": settings.objective,
+              "direction": settings.direction}
     mlflow_client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in _flat(params).items()])
     return experiment_id, str(run.info.run_id)
 
 
 def log_trial(experiment_id: str, parent_run_id: str, study: str, trial: optuna.trial.FrozenTrial,
-              fixed: dict[str, Any] | None = None) -> str:
-    """The child run of a finished trial: params, per-epoch metrics (step = epoch), value and state."""
+              fixed: dict[str, Any] | None = None, objective: str = "val_accuracy") -> str:
+    """The child run of a finished trial: params, per-epoch metrics (step = epoch), value (as
+    `final_<objective>`) and state."""
     from mlflow.entities import Metric, Param, RunTag
 
     mlflow_client = client()
@@ -98,7 +100,7 @@ def log_trial(experiment_id: str, parent_run_id: str, study: str, trial: optuna.
         mlflow_client.log_batch(run_id, metrics=metrics, params=[Param(k, v) for k, v in _flat(params).items()])
     summary: list[Any] = [Metric("epochs_trained", float(len(trial.intermediate_values)), int(time.time() * 1000), 0)]
     if trial.value is not None:
-        summary.append(Metric(f"final_{OBJECTIVE}", float(trial.value), int(time.time() * 1000), 0))
+        summary.append(Metric(f"final_{objective}", float(trial.value), int(time.time() * 1000), 0))
     mlflow_client.log_batch(run_id, metrics=summary)
     ended = int(trial.datetime_complete.timestamp() * 1000) if trial.datetime_complete else None
     mlflow_client.set_terminated(run_id, status=STATUS.get(state, "FAILED"), end_time=ended)
@@ -117,7 +119,7 @@ def finish_parent(parent_run_id: str, report: dict[str, Any]) -> None:
                *(Metric(f"trials_{state.lower()}", float(n), now, 0) for state, n in counts.items())]
     tags = []
     if report.get("best"):
-        metrics.append(Metric(f"best_{OBJECTIVE}", float(report["best"]["value"]), now, 0))
+        metrics.append(Metric(f"best_{report['objective']}", float(report["best"]["value"]), now, 0))
         tags.append(RunTag("nightshift.search.best_trial", str(report["best"]["trial"])))
     mlflow_client.log_batch(parent_run_id, metrics=metrics, tags=tags)
     mlflow_client.log_dict(parent_run_id, report, "search/report.json")

@@ -252,6 +252,10 @@ STUB = '''"""Airflow DAG of the pipeline declared in the YAML file of the same n
 from nightly_tasks.factory import pipeline_dag
 dag = pipeline_dag(__file__)
 '''
+# The same, with the pipeline's model search DAG.
+SEARCH_STUB = STUB + '''from nightly_tasks.search import search_dag
+search = search_dag(__file__)
+'''
 
 
 def test_a_bad_declaration_fails_its_own_dag_file_in_one_line(tmp_path: Path, airflow_env: dict[str, str]) -> None:
@@ -261,11 +265,11 @@ def test_a_bad_declaration_fails_its_own_dag_file_in_one_line(tmp_path: Path, ai
     _declare(folder, "bad", dag_id="bad_retrain", model_name="bad-model",
              **{"gate.primary": "rmse", "dataset.asset": "bad"})
     for name in ("good", "bad", "missing"):
-        (folder / f"{name}.py").write_text(STUB)
+        (folder / f"{name}.py").write_text(SEARCH_STUB if name != "missing" else STUB)
     env = {k: v for k, v in airflow_env.items() if k not in ENV}
     env["AIRFLOW__CORE__DAGS_FOLDER"] = str(folder)
     out = run_json(DAGBAG.format(dags=str(DAGS), folder=str(folder)), env)
-    assert out["dags"] == ["good_retrain"]
+    assert out["dags"] == ["good_retrain", "good_retrain__search"]
     errors = out["errors"]
     assert set(errors) == {str(folder / "bad.py"), str(folder / "missing.py")}
     bad = errors[str(folder / "bad.py")]
@@ -275,3 +279,22 @@ def test_a_bad_declaration_fails_its_own_dag_file_in_one_line(tmp_path: Path, ai
     missing = errors[str(folder / "missing.py")]
     assert "\n" not in missing and f"{folder / 'missing.yaml'}: (top level): cannot be read" in missing
 
+
+
+def test_a_pipeline_gets_its_own_search_dag(tmp_path: Path) -> None:
+    from nightly_tasks import search
+
+    model_search = runpy.run_path(str(DAGS / "model_search.py"), run_name="model_search_under_test")["dag"]
+    churn = search.search_dag(_second(tmp_path))
+    assert (model_search.dag_id, churn.dag_id) == ("model_search", "churn_retrain__search")
+    for dag in (model_search, churn):
+        assert sorted(t.task_id for t in dag.tasks) == ["finish", "prepare", "trial.ask", "trial.tell", "trial.train"]
+        assert dag.get_task("trial.train").tracking.mlflow_experiment == dag.dag_id
+    assert _outlets(model_search, "finish") == ["nightshift://search/nightly_retrain/best"]
+    assert _outlets(churn, "finish") == ["nightshift://search/churn_retrain/best"]
+    assert churn.params.get_param("space").value == search.TRAINER_SPACE, "no model argument of another model"
+    assert "model_kwargs.channels" in model_search.params.get_param("space").value
+    assert "NIGHTSHIFT_HOME/search/churn_retrain/best.json" in churn.doc_md and "`val_accuracy`" in churn.doc_md
+    bad = search.search_dag(_declare(tmp_path, "bad", **{"gate.primary": "rmse"}))
+    assert isinstance(bad, _factory().InvalidPipelineDag) and bad.dag_id == "invalid_pipeline__bad__search"
+    assert "gate.primary: metric 'rmse' does not fit a multiclass task" in str(bad.problem)

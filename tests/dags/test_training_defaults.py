@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from nightshift import ledger
-from nightshift.search.best import best_path, write_best
+from nightshift.search.best import best_path, legacy_best_path, write_best
 from tests.conftest import DIGITS_YAML
 from tests.dags.conftest import REPO
 
@@ -133,7 +133,8 @@ def test_another_pipeline_trains_its_declared_model_and_ignores_a_search_of_anot
 
     from nightshift.pipelines import DatasetSpec, ModelSpec
 
-    write_best(search_best())  # a search of the digits dataset (the trainer's default loader)
+    write_best(search_best())  # nightly_retrain's search of the digits dataset (the trainer's default loader)
+    write_best({**search_best(), "pipeline": "churn_retrain"})  # churn's own file, but of a search of the digits
     other = replace(digits_pipeline, dag_id="churn_retrain", model_name="churn",
                     dataset=replace(digits_pipeline.dataset, loader="tabular"),
                     model=ModelSpec(name="mlp", kwargs={"hidden": 16}))
@@ -177,11 +178,13 @@ def test_the_code_version_covers_the_declarations_folder() -> None:
 def test_best_json_without_a_pipeline_fills_only_nightly_retrain(digits_pipeline: Any) -> None:
     from dataclasses import replace
 
-    write_best(search_best())  # the model_search DAG's: a search of nightly_retrain's digits, naming no pipeline
+    # Written before searches were per pipeline: NIGHTSHIFT_HOME/search/best.json, a search of nightly_retrain's
+    # digits naming no pipeline.
+    write_best(search_best(), legacy_best_path())
     other = replace(digits_pipeline, dag_id="digits_copy", model_name="digits-copy")  # same loader, own pipeline
     training = check("r1", other).pushed["training"]
     assert (training["lr"], training["model_kwargs"]) == (0.05, {})
-    assert "best.json is for pipeline 'nightly_retrain'" in training["summary"]
+    assert "(no best.json)" in training["summary"]
     assert check("r2").pushed["training"]["lr"] == 0.2
 
 

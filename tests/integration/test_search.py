@@ -75,7 +75,7 @@ def test_asha_prunes_the_trials_that_start_badly(cli_search: dict[str, Any]) -> 
     assert cli_search["report"]["epochs_spent"] == 6
     home = cli_search["home"]
     for number in (1, 2):  # a pruned trial stopped after writing its checkpoint, at the end of epoch 1
-        out = home / "search" / "demo" / f"trial-{number}"
+        out = home / "search" / "nightly_retrain" / "demo" / f"trial-{number}"  # no --pipeline: the demo's
         metrics = json.loads((out / "out" / "metrics.json").read_text())
         assert metrics["stopped_at_epoch"] == 1
         assert [p.name.split("-")[1] for p in (out / "checkpoints").glob("ckpt-*.pt")] == [
@@ -96,7 +96,7 @@ def test_the_report_has_the_promised_shape(cli_search: dict[str, Any]) -> None:
 
 
 def test_the_search_writes_its_report_page(cli_search: dict[str, Any]) -> None:
-    page = cli_search["home"] / "search" / "demo" / "report.html"
+    page = cli_search["home"] / "search" / "nightly_retrain" / "demo" / "report.html"
     assert cli_search["report"]["report"] == str(page)
     text = page.read_text()
     assert re.findall(r"<tr class='(\w+)' data-trial='(\d+)'>", text) == [
@@ -129,8 +129,10 @@ def test_every_trial_is_an_mlflow_child_of_the_search_run(cli_search: dict[str, 
 
 def test_best_json_holds_the_best_configuration_and_its_lineage(cli_search: dict[str, Any]) -> None:
     report = cli_search["report"]
-    best = json.loads((cli_search["home"] / "search" / "best.json").read_text())
-    assert best["version"] == 1 and report["best_file"]["version"] == 1
+    path = cli_search["home"] / "search" / "nightly_retrain" / "best.json"
+    best = json.loads(path.read_text())
+    assert best["version"] == 1 and report["best_file"] == {"path": str(path), "version": 1}
+    assert (best["pipeline"], best["objective"]) == ("nightly_retrain", "val_accuracy")
     assert (best["study"], best["trial"], best["value"]) == ("demo", report["best"]["trial"], report["best"]["value"])
     assert best["mlflow"]["parent_run_id"] == report["mlflow"]["parent_run_id"]
     child = mlflow_client(cli_search["home"]).get_run(best["mlflow"]["trial_run_id"])
@@ -315,11 +317,14 @@ def test_each_trial_is_a_mapped_horovod_task_pruned_ones_skipped(dag_search: dic
 
 def test_the_dag_writes_best_json_emits_the_asset_and_logs_child_runs(dag_search: dict[str, Any]) -> None:
     home, study = dag_search["home"], dag_search["study"]
-    best = json.loads((home / "search" / "best.json").read_text())
+    best = json.loads((home / "search" / "nightly_retrain" / "best.json").read_text())
     assert (best["study"], best["trial"], best["value"]) == (study.study_name, 0, study.best_value)
+    # What nightly_retrain trains (pipelines/digits.yaml), the model as the search fixed it.
+    assert {k: best["train_options"][k] for k in ("dataset", "task", "dataset_options", "model")} == {
+        "dataset": "digits", "task": "multiclass", "dataset_options": {}, "model": f"{__name__}:ExplodingMLP"}
     assert best["train_options"]["lr"] == 0.2 and best["train_options"]["epochs"] == 2
     events = _airflow_rows(home / "airflow-home", "SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
-                                                  "WHERE a.uri = 'nightshift://search/best'")
+                                                  "WHERE a.uri = 'nightshift://search/nightly_retrain/best'")
     assert len(events) == 1 and json.loads(events[0][0])["version"] == best["version"]
     client = mlflow_client(home)
     parent_id = best["mlflow"]["parent_run_id"]
@@ -337,7 +342,7 @@ def test_the_dag_writes_the_report_page_its_finish_task_links(dag_search: dict[s
 
     monkeypatch.setenv("NIGHTSHIFT_HOME", str(dag_search["home"]))
     page = report_path(dag_search["study"].study_name)  # the folder is safe_name(study): a run id has ':' in it
-    assert page.parent.parent == dag_search["home"] / "search"
+    assert page.parent.parent == dag_search["home"] / "search" / "nightly_retrain"
     rows = re.findall(r"<tr class='(\w+)' data-trial='(\d+)'>", page.read_text())
     assert rows == [("COMPLETE", "0"), ("PRUNED", "1"), ("FAIL", "2")]
     # The "Search report" extra link reads this XCom of `finish`.

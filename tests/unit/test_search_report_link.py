@@ -32,11 +32,15 @@ def test_the_finish_task_links_to_its_report(plugin: ModuleType, nightshift_home
     assert link.get_link(None, ti_key=key()) == ""
     xcoms[("finish", "report")] = "/etc/report.html"  # only under NIGHTSHIFT_HOME/search
     assert link.get_link(None, ti_key=key()) == ""
+    # A user pipeline's search DAG (nightly_tasks.search), its page in the pipeline's folder.
+    xcoms[("finish", "report")] = str(nightshift_home / "search" / "diabetes_retrain" / "s 1" / "report.html")
+    assert link.get_link(None, ti_key=key(dag_id="diabetes_retrain__search")) == (
+        "/nightshift/search/diabetes_retrain/s%201/report.html")
 
 
 def test_the_list_of_reports_is_newest_first_and_escaped(plugin: ModuleType, nightshift_home: Path) -> None:
     assert "No search has written a report yet." in plugin.search_index_html(plugin.search_reports())
-    for age, name in enumerate(["newest", "<b>older"]):
+    for age, name in enumerate(["nightly_retrain/newest", "<b>older", "diabetes_retrain/oldest"]):
         page = nightshift_home / "search" / name / "report.html"
         page.parent.mkdir(parents=True)
         page.write_text("<html></html>")
@@ -45,4 +49,6 @@ def test_the_list_of_reports_is_newest_first_and_escaped(plugin: ModuleType, nig
     index = plugin.search_index_html(plugin.search_reports())
     assert index.index("newest") < index.index("&lt;b&gt;older") and "<b>older" not in index
     assert "href='../search/%3Cb%3Eolder/report.html'" in index and "2027-01-15 08:00 UTC" in index
-    assert plugin.search_reports(limit=1) == [nightshift_home / "search" / "newest" / "report.html"]
+    assert plugin.search_reports(limit=1) == [nightshift_home / "search" / "nightly_retrain" / "newest" / "report.html"]
+    assert index.index("&lt;b&gt;older") < index.index("diabetes_retrain/oldest"), "the pipelines' pages are listed"
+    assert "href='../search/diabetes_retrain/oldest/report.html'" in index

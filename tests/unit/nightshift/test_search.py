@@ -389,3 +389,138 @@ def test_a_sqlite_folder_is_created_and_an_unusable_storage_is_one_line(tmp_path
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(UsageError, match=r"cannot use the study storage sqlite:///.*: cannot create"):
         open_study(f"sqlite:///{tmp_path / 'file' / 'optuna.db'}", "s", settings())
+
+
+# --- one pipeline's search: what it trains, what it optimises, where it writes -----------------------
+
+
+@pytest.fixture
+def diabetes(digits_pipeline: Any) -> Any:
+    """A user's regression pipeline (as tests/integration/test_user_pipelines.py declares it)."""
+    from dataclasses import replace
+
+    from nightshift.pipelines import GateSpec, ModelSpec
+    from nightshift.pipelines.spec import frozen
+
+    return replace(digits_pipeline, dag_id="diabetes_retrain", model_name="diabetes-regressor", task="regression",
+                   dataset=replace(digits_pipeline.dataset, loader="tabular", label="progression",
+                                   options=frozen({"sep": ","})),
+                   model=ModelSpec(name="mlp", kwargs=frozen({"hidden": 16})),
+                   gate=GateSpec(primary="rmse", floor=100.0))
+
+
+def test_a_regression_search_minimises_val_rmse(storage: str) -> None:
+    config = settings(fixed={"task": "regression"}, pipeline="diabetes_retrain", max_epochs=2)
+    assert (config.objective, config.direction) == ("val_rmse", "minimize")
+    assert (settings().objective, settings().direction) == ("val_accuracy", "maximize")
+    study = open_study(storage, "rmse", config)
+    assert study.direction == optuna.study.StudyDirection.MINIMIZE
+    space = parse_space(config.space, config.fixed)
+    for rmse in (60.0, 40.0):
+        trial, _ = ask_trial(study, space, config, owner={})
+        reporter = TrialReporter(trial, config.max_epochs, config.objective)
+        assert [reporter(e, {"val_rmse": rmse + 10 / e, "val_loss": 1.0}) for e in (1, 2)] == [False, False]
+        study.tell(trial, rmse + 5)
+    report = study_report(study, config)
+    assert (report["best"]["trial"], report["objective"], report["direction"]) == (1, "val_rmse", "minimize")
+    with pytest.raises(ValueError, match="epoch 1 has no val_rmse to report"):
+        TrialReporter(ask_trial(study, space, config, owner={})[0], 2, config.objective)(1, {"val_accuracy": 0.5})
+    with pytest.raises(StudyMismatch, match="fixed, pipeline"):  # a classification search of the same name
+        open_study(storage, "rmse", settings(max_epochs=2))
+
+
+def test_a_pipelines_search_trains_what_its_declaration_says(diabetes: Any) -> None:
+    from nightshift.search.pipeline import fixed_options
+
+    lr = {"lr": {"type": "float", "low": 0.01, "high": 0.1}}
+    declared = {"dataset": "tabular", "dataset_options": {"sep": ",", "label": "progression"}, "task": "regression",
+                "model": "mlp", "model_kwargs.hidden": 16}
+    assert fixed_options(diabetes, lr, {"threads": 1}) == {**declared, "threads": 1}
+    wider = fixed_options(diabetes, {**lr, "model_kwargs.hidden": {"type": "int", "low": 8, "high": 64}}, {})
+    assert "model_kwargs.hidden" not in wider, "a searched model argument replaces the declared one"
+    other = fixed_options(diabetes, lr, {"model": "digits_cnn", "model_kwargs": {"channels": 4}})
+    assert (other["model"], other["model_kwargs.channels"], "model_kwargs.hidden" in other) == ("digits_cnn", 4, False)
+    digits = {"dataset": {"type": "categorical", "choices": ["digits"]}}
+    for space, fixed, key in ((lr, {"task": "binary"}, "task"), ({**lr, **digits}, {}, "dataset"),
+                              (lr, {"dataset_options": {}}, "dataset_options")):
+        with pytest.raises(SearchSpaceInvalid, match=f"'{key}' is .* declares it for pipeline diabetes_retrain"):
+            fixed_options(diabetes, space, fixed)
+
+
+def test_a_pipelines_trials_train_its_task_and_data_in_its_folder(storage: str, diabetes: Any,
+                                                                 nightshift_home: Path) -> None:
+    import shlex
+
+    from nightshift.search import steps
+    from nightshift.search.pipeline import fixed_options
+
+    space = {"lr": {"type": "float", "low": 0.01, "high": 0.1}}
+    config = settings(space=space, fixed=fixed_options(diabetes, space, {}), pipeline="diabetes_retrain")
+    first = steps.ask(dag_search(storage, config), map_index=0)
+    assert first is not None
+    command = shlex.split(first["command"])
+    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    assert (flags["--task"], flags["--dataset"], flags["--model"]) == ("regression", "tabular", "mlp")
+    assert json.loads(flags["--dataset-options"]) == {"label": "progression", "sep": ","}
+    assert json.loads(flags["--model-kwargs"]) == {"hidden": 16}
+    assert Path(flags["--out"]) == nightshift_home / "search" / "diabetes_retrain" / "dag" / "trial-0" / "out"
+    TrainConfig(data=Path("d"), out=Path("o"), checkpoint_dir=Path("c"),
+                **parse_space(config.space, config.fixed).train_options(first["params"]))
+
+
+def test_two_pipelines_never_share_a_study_folder_or_a_study(storage: str, nightshift_home: Path) -> None:
+    from nightshift.search.report_html import report_path
+    from nightshift.search.study import study_dir
+
+    assert study_dir("s", "cancer_retrain") == nightshift_home / "search" / "cancer_retrain" / "s"
+    assert report_path("s", "diabetes_retrain") == nightshift_home / "search" / "diabetes_retrain" / "s" / "report.html"
+    assert study_dir("s") == nightshift_home / "search" / "nightly_retrain" / "s", "no pipeline: the demo's"
+    assert settings(pipeline="a").default_study_name() != settings(pipeline="b").default_study_name()
+    open_study(storage, "shared", settings(pipeline="cancer_retrain"))
+    with pytest.raises(StudyMismatch, match=r"\(pipeline differ\)"):
+        open_study(storage, "shared", settings(pipeline="diabetes_retrain"))
+    for bad in ("best.json", "best-v3.json"):
+        with pytest.raises(UsageError, match="name of the pipeline's best configuration file"):
+            study_dir(bad, "cancer_retrain")
+    for taken in ("optuna.db", "locks", "best.json", ""):
+        with pytest.raises(UsageError):
+            settings(pipeline=taken)
+
+
+def test_a_study_stored_before_searches_had_a_pipeline_continues_as_nightly_retrains(storage: str) -> None:
+    from nightshift.search.study import SETTINGS_ATTR, load_study
+
+    study = open_study(storage, "old", settings())
+    stored = {k: v for k, v in settings().to_json().items() if k != "pipeline"}
+    study.set_user_attr(SETTINGS_ATTR, stored)  # as an older Nightshift stored it
+    open_study(storage, "old", settings())
+    assert load_study(storage, "old")[1].pipeline == "nightly_retrain"
+
+
+def test_the_cli_searches_for_the_pipeline_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from nightshift.cli import main
+    from nightshift.search import runner
+    from tests.conftest import DIGITS_YAML
+
+    asked: list[Any] = []
+    monkeypatch.setattr(runner, "run_search", lambda request: asked.append(request) or {})
+    declaration = yaml.safe_load(DIGITS_YAML.read_text())
+    declaration.update(dag_id="diabetes_retrain", model_name="diabetes-regressor", task="regression",
+                       gate={"primary": "rmse", "floor": 100.0}, model={"name": "mlp", "kwargs": {"hidden": 16}})
+    declaration["dataset"].update(loader="tabular", label="progression", asset="diabetes")
+    path = tmp_path / "diabetes.yaml"
+    path.write_text(yaml.safe_dump(declaration))
+    search = ["search", "--data", str(tmp_path), "--trials", "2", "--max-epochs", "2",
+              "--space", '{"lr": {"type": "float", "low": 0.01, "high": 0.1}}']
+    assert main([*search, "--pipeline", str(path)]) == 0 and main(search) == 0
+    mine, default = (request.settings for request in asked)
+    assert (mine.pipeline, mine.objective, mine.direction) == ("diabetes_retrain", "val_rmse", "minimize")
+    assert mine.fixed == {"dataset": "tabular", "dataset_options": {"label": "progression"}, "task": "regression",
+                          "model": "mlp", "model_kwargs.hidden": 16}
+    assert (default.pipeline, default.objective, default.fixed) == ("nightly_retrain", "val_accuracy", {})
+    capsys.readouterr()
+    assert main([*search, "--pipeline", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: (top level): cannot be read" in capsys.readouterr().err

@@ -1,4 +1,6 @@
-"""nightly_retrain's training parameters from best.json (nightshift.search.best.training_defaults)."""
+"""A pipeline's training parameters from its best.json (nightshift.search.best.training_defaults): each pipeline
+reads its own (NIGHTSHIFT_HOME/search/<dag_id>/best.json), nightly_retrain also the one from before searches were
+per pipeline."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 import pytest
 
 from nightshift.errors import UsageError
-from nightshift.search.best import best_path, training_defaults, write_best
+from nightshift.search.best import best_path, legacy_best_path, training_defaults, write_best
 from nightshift.search.errors import BestConfigInvalid
 
 UNSET = {"learning_rate": None, "batch_size": None, "momentum": None, "model_kwargs": None}
@@ -36,7 +38,7 @@ def test_params_left_empty_take_best_json_and_explicit_ones_win(nightshift_home:
                                    "model_kwargs": {"channels": 12}}
     assert resolved["sources"] == {"lr": "best.json", "batch_size": "trigger", "momentum": "best.json",
                                    "model_kwargs": "best.json", "model": "built-in"}
-    assert resolved["best"] == {"path": str(nightshift_home / "search" / "best.json"), "version": 2,
+    assert resolved["best"] == {"path": str(nightshift_home / "search" / "nightly_retrain" / "best.json"), "version": 2,
                                 "study": "model_search__r1", "trial": 5, "value": 0.93,
                                 "storage": "sqlite:////x/optuna.db"}
     assert resolved["not_applied"] == {"epochs": 9, "seed": 3}
@@ -90,3 +92,38 @@ def test_model_kwargs_from_the_trigger_form_may_be_json_text() -> None:
                           (7, "must be a JSON object")):
         with pytest.raises(UsageError, match=fragment):
             training_defaults({**UNSET, "model_kwargs": bad})
+
+
+def test_two_pipelines_searches_keep_their_own_best_json(nightshift_home: Path) -> None:
+    mine = write_best({**best(lr=0.2), "pipeline": "nightly_retrain"})
+    theirs = write_best({**best(lr=0.01), "pipeline": "diabetes_retrain", "objective": "val_rmse", "value": 55.0})
+    again = write_best({**best(lr=0.02), "pipeline": "diabetes_retrain", "objective": "val_rmse", "value": 52.0})
+    assert (mine["version"], theirs["version"], again["version"]) == (1, 1, 2), "each file versions on its own"
+    assert best_path("diabetes_retrain") == nightshift_home / "search" / "diabetes_retrain" / "best.json"
+    assert sorted(p.name for p in best_path("diabetes_retrain").parent.iterdir()) == [
+        "best-v1.json", "best-v2.json", "best.json"]
+    assert json.loads(best_path().read_text())["train_options"] == {"lr": 0.2}, "the other search left it alone"
+    assert training_defaults(UNSET, pipeline="nightly_retrain")["options"]["lr"] == 0.2
+    resolved = training_defaults(UNSET, pipeline="diabetes_retrain")
+    assert resolved["options"]["lr"] == 0.02 and resolved["best"]["path"] == str(best_path("diabetes_retrain"))
+    assert training_defaults(UNSET, pipeline="cancer_retrain")["summary"].endswith("(no best.json)")
+
+
+def test_the_best_json_from_before_pipelines_is_read_for_nightly_retrain_only(nightshift_home: Path) -> None:
+    write_best(best(lr=0.3), legacy_best_path())  # NIGHTSHIFT_HOME/search/best.json, naming no pipeline
+    assert legacy_best_path() == nightshift_home / "search" / "best.json"
+    legacy = training_defaults(UNSET, pipeline="nightly_retrain")
+    assert legacy["options"]["lr"] == 0.3 and legacy["best"]["path"] == str(legacy_best_path())
+    other = training_defaults(UNSET, pipeline="digits_copy")
+    assert other["options"]["lr"] == 0.05 and other["summary"].endswith("(no best.json)")
+    write_best({**best(lr=0.4), "pipeline": "nightly_retrain"})  # nightly_retrain's own, once a search wrote it
+    assert training_defaults(UNSET, pipeline="nightly_retrain")["options"]["lr"] == 0.4
+    assert json.loads(legacy_best_path().read_text())["train_options"] == {"lr": 0.3}, "never written again"
+
+
+def test_a_best_json_in_another_pipelines_folder_is_not_read() -> None:
+    """A file copied into the wrong folder: its own `pipeline` says whose it is."""
+    best_path("cancer_retrain").parent.mkdir(parents=True)
+    best_path("cancer_retrain").write_text(json.dumps({**best(lr=0.3), "pipeline": "diabetes_retrain", "version": 1}))
+    resolved = training_defaults(UNSET, pipeline="cancer_retrain")
+    assert resolved["options"]["lr"] == 0.05 and "best.json is for pipeline 'diabetes_retrain'" in resolved["summary"]

@@ -95,11 +95,18 @@ def test_figures_that_cannot_be_drawn_say_why() -> None:
     assert "No trials yet." in empty and "0 trials: none yet" in empty
 
 
-def test_the_report_is_written_under_the_study_folder(nightshift_home: Path) -> None:
+def test_the_report_is_written_under_the_study_folder_of_its_pipeline(nightshift_home: Path) -> None:
     path = write_report(small_study(name="s1"), SETTINGS)
-    assert path == nightshift_home / "search" / "s1" / "report.html" and path.read_text().startswith("<!doctype")
+    assert path == nightshift_home / "search" / "nightly_retrain" / "s1" / "report.html"
+    assert path.read_text().startswith("<!doctype")
     for name in ("..", ".", "a/../../b"):
-        assert nightshift_home / "search" in report_path(name).parents, name
+        assert nightshift_home / "search" / "nightly_retrain" in report_path(name).parents, name
+    regression = SearchSettings(space={}, fixed={"task": "regression"}, data="/d", max_epochs=3,
+                                pipeline="diabetes_retrain")
+    study = optuna.create_study(direction="minimize", study_name="s1")
+    page = write_report(study, regression)
+    assert page == nightshift_home / "search" / "diabetes_retrain" / "s1" / "report.html"
+    assert "Pipeline <b>diabetes_retrain</b>. Objective: <b>val_rmse</b>, minimised." in page.read_text()
 
 
 @pytest.mark.integration  # an MLflow store of its own: tens of seconds
@@ -119,6 +126,6 @@ def test_a_dag_search_without_a_completed_trial_still_writes_its_report(nightshi
               "experiment_id": experiment_id, "parent_run_id": parent_run_id, "budget_hours": None, "slots": [0]}
     with pytest.raises(steps.NoTrialCompleted) as caught:
         steps.finish(search)
-    page = nightshift_home / "search" / "dag" / "report.html"
+    page = nightshift_home / "search" / "nightly_retrain" / "dag" / "report.html"
     assert caught.value.report == str(page) and f"its pictures: {page}" in str(caught.value)
     assert "no trial has completed yet" in page.read_text() and "data-trial='0'" in page.read_text()
