@@ -256,6 +256,17 @@ def is_healthy(url: str) -> bool:
         return False
 
 
+def _still_serving(record: dict[str, Any]) -> bool:
+    """Whether the server `record` names still answers on its port itself. It may have died and left its
+    port to whatever started next, another model's server included, which answers /ping too: only a
+    listener of the recorded process group counts (where /proc/net/tcp can be read)."""
+    try:
+        pgid, port = int(record["pid"]), int(record["port"])
+    except (KeyError, TypeError, ValueError):
+        return False  # a record that does not say which server: deploy again
+    return _port_owner(port, pgid) in ("ours", "unknown") and is_healthy(str(record["url"]))
+
+
 def _download(model_name: str, version: str) -> Path:
     """A local copy of the version's artifacts under serving_dir()/models (fresh on every call)."""
     import mlflow.artifacts
@@ -295,7 +306,7 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
     version = str(version)
     with _deploy_lock(model_name):
         old = read_record(model_name)
-        if old and str(old.get("version")) == version and is_healthy(old["url"]):
+        if old and str(old.get("version")) == version and _still_serving(old):
             registry.set_alias(model_name, registry.CHAMPION, version)
             return {"target": "local", "status": "already_serving", "model_name": model_name,
                     "version": version, "url": old["url"], "port": old["port"], "pid": old["pid"],

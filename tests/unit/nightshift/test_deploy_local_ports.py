@@ -162,3 +162,53 @@ def test_a_startup_failure_other_than_the_port_stops_the_server_and_removes_the_
         local._start_on_a_free_port("m", "1", _staged("m"), "mlflow", 30)
     assert calls == [("start", 7201), ("stop", 7201)]  # not retried on another port
     assert list((settings.serving_dir() / "models").iterdir()) == []
+
+
+# --- a redeploy of the version the record names ------------------------------------------------------------
+
+
+def test_a_recorded_server_whose_port_another_process_now_serves_is_not_already_serving(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The recorded server died and another model's server (deployed at the same time, on the port chosen
+    freely) answers /ping on its port: the redeploy of the recorded version starts it again. Before: that
+    answer counted as the recorded server's, the deploy said `already_serving` and moved @champion to a URL
+    that serves another model."""
+
+    class Ping(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Ping)  # another model's server, not the recorded process
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = other.server_address[1]
+        local._write_record("m", {"model_name": "m", "version": "1", "url": f"http://127.0.0.1:{port}",
+                                  "port": port, "pid": NO_GROUP, "model_path": str(tmp_path / "m-v1")})
+        aliases: list[tuple[str, str]] = []
+        monkeypatch.setattr(local.registry, "get_version", lambda name, version: object())
+        monkeypatch.setattr(local.registry, "set_alias", lambda name, alias, version: aliases.append((alias, version)))
+        monkeypatch.setattr(local.registry, "evaluated_accuracy", lambda selected: 0.9)
+
+        class Redeployed(Exception):
+            pass
+
+        def download(model_name: str, version: str) -> Path:
+            raise Redeployed(f"{model_name} v{version}")
+
+        monkeypatch.setattr(local, "_download", download)
+        with pytest.raises(Redeployed, match="m v1"):
+            local.deploy_local("m", data_dir=tmp_path, version="1")
+        assert aliases == []
+        # the recorded server's own listener (this test's process group) is still serving it
+        local._write_record("m", {**local.read_record("m"), "pid": os.getpgrp()})  # type: ignore[dict-item]
+        again = local.deploy_local("m", data_dir=tmp_path, version="1")
+        assert again["status"] == "already_serving" and again["port"] == port
+        assert aliases == [(local.registry.CHAMPION, "1")]
+    finally:
+        other.shutdown()
+        other.server_close()
