@@ -18,11 +18,13 @@ Every endpoint is behind Airflow's auth manager, as the REST API is: a request w
 (the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read the
 runs of the pipeline's DAG gets 403 (run parameters, failure reasons and sample data values are the DAG's):
 the lineage pages ask about the DAG `pipeline` names, and list only the pipelines the user may read; a Data
-Docs page under `pipelines/<dag_id>/` asks about that DAG, any other page about `nightly_retrain`; the search
-pages ask about `model_search`. `pipeline` must be a DAG id (it names a folder), else 422; `limit` (lineage,
-searches) is 1..1000, else 422. `/nightshift/openapi.json` asks for a login too; FastAPI's `/docs` and `/redoc` pages
-(scripts from a CDN) are off. Pages are served with a Content-Security-Policy: GX Data Docs run no script
-(their CDN scripts and styles are blocked, see DATA_DOCS_CSP), the lineage and search index pages neither.
+Docs page under `pipelines/<dag_id>/` asks about that DAG, any other page about `nightly_retrain`; a search
+report of a pipeline asks about its search DAG (`<dag_id>__search`; nightly_retrain's and the older ones,
+`model_search`), and the list of reports shows only those the user may open. `pipeline` must be a DAG id (it
+names a folder), else 422; `limit` (lineage, searches) is 1..1000, else 422. `/nightshift/openapi.json` asks
+for a login too; FastAPI's `/docs` and `/redoc` pages (scripts from a CDN) are off. Pages are served with a
+Content-Security-Policy: GX Data Docs run no script (their CDN scripts and styles are blocked, see
+DATA_DOCS_CSP), the lineage and search index pages neither.
 Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.0.0.1:5000; `make airflow`
 starts one there and sets it).
 """
@@ -150,11 +152,33 @@ class SearchReportLink(BaseOperatorLink):
         return search_report_url(_xcom(ti_key, "report"))
 
 
-def search_reports(limit: int = RECENT) -> list[Path]:
+def search_dag_for(page: Path) -> str | None:
+    """The search DAG whose readers may see the report `page` (a path under NIGHTSHIFT_HOME/search): a pipeline's
+    search/<dag_id>/<study>/report.html is its search DAG's, `<dag_id>__search` (nightly_retrain's: model_search),
+    an older search/<study>/report.html model_search's; None for any other path (no report of a search)."""
+    try:
+        parts = Path(page).resolve().relative_to(search_root().resolve()).parts
+    except ValueError:
+        return None
+    if len(parts) == 2:
+        return SEARCH_DAG_ID
+    if len(parts) != 3 or parts[0] in (".", ".."):
+        return None
+    if parts[0] == DAG_ID:
+        return SEARCH_DAG_ID
+    try:
+        return checked_dag_id(parts[0] + SEARCH_DAG_SUFFIX)
+    except DagIdInvalid:  # a folder no DAG id names: nobody's
+        return None
+
+
+def search_reports(limit: int = RECENT, readable: Any = None) -> list[Path]:
     """The newest `limit` search report pages (search/<pipeline>/<study>/, or search/<study>/ from before searches
-    were per pipeline), newest first."""
+    were per pipeline), newest first; `readable(dag_id)`: only those of the search DAGs it says yes to."""
     root = search_root()
     pages = [p for pattern in (f"*/*/{REPORT_NAME}", f"*/{REPORT_NAME}") for p in root.glob(pattern) if p.is_file()]
+    if readable is not None:
+        pages = [p for p in pages if (dag_id := search_dag_for(p)) is not None and readable(dag_id)]
     return sorted(pages, key=lambda p: p.stat().st_mtime, reverse=True)[:limit]
 
 
@@ -323,7 +347,7 @@ def create_app() -> Any:
     lineage = APIRouter()
     pipeline_docs = APIRouter(dependencies=[Depends(_require_dag_runs_read(None))])  # the path's dag_id
     nightly = APIRouter(dependencies=[Depends(_require_dag_runs_read(DAG_ID))])
-    search = APIRouter(dependencies=[Depends(_require_dag_runs_read(SEARCH_DAG_ID))])
+    search = APIRouter()  # each report asks about its own search DAG (search_dag_for)
 
     def may_read(request: Request, user: Any, dag_id: str) -> bool:
         try:
@@ -390,16 +414,30 @@ def create_app() -> Any:
         return data_docs_page(data_docs_dir(), path)
 
     @search.get("/search/", response_class=HTMLResponse)
-    def search_index(limit: int = limit_query):  # type: ignore[no-untyped-def]
-        return HTMLResponse(search_index_html(search_reports(limit)), headers=page_headers)
+    def search_index(request: Request, limit: int = limit_query,  # type: ignore[no-untyped-def]
+                     user: Any = logged_in):
+        # Only the reports of search DAGs this user may read: nobody sees another team's pipeline named.
+        answers: dict[str, bool] = {}
+
+        def readable(dag_id: str) -> bool:
+            if dag_id not in answers:
+                answers[dag_id] = may_read(request, user, dag_id)
+            return answers[dag_id]
+
+        return HTMLResponse(search_index_html(search_reports(limit, readable)), headers=page_headers)
 
     @search.get("/search/{path:path}")
-    def search_report(path: str):  # type: ignore[no-untyped-def]
+    def search_report(request: Request, path: str, user: Any = logged_in):  # type: ignore[no-untyped-def]
         root = search_root().resolve()
         target = (root / path).resolve()
-        if target.name != REPORT_NAME or root not in target.parents or not target.is_file():
-            raise HTTPException(status_code=404, detail="no such search report: a model search writes "
-                                                        "search/<study>/report.html when it finishes")
+        dag_id = search_dag_for(target) if target.name == REPORT_NAME and root in target.parents else None
+        missing = HTTPException(status_code=404, detail="no such search report: a model search writes "
+                                                        "search/<pipeline>/<study>/report.html when it finishes")
+        if dag_id is None:
+            raise missing
+        _require_dag_runs_read(dag_id)(request, user)  # the pipeline's search DAG's readers only (else 403)
+        if not target.is_file():
+            raise missing
         # The page's own policy (inlined plotly.js, no request of any kind), also as a header.
         return FileResponse(target, media_type="text/html",
                             headers={"Content-Security-Policy": REPORT_CSP, "X-Content-Type-Options": "nosniff"})

@@ -126,14 +126,16 @@ def bundle_version(ti: Any) -> str | None:
 
 def training_options(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, Any]:
     """search.best.training_defaults for this pipeline: its model and model arguments are the defaults (declared
-    model arguments win over best.json's), and best.json counts only when its search was for this pipeline and
-    trained on its dataset loader. UsageError when best.json
+    model arguments win over best.json's), and best.json counts only when its search was for this pipeline as it
+    is declared now (its dataset loader and options, task and model). UsageError when best.json
     or the model_kwargs Param cannot be used. Shared with `nightshift plan` (operators.plan)."""
     from nightshift.pipelines.spec import plain
     from nightshift.search.best import training_defaults
+    from nightshift.search.pipeline import declared_training
 
     return training_defaults(dict(params), model=pipeline.model.name, model_kwargs=plain(pipeline.model.kwargs),
-                             dataset=pipeline.dataset.loader, pipeline=pipeline.dag_id)
+                             dataset=pipeline.dataset.loader, pipeline=pipeline.dag_id,
+                             declared=declared_training(pipeline))
 
 
 def resolve_training(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, Any]:

@@ -82,13 +82,16 @@ def write_best(record: dict[str, Any], path: Path | None = None) -> dict[str, An
 
 
 def best_record(report: dict[str, Any], *, storage: str, data: str, max_epochs: int, train_options: dict[str, Any],
-                mlflow: dict[str, Any], pipeline: str | None = None) -> dict[str, Any]:
+                mlflow: dict[str, Any], pipeline: str | None = None,
+                declared: dict[str, Any] | None = None) -> dict[str, Any]:
     """The content of best.json for a study report whose best trial is `report["best"]`; `pipeline`: the dag_id
     of the pipeline the search was for, the only one whose training it fills (None: SEARCHED_PIPELINE, for a
-    record without it)."""
+    record without it); `declared`: what that pipeline's declaration trained then (SearchSettings.declared),
+    which its training compares with its declaration now."""
     best = report["best"]
     return {
         **({"pipeline": pipeline} if pipeline else {}),
+        **({"declared": declared} if declared is not None else {}),
         "study": report["study"],
         "storage": storage,
         "trial": best["trial"],
@@ -127,6 +130,8 @@ def load_best(path: Path | None = None) -> dict[str, Any] | None:
               "model_kwargs": (lambda v: isinstance(v, dict), "a JSON object")}
     if "pipeline" in value and not _name(value["pipeline"]):
         raise _invalid(path, f"has a 'pipeline' that is not a dag_id, got {value['pipeline']!r}")
+    if "declared" in value and not isinstance(value["declared"], dict):
+        raise _invalid(path, f"has a 'declared' that is not a JSON object, got {value['declared']!r}")
     for key, (valid, wanted) in checks.items():
         if key in options and not valid(options[key]):
             raise _invalid(path, f"train_options.{key} must be {wanted}, got {options[key]!r}")
@@ -155,6 +160,24 @@ def _name(value: Any) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
+def _declaration_changed(best: dict[str, Any], declared: dict[str, Any]) -> str | None:
+    """What differs between the declaration best.json's search trained and `declared` ("task 'binary', now
+    'regression'"), or None when it is the same."""
+    import json
+
+    from nightshift.train.config import TrainConfig
+
+    then = best.get("declared")
+    if not isinstance(then, dict):  # written before searches recorded it: what its train_options say of it
+        options = best.get("train_options", {})
+        defaults = {"task": TrainConfig.task, "dataset_options": {}}
+        then = {key: options.get(key, default) for key, default in defaults.items()}
+    for key in sorted(then.keys() & declared.keys()):
+        if json.dumps(then[key], sort_keys=True) != json.dumps(declared[key], sort_keys=True):
+            return f"{key} {then[key]!r}, now {declared[key]!r}"
+    return None
+
+
 def _model_kwargs(value: Any) -> dict[str, Any] | None:
     """The `model_kwargs` Param: null or "" (empty), a JSON object, or the text of one (the trigger form's
     text field); anything else is a UsageError naming the Param."""
@@ -173,7 +196,7 @@ def _model_kwargs(value: Any) -> dict[str, Any] | None:
 
 def training_defaults(params: dict[str, Any], path: Path | None = None, *, model: str | None = None,
                       model_kwargs: dict[str, Any] | None = None, dataset: str | None = None,
-                      pipeline: str | None = None) -> dict[str, Any]:
+                      pipeline: str | None = None, declared: dict[str, Any] | None = None) -> dict[str, Any]:
     """The trainer options of a pipeline run (`nightly_retrain` and the others) from its Params (`RETRAIN_PARAMS`).
 
     `model` and `model_kwargs`: the pipeline's declared model, which replaces the trainer's built-in one (None:
@@ -181,8 +204,12 @@ def training_defaults(params: dict[str, Any], path: Path | None = None, *, model
     (`pipeline_best_path`; `path` replaces it), and only when its search was for that pipeline (its `pipeline`,
     else SEARCHED_PIPELINE). `dataset`: the pipeline's dataset loader; best.json is read only when its search
     trained on that loader (its `train_options.dataset`, else the trainer's default): another dataset's best
-    learning rate or model says nothing about this one's. Declared `model_kwargs` that are not empty win over
-    best.json's model and model arguments (only the trigger's model_kwargs Param beats them).
+    learning rate or model says nothing about this one's. `declared`: what the pipeline's declaration trains now
+    (`nightshift.search.pipeline.declared_training`); best.json is read only when its search was of the same
+    declaration (its `declared`; without one, the task and dataset options of its `train_options`, which a
+    pipeline's search takes from the declaration): a best model and options of the pipeline as it was are
+    another problem's, and its model one the declaration may no longer name. Declared `model_kwargs` that are
+    not empty win over best.json's model and model arguments (only the trigger's model_kwargs Param beats them).
 
     A Param the trigger set wins; one left null takes best.json's value when a search wrote one, else the
     trainer's built-in default. `model` goes with `model_kwargs`: from best.json when `model_kwargs` does,
@@ -212,6 +239,10 @@ def training_defaults(params: dict[str, Any], path: Path | None = None, *, model
         searched_for = best.get("pipeline") or SEARCHED_PIPELINE
         if searched_for != pipeline:
             best, elsewhere = None, f"pipeline {searched_for!r}"
+    if best is not None and declared is not None:
+        changed = _declaration_changed(best, declared)
+        if changed:
+            best, elsewhere = None, f"an older declaration of {pipeline or SEARCHED_PIPELINE} ({changed})"
     found = dict((best or {}).get("train_options", {}))
     if model_kwargs:  # the declared model arguments are for the declared model: best.json replaces neither
         found.pop("model_kwargs", None)

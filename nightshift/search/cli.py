@@ -49,7 +49,7 @@ def add_parser(subparsers: Any) -> None:
 
 def _search(args: argparse.Namespace) -> dict[str, Any]:
     from nightshift.search import tracking
-    from nightshift.search.pipeline import DEFAULT_PIPELINE, fixed_options
+    from nightshift.search.pipeline import DEFAULT_PIPELINE, declared_training, fixed_options
     from nightshift.search.runner import SearchRequest, run_search
     from nightshift.search.space import load_json_object
     from nightshift.search.study import SearchSettings
@@ -57,16 +57,16 @@ def _search(args: argparse.Namespace) -> dict[str, Any]:
 
     configure_logging()
     space, fixed = load_json_object(args.space, "search space"), load_json_object(args.fixed, "fixed options")
-    pipeline = DEFAULT_PIPELINE
+    pipeline, declared = DEFAULT_PIPELINE, None
     if args.pipeline:
         from nightshift.pipelines import load_pipeline
 
-        declared = load_pipeline(args.pipeline)
-        fixed, pipeline = fixed_options(declared, space, fixed), declared.dag_id
+        loaded = load_pipeline(args.pipeline)
+        fixed, pipeline, declared = fixed_options(loaded, space, fixed), loaded.dag_id, declared_training(loaded)
     settings = SearchSettings(
         space=space, fixed=fixed, data=str(Path(args.data).expanduser().resolve()), max_epochs=args.max_epochs,
         min_epochs=args.min_epochs, reduction_factor=args.reduction_factor, pruner=args.pruner, sampler=args.sampler,
-        seed=args.seed, startup_trials=args.startup_trials, pipeline=pipeline)
+        seed=args.seed, startup_trials=args.startup_trials, pipeline=pipeline, declared=declared)
     request = SearchRequest(settings=settings, trials=args.trials, storage=args.storage, study=args.study,
                             experiment=args.experiment or tracking.EXPERIMENT, budget_hours=args.budget_hours)
     return run_search(request)

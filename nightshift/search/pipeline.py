@@ -8,6 +8,9 @@ it optimises.
   configuration goes to its own pipeline's best.json only.
 - What every trial trains (`fixed_options`): the dataset loader and its options, the task, the model and its
   arguments, as the pipeline's declaration says: a search of a pipeline trains what that pipeline trains.
+- What its best.json is for (`declared_training`): the declaration's data options, task and model as they were when
+  the search ran, recorded in the search's settings and in best.json; a pipeline's training reads that best.json
+  only while its declaration still says the same (`nightshift.search.best.training_defaults`).
 - The objective: the task's validation metric (`nightshift.tasks.validation_metric`: val_accuracy maximised,
   val_rmse minimised), the one the trainer reports after every epoch.
 
@@ -66,6 +69,20 @@ def declared_options(pipeline: Pipeline) -> dict[str, Any]:
                                "model": pipeline.model.name}
     options.update({MODEL_KWARGS + key: value for key, value in plain(pipeline.model.kwargs).items()})
     return options
+
+
+def declared_training(pipeline: Pipeline) -> dict[str, Any]:
+    """What the declaration of `pipeline` trains (dataset, dataset_options, task, model, model_kwargs), as plain
+    JSON values: a search records it with its best configuration, and training compares it with the declaration
+    it reads then, so a best configuration of the pipeline as it was never trains the pipeline as it is."""
+    import json
+
+    from nightshift.pipelines.spec import plain
+
+    return json.loads(json.dumps({"dataset": pipeline.dataset.loader,
+                                  "dataset_options": pipeline.dataset.loader_options(), "task": pipeline.task,
+                                  "model": pipeline.model.name, "model_kwargs": plain(pipeline.model.kwargs)},
+                                 sort_keys=True))
 
 
 def fixed_options(pipeline: Pipeline, space: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:

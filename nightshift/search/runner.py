@@ -139,7 +139,8 @@ def finish_search(ctx: SearchContext, budget: dict[str, Any] | None = None) -> d
             report, storage=ctx.storage, data=ctx.settings.data, max_epochs=ctx.settings.max_epochs,
             train_options=ctx.space.train_options(report["best"]["params"]),
             mlflow={"tracking_uri": nightshift_settings.mlflow_tracking_uri(), "experiment": ctx.experiment,
-                    "parent_run_id": ctx.parent_run_id, "trial_run_id": trial_run}, pipeline=ctx.settings.pipeline)
+                    "parent_run_id": ctx.parent_run_id, "trial_run_id": trial_run}, pipeline=ctx.settings.pipeline,
+            declared=ctx.settings.declared)
         path = best_path(ctx.settings.pipeline)
         written = write_best(record, path)
         report["best_file"] = {"path": str(path), "version": written["version"]}

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from nightshift import settings as nightshift_settings
 from nightshift.errors import NightshiftError
 from nightshift.search import tracking
-from nightshift.search.pipeline import fixed_options, objective_note
+from nightshift.search.pipeline import declared_training, fixed_options, objective_note
 from nightshift.search.runner import SearchContext, budget_report, finish_search, open_search, trial_dir
 from nightshift.search.space import load_json_object, parse_space
 from nightshift.search.study import (
@@ -78,7 +78,8 @@ def prepare(params: dict[str, Any], *, pipeline: Pipeline, data: Path, dag_id: s
         space=space, fixed=fixed_options(pipeline, space, load_json_object(params.get("fixed") or {}, "fixed options")),
         data=str(data), max_epochs=int(params["max_epochs"]), min_epochs=int(params["min_epochs"]),
         reduction_factor=int(params["reduction_factor"]), pruner=str(params.get("pruner", "asha")),
-        sampler=str(params.get("sampler", "tpe")), seed=int(params.get("seed", 0)), pipeline=pipeline.dag_id)
+        sampler=str(params.get("sampler", "tpe")), seed=int(params.get("seed", 0)), pipeline=pipeline.dag_id,
+        declared=declared_training(pipeline))
     note = objective_note(pipeline)
     if note:
         log.warning("%s", note)

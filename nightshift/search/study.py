@@ -66,6 +66,9 @@ class SearchSettings:
     startup_trials: int = 10
     # The dag_id of the pipeline whose best.json the search writes (a study stored before it had one: the default).
     pipeline: str = DEFAULT_PIPELINE
+    # What the pipeline's declaration trained when the search started (pipeline.declared_training; None: a search
+    # without a declaration), written into best.json so training can tell a best of an older declaration.
+    declared: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_pipeline(self.pipeline)

@@ -207,3 +207,52 @@ def test_declared_model_kwargs_win_over_best_json(digits_pipeline: Any) -> None:
     training = check("r1", declared).pushed["training"]
     assert (training["model"], training["model_kwargs"], training["lr"]) == ("digits_cnn", {"channels": 8}, 0.2)
     assert check("r2", declared, model_kwargs={"channels": 4}).pushed["training"]["model_kwargs"] == {"channels": 4}
+
+
+@pytest.mark.parametrize("change", ["task", "label", "model"])
+def test_a_best_json_searched_for_an_older_declaration_is_not_read(digits_pipeline: Any, change: str) -> None:
+    """Its search trained the declaration as it was; since then the pipeline's data, task or model changed, so
+    its model and options are another problem's (the model a declaration no longer names, trained and
+    registered as this pipeline's)."""
+    from dataclasses import replace
+
+    from nightshift.pipelines import ModelSpec
+    from nightshift.search.pipeline import declared_training
+
+    base = replace(digits_pipeline, dag_id="churn_retrain", model_name="churn", task="binary",
+                   dataset=replace(digits_pipeline.dataset, loader="tabular", label="churned"),
+                   model=ModelSpec(name="mlp", kwargs={}))
+    searched = {"dataset": "tabular", "dataset_options": {"label": "churned"}, "task": "binary", "model": "mlp",
+                "model_kwargs": {"hidden": 40}, "lr": 0.3, "epochs": 9}
+    write_best({**search_best(), "pipeline": "churn_retrain", "train_options": searched,
+                "declared": declared_training(base)})
+    training = check("r1", base).pushed["training"]
+    assert (training["model"], training["model_kwargs"], training["lr"]) == ("mlp", {"hidden": 40}, 0.3)
+    changed = {"task": replace(base, task="regression"),
+               "label": replace(base, dataset=replace(base.dataset, label="tenure")),
+               "model": replace(base, model=ModelSpec(name="wide_mlp", kwargs={}))}[change]
+    training = check("r2", changed).pushed["training"]
+    assert (training["model"], training["model_kwargs"], training["lr"]) == (changed.model.name, {}, 0.05)
+    assert "best.json is for an older declaration of churn_retrain" in training["summary"], training["summary"]
+    assert f"({change if change != 'label' else 'dataset_options'} " in training["summary"], training["summary"]
+
+
+def test_a_best_json_without_its_declaration_is_not_read_for_another_task_or_label(digits_pipeline: Any) -> None:
+    """A best.json from before searches recorded their declaration: its train_options still hold the task and the
+    dataset options its pipeline declared then (a search may neither search nor fix them)."""
+    from dataclasses import replace
+
+    from nightshift.pipelines import ModelSpec
+
+    base = replace(digits_pipeline, dag_id="churn_retrain", model_name="churn", task="binary",
+                   dataset=replace(digits_pipeline.dataset, loader="tabular", label="churned"),
+                   model=ModelSpec(name="mlp", kwargs={}))
+    searched = {"dataset": "tabular", "dataset_options": {"label": "churned"}, "task": "binary", "model": "mlp",
+                "model_kwargs": {"hidden": 40}, "lr": 0.3, "epochs": 9}
+    write_best({**search_best(), "pipeline": "churn_retrain", "train_options": searched})
+    assert check("r1", base).pushed["training"]["lr"] == 0.3
+    for changed in (replace(base, task="regression"), replace(base, dataset=replace(base.dataset, label="tenure"))):
+        training = check("r2", changed).pushed["training"]
+        assert (training["model"], training["model_kwargs"], training["lr"]) == ("mlp", {}, 0.05)
+        assert "best.json is for an older declaration of churn_retrain" in training["summary"]
+    assert check("r3").pushed["training"]["lr"] == 0.05  # nightly_retrain: not its file

@@ -223,3 +223,30 @@ def test_a_pipelines_data_docs_are_for_its_readers_only(as_user: Callable[..., A
                  "/data-docs/pipelines/nightly_retrain/..%2Fchurn_model%2Frun%2Fx.html"):  # nor out of its own
         answer = digits_only.get(path)
         assert answer.status_code in (403, 404) and "42.5" not in answer.text, (path, answer.status_code)
+
+
+def test_a_pipelines_search_reports_are_for_its_search_dags_readers_only(as_user: Callable[..., Any],
+                                                                         nightshift_home: Path) -> None:
+    """A report shows the pipeline's data path, trial parameters and errors: those of `<dag_id>__search`'s runs
+    (nightly_retrain's, and those from before searches were per pipeline: model_search's)."""
+    search = nightshift_home / "search"
+    for page, text in ((search / "diabetes_retrain" / "s1" / "report.html", "diabetes trial 3 FAIL"),
+                       (search / "nightly_retrain" / "s2" / "report.html", "digits trial 5"),
+                       (search / "old" / "report.html", "older trial 7")):
+        page.parent.mkdir(parents=True)
+        page.write_text(text)
+    digits_only, diabetes_only = as_user("model_search"), as_user("diabetes_retrain__search")
+    refused = digits_only.get("/search/diabetes_retrain/s1/report.html")
+    assert refused.status_code == 403 and "diabetes" not in refused.text
+    assert digits_only.get("/search/nightly_retrain/s2/report.html").text == "digits trial 5"
+    assert digits_only.get("/search/old/report.html").text == "older trial 7"
+    index = digits_only.get("/search/")
+    assert index.status_code == 200 and "nightly_retrain/s2" in index.text and "diabetes_retrain" not in index.text
+    assert diabetes_only.get("/search/diabetes_retrain/s1/report.html").text == "diabetes trial 3 FAIL"
+    for path in ("/search/nightly_retrain/s2/report.html", "/search/old/report.html",
+                 "/search/diabetes_retrain/..%2Fnightly_retrain%2Fs2%2Freport.html"):
+        answer = diabetes_only.get(path)
+        assert answer.status_code in (403, 404) and "trial" not in answer.text, (path, answer.status_code)
+    index = diabetes_only.get("/search/")
+    assert index.status_code == 200 and "diabetes_retrain/s1" in index.text
+    assert "nightly_retrain" not in index.text and "old" not in index.text

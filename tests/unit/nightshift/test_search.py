@@ -520,7 +520,45 @@ def test_the_cli_searches_for_the_pipeline_it_is_given(tmp_path: Path, monkeypat
     assert (mine.pipeline, mine.objective, mine.direction) == ("diabetes_retrain", "val_rmse", "minimize")
     assert mine.fixed == {"dataset": "tabular", "dataset_options": {"label": "progression"}, "task": "regression",
                           "model": "mlp", "model_kwargs.hidden": 16}
+    assert mine.declared == {"dataset": "tabular", "dataset_options": {"label": "progression"}, "task": "regression",
+                             "model": "mlp", "model_kwargs": {"hidden": 16}}, "best.json records the declaration"
     assert (default.pipeline, default.objective, default.fixed) == ("nightly_retrain", "val_accuracy", {})
+    assert default.declared is None
     capsys.readouterr()
     assert main([*search, "--pipeline", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml: (top level): cannot be read" in capsys.readouterr().err
+
+
+def test_best_json_records_the_declaration_its_search_trained(storage: str, diabetes: Any, nightshift_home: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """So that the pipeline's training, once its declaration changed, no longer takes that search's model."""
+    from nightshift.search import runner, steps
+    from nightshift.search.best import best_path, training_defaults
+    from nightshift.search.pipeline import declared_training
+
+    opened: list[SearchSettings] = []
+    monkeypatch.setattr(steps, "open_search", lambda config, **_: opened.append(config) or (_ for _ in ()).throw(
+        UsageError("stop here")))
+    params = {"space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}}, "max_epochs": 2, "min_epochs": 1,
+              "reduction_factor": 2}
+    with pytest.raises(UsageError, match="stop here"):
+        steps.prepare(params, pipeline=diabetes, data=Path("/d"), dag_id="diabetes_retrain__search", run_id="r",
+                      storage=storage)
+    config = opened[0]
+    assert config.declared == declared_training(diabetes)
+    study = open_study(storage, "done", config)
+    trial, _ = ask_trial(study, parse_space(config.space, config.fixed), config, owner={})
+    study.tell(trial, 50.0)
+    monkeypatch.setattr(runner.tracking, "find_trial_run", lambda *_: "t")
+    monkeypatch.setattr(runner.tracking, "finish_parent", lambda *_: None)
+    monkeypatch.setattr(runner, "write_report", lambda *_: nightshift_home / "report.html")
+    ctx = runner.SearchContext(settings=config, space=parse_space(config.space, config.fixed), study=study,
+                               storage=storage, experiment="e", experiment_id="1", parent_run_id="p")
+    runner.finish_search(ctx)
+    assert read_best(best_path("diabetes_retrain"))["declared"] == declared_training(diabetes)
+    unset = {"learning_rate": None, "batch_size": None, "momentum": None, "model_kwargs": None}
+    assert training_defaults(unset, pipeline="diabetes_retrain", dataset="tabular",
+                             declared=declared_training(diabetes))["sources"]["lr"] == "best.json"
+    moved = {**declared_training(diabetes), "dataset_options": {"label": "age", "sep": ","}}
+    resolved = training_defaults(unset, pipeline="diabetes_retrain", dataset="tabular", declared=moved)
+    assert resolved["sources"]["lr"] == "built-in" and "(dataset_options {" in resolved["summary"]
