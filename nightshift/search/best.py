@@ -15,7 +15,9 @@ were per pipeline (naming none), is read for nightly_retrain alone, until a sear
 
 from __future__ import annotations
 
+import fcntl
 import json
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -68,17 +70,25 @@ def read_best(path: Path | None = None) -> dict[str, Any] | None:
 
 def write_best(record: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     """Write `record` (without version and time) as the new best of its pipeline (default path: that pipeline's
-    best.json, nightly_retrain's for a record naming none); return what is in the file now."""
+    best.json, nightly_retrain's for a record naming none); return what is in the file now.
+
+    Two searches of one pipeline may finish together (the CLI and the DAG): the read, the version and both writes
+    happen under a lock beside the file, and a version already in the history is never written over (the next
+    version is past the highest `best-v<N>.json` there), so each finished search keeps its own version."""
     path = path or best_path(record.get("pipeline") or SEARCHED_PIPELINE)
     path.parent.mkdir(parents=True, exist_ok=True)
-    current = read_best(path)
-    if current is not None and {k: v for k, v in current.items() if k not in ("version", "written_at")} == record:
-        return current
-    version = int(current.get("version", 0)) + 1 if current else 1
-    payload = {**record, "version": version, "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
-    atomic_write_json(path.with_name(f"best-v{version}.json"), payload)
-    atomic_write_json(path, payload)
-    return payload
+    with (path.parent / f".{path.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = read_best(path)
+        if current is not None and {k: v for k, v in current.items() if k not in ("version", "written_at")} == record:
+            return current
+        history = [int(m.group(1)) for p in path.parent.glob(f"{path.stem}-v*.json")
+                   if (m := re.fullmatch(rf"{re.escape(path.stem)}-v(\d+)\.json", p.name))]
+        version = max([int(current.get("version", 0)) if current else 0, *history]) + 1
+        payload = {**record, "version": version, "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        atomic_write_json(path.with_name(f"{path.stem}-v{version}.json"), payload, overwrite=False)
+        atomic_write_json(path, payload)
+        return payload
 
 
 def best_record(report: dict[str, Any], *, storage: str, data: str, max_epochs: int, train_options: dict[str, Any],

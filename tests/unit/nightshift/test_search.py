@@ -254,7 +254,19 @@ def test_best_json_is_versioned_and_unchanged_by_a_rewrite(tmp_path: Path) -> No
     second = write_best({"study": "t", "trial": 4, "value": 0.8}, path)
     assert second["version"] == 2 and read_best(path)["study"] == "t"  # type: ignore[index]
     assert json.loads((path.parent / "best-v1.json").read_text())["study"] == "s"
-    assert sorted(p.name for p in path.parent.iterdir()) == ["best-v1.json", "best-v2.json", "best.json"]
+    assert sorted(p.name for p in path.parent.glob("best*")) == ["best-v1.json", "best-v2.json", "best.json"]
+
+
+def test_a_search_finishing_beside_another_never_writes_over_its_version(tmp_path: Path) -> None:
+    """Another search of the pipeline wrote best-v2.json and has not yet replaced best.json (v1): this one's
+    best is v3, and v2 stays the other search's."""
+    path = tmp_path / "search" / "best.json"
+    write_best({"study": "s", "trial": 1, "value": 0.9}, path)
+    other = {"study": "other", "trial": 2, "value": 0.95, "version": 2, "written_at": "then"}
+    (path.parent / "best-v2.json").write_text(json.dumps(other))
+    mine = write_best({"study": "mine", "trial": 7, "value": 0.8}, path)
+    assert mine["version"] == 3 and read_best(path) == mine
+    assert json.loads((path.parent / "best-v2.json").read_text()) == other
 
 
 # --- the trainer's per-epoch hook ----------------------------------------------------------------
