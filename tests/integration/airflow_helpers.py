@@ -202,11 +202,24 @@ class Api:
         answer.raise_for_status()
         self.session.headers["Authorization"] = f"Bearer {answer.json()['access_token']}"
 
+    def _request(self, method: str, url: str, **kwargs: Any) -> Any:
+        """One request; a GET (nothing changes) asked again when the server does not answer in time (a loaded
+        machine: one api-server worker busy for over 30 s) or drops the connection, up to 4 times in all."""
+        import requests
+
+        for attempt in range(4):
+            try:
+                return self.session.request(method, url, timeout=30, **kwargs)
+            except (requests.Timeout, requests.ConnectionError):
+                if method != "GET" or attempt == 3:
+                    raise
+        raise AssertionError("unreachable")
+
     def get(self, path: str, **kwargs: Any) -> Any:
-        return self.session.get(f"{self.base}{path}", timeout=30, **kwargs)
+        return self._request("GET", f"{self.base}{path}", **kwargs)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        answer = self.session.request(method, f"{self.base}/api/v2{path}", json=body, timeout=30)
+        answer = self._request(method, f"{self.base}/api/v2{path}", json=body)
         assert answer.status_code < 300, f"{method} {path}: {answer.status_code} {answer.text[:500]}"
         return dict(answer.json())
 
@@ -258,13 +271,13 @@ _NOT_INHERITED = ("MLFLOW_TRACKING_URI", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", 
 @contextmanager
 def airflow_standalone(home: Path, *, ready: Iterable[str], env: dict[str, str] | None = None,
                        unset: Iterable[str] = (), unset_prefixes: tuple[str, ...] = (),
-                       database_prefix: str | None = "nightshift_test", timeout: float = 300,
+                       database_prefix: str | None = "nightshift_test", timeout: float = 600,
                        api_class: type[Api] = Api) -> Iterator[Standalone]:
     """`scripts/airflow.sh standalone` on 127.0.0.1 with NIGHTSHIFT_HOME `home`, free ports, every user an admin
     (SIMPLE_AUTH_MANAGER_ALL_ADMINS), no MLflow UI unless `env` gives NIGHTSHIFT_MLFLOW_UI_PORT; `env` on top.
     The metadata database: a PostgreSQL database of its own (`database_prefix`, dropped after) when the server
     answers, else SQLite; `database_prefix=None`: as `env` says. Ready when the API (an `api_class`) knows every
-    DAG in `ready`.
+    DAG in `ready` (`timeout`: a bound for a hung start, not a speed; under a load of 8 a start took over 240 s).
     Stopped (its whole process group), then any model server a deploy task started, also on failure."""
     from nightshift.netutil import free_port
 

@@ -56,7 +56,7 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         "NIGHTSHIFT_RETRAIN_CRON": "none",
     }
     with airflow_standalone(tmp_path_factory.mktemp("nightshift-standalone"), ready=[DAG_ID], env=env,
-                            timeout=240, api_class=Api) as running:
+                            api_class=Api) as running:
         running.api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
         # runs: what the browser tests look at, by what happened to them ("success", "refused").
         yield {"api": running.api, "home": running.home, "env": running.env, "log": running.log,

@@ -123,7 +123,7 @@ def celery_airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryA
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         })
-        migrate = subprocess.run([SCRIPT, "db", "migrate"], env=env, capture_output=True, text=True, timeout=240,
+        migrate = subprocess.run([SCRIPT, "db", "migrate"], env=env, capture_output=True, text=True, timeout=600,
                                  check=False, stdin=subprocess.DEVNULL)
         assert migrate.returncode == 0, migrate.stderr[-3000:]
 

@@ -37,7 +37,7 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "NIGHTSHIFT_GPU_SLOTS": str(POOL_SLOTS),
     }
-    with airflow_standalone(home, ready=[DAG_ID, SCHEDULED_DAG_ID], env=env, timeout=240) as running:
+    with airflow_standalone(home, ready=[DAG_ID, SCHEDULED_DAG_ID], env=env) as running:
         yield {"api": running.api, "log": running.log, "database": running.database}
 
 

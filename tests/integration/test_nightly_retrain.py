@@ -22,7 +22,7 @@ CONF = {"epochs": 5, "workers": 2, "backend": "local"}
 # What a model search left in NIGHTSHIFT_HOME/search/best.json: the run takes the Params it leaves empty.
 BEST = {"study": "demo-search", "storage": "sqlite:////x/optuna.db", "trial": 3, "objective": "val_accuracy",
         "value": 0.97, "params": {}, "data": "/d", "mlflow": {},
-        "train_options": {"lr": 0.05, "momentum": 0.85, "model_kwargs": {"channels": 32}, "epochs": 9}}
+        "train_options": {"lr": 0.05, "momentum": 0.85, "model_kwargs": {"channels": 12}, "epochs": 9}}
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +65,10 @@ def test_first_run_took_the_empty_params_from_best_json(demo: dict[str, Any]) ->
                                  "model_kwargs": "best.json", "model": "built-in"}, source
     assert (source["best"]["study"], source["best"]["trial"], source["best"]["version"]) == ("demo-search", 3, 1)
     assert source["not_applied"] == {"epochs": 9}  # the run's own epochs Param
-    assert record["training"]["momentum"] == 0.85 and record["training"]["model_kwargs"] == {"channels": 32}
+    assert record["training"]["momentum"] == 0.85 and record["training"]["model_kwargs"] == {"channels": 12}
     uri = demo["env"].get("MLFLOW_TRACKING_URI") or f"sqlite:///{demo['home'] / 'mlflow.db'}"
     run = MlflowClient(tracking_uri=uri).get_run(record["mlflow_run_id"])
-    assert (run.data.params["momentum"], run.data.params["model.channels"]) == ("0.85", "32")  # what it trained
+    assert (run.data.params["momentum"], run.data.params["model.channels"]) == ("0.85", "12")  # not the default 32
     assert run.data.tags["nightshift.training_defaults"] == (
         "lr, momentum, model_kwargs from best.json v1 (study demo-search, trial 3)")
 

@@ -12,6 +12,7 @@ declarations give one line each, in `nightshift pipeline check` and as the stub'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.airflow_helpers import REPO, demo_module, stop_model_server
+from tests.integration.airflow_helpers import (
+    REPO,
+    database_url,
+    demo_module,
+    postgres_answers,
+    postgres_database,
+    stop_model_server,
+)
 from tests.tabular_data import breast_cancer, diabetes
 
 pytestmark = pytest.mark.integration
@@ -159,7 +167,14 @@ def write_declaration(folder: Path, name: str, declaration: dict[str, Any], stub
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UserRepo]:
-    """The user's repository, data, installation and Airflow; both pipelines run once here."""
+    """The user's repository, data, installation and Airflow (its metadata in a PostgreSQL database of its own,
+    as production's; SQLite, one run at a time, where PostgreSQL does not answer); both pipelines run once here."""
+    with contextlib.ExitStack() as stack:
+        database = stack.enter_context(postgres_database("nightshift_user")) if postgres_answers() else None
+        yield from _user(tmp_path_factory, database)
+
+
+def _user(tmp_path_factory: pytest.TempPathFactory, database: str | None) -> Iterator[UserRepo]:
     base = tmp_path_factory.mktemp("user-pipelines")
     assert not base.resolve().is_relative_to(REPO)
     bin_dir = wheel_venv(build_wheel(base / "wheel"), base / "venv")
@@ -175,6 +190,8 @@ def user(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UserRepo]:
                 "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
                 "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
                 "NIGHTSHIFT_RETRAIN_CRON": "none"})
+    if database:
+        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = database_url(database)
     repo = UserRepo(root, dags, home, bin_dir, env, logs)
     for name, declaration in PIPELINES.items():
         repo.run("nightshift", "suite", "init", str(home / "data" / name), "--label",
@@ -183,7 +200,12 @@ def user(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UserRepo]:
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True)
     repo.run("airflow", "db", "migrate")
     try:
-        repo.first = {name: repo.dags_test(declaration["dag_id"], {}) for name, declaration in PIPELINES.items()}
+        # Both pipelines' first runs at the same time, as two nightly schedules would (issue 22.5): each keeps its
+        # own DVC version, checkpoints, experiment, registered model, champion and served model (port).
+        with ThreadPoolExecutor(len(PIPELINES) if database else 1) as pool:
+            runs = {name: pool.submit(repo.dags_test, declaration["dag_id"], {})
+                    for name, declaration in PIPELINES.items()}
+            repo.first = {name: run.result() for name, run in runs.items()}
         yield repo
     finally:  # every model server the deploys started, side by side
         with ThreadPoolExecutor() as pool:
