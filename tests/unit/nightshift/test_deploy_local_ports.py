@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,27 @@ from nightshift.errors import DeploymentFailed
 from nightshift.netutil import free_port
 
 NO_GROUP = 4_000_000  # above Linux's largest PID (2**22): a process group without processes
+
+
+class _Ping(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+
+@contextmanager
+def ping_server() -> Iterator[int]:
+    """A server answering every GET with 200, in this test's own process group; yields its port."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Ping)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class _Proc:
@@ -53,24 +75,9 @@ def test_another_process_listening_on_the_port_is_port_taken_not_a_healthy_serve
 
 
 def test_a_server_that_listens_on_its_port_itself_is_healthy(tmp_path: Path) -> None:
-    class Ping(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *_args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Ping)  # in this test's own process group
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        port = server.server_address[1]
+    with ping_server() as port:  # in this test's own process group
         wait_healthy(f"http://127.0.0.1:{port}", _Proc(os.getpgrp()), tmp_path / "server.log",  # type: ignore[arg-type]
                      timeout=30, port=port)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_server_that_exits_because_its_address_is_in_use_is_port_taken(tmp_path: Path) -> None:
@@ -173,20 +180,7 @@ def test_a_recorded_server_whose_port_another_process_now_serves_is_not_already_
     freely) answers /ping on its port: the redeploy of the recorded version starts it again. Before: that
     answer counted as the recorded server's, the deploy said `already_serving` and moved @champion to a URL
     that serves another model."""
-
-    class Ping(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *_args: Any) -> None:
-            pass
-
-    other = ThreadingHTTPServer(("127.0.0.1", 0), Ping)  # another model's server, not the recorded process
-    thread = threading.Thread(target=other.serve_forever, daemon=True)
-    thread.start()
-    try:
-        port = other.server_address[1]
+    with ping_server() as port:  # another model's server, not the recorded process
         local._write_record("m", {"model_name": "m", "version": "1", "url": f"http://127.0.0.1:{port}",
                                   "port": port, "pid": NO_GROUP, "model_path": str(tmp_path / "m-v1")})
         aliases: list[tuple[str, str]] = []
@@ -209,6 +203,3 @@ def test_a_recorded_server_whose_port_another_process_now_serves_is_not_already_
         again = local.deploy_local("m", data_dir=tmp_path, version="1")
         assert again["status"] == "already_serving" and again["port"] == port
         assert aliases == [(local.registry.CHAMPION, "1")]
-    finally:
-        other.shutdown()
-        other.server_close()
