@@ -13,6 +13,12 @@ TESTS = Path(__file__).resolve().parent
 # The demo pipeline's declaration: the nightly_retrain DAG is built from it (dags/nightly_tasks/factory.py).
 DIGITS_YAML = REPO / "pipelines" / "digits.yaml"
 
+# torch's OpenMP threads spin after each parallel region before they sleep (libgomp's default). With three
+# xdist workers, Airflow and several trainer ranks on 2 cores, that spinning takes the cores from processes
+# with work to do: two 2-thread trainers at once used 33% less CPU and 30% less time with PASSIVE (measured
+# here, 2026-11-26). Every child inherits it; rank environments pass it on (operators/local_launcher.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Modules that cost minutes (from `--durations=0` of a full run), started first so that with pytest-xdist the
 # longest ones do not start last and leave the other workers idle at the end. The order only matters for speed.
 LONGEST_FIRST = (

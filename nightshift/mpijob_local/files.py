@@ -98,7 +98,11 @@ def write_text(path: Path, text: str, mode: int = 0o644) -> Path:
 
 
 def image_env(python_bin: str, home: str, hostname: str) -> dict[str, str]:
-    """What the trainer image's ENV gives every container, with this machine's Python first on PATH."""
+    """What the trainer image's ENV gives every container, with this machine's Python first on PATH.
+
+    OMP_WAIT_POLICY=PASSIVE is the emulator's, not the image's: emulated hosts share this machine's cores, and
+    torch's OpenMP threads spinning in one host's ranks would take them from the others'. A pod's env overrides it.
+    """
     return {
         "PATH": f"{python_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": home,
@@ -106,6 +110,7 @@ def image_env(python_bin: str, home: str, hostname: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "PYTHONUNBUFFERED": "1",
         "PYTHONDONTWRITEBYTECODE": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
     }
 
 
