@@ -1,61 +1,115 @@
-"""Name → factory registries, so a user plugs in a model or dataset without editing the trainer.
+"""Name → factory registries, so a user plugs in a model, dataset, training backend or deployment target
+without editing the project.
 
-A name is either one registered with `@register(...)` (the demo's, or a user's module imported
-through `NIGHTSHIFT_PLUGINS`), or an import path `package.module:factory`.
+A name is found, in this order, among:
+
+- the ones registered in this process with `@registry.register(name)` or `registry.add(name, factory)`: the
+  project's own, and a user's module imported through `NIGHTSHIFT_PLUGINS` (comma-separated module names);
+- the registry's built-ins, given as `package.module:attr` paths and imported only when asked for by name
+  (listing the names imports nothing);
+- the registry's entry-point group, if it has one (`[project.entry-points."<group>"]` of an installed
+  distribution, as MLflow's deployment plugins are found), likewise loaded only when asked for.
+
+A registry without `strict` also takes an import path `package.module:factory` as a name.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
-from typing import Generic, TypeVar
+import sys
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from typing import Any, Generic, TypeVar
 
 from nightshift.errors import UsageError
 
 T = TypeVar("T")
 
+PLUGINS_ENV = "NIGHTSHIFT_PLUGINS"
+
 
 class Registry(Generic[T]):
-    """Factories by name, with `module:attr` import paths as the escape hatch."""
+    """Factories by name: registered ones, lazily imported built-ins, an entry-point group; `module:attr`
+    import paths as the escape hatch (unless `strict`)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *, builtins: Mapping[str, str] | None = None, entry_point_group: str | None = None,
+                 strict: bool = False) -> None:
         self.kind = kind
-        self._factories: dict[str, Callable[..., T]] = {}
+        self.entry_point_group = entry_point_group
+        self.strict = strict
+        self._builtins: dict[str, str] = dict(builtins or {})
+        self._factories: dict[str, Callable[..., T] | str] = {}
 
     def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
         def decorate(factory: Callable[..., T]) -> Callable[..., T]:
-            self._factories[name] = factory
+            self.add(name, factory)
             return factory
 
         return decorate
 
+    def add(self, name: str, factory: Callable[..., T] | str) -> None:
+        """Register `factory` (or its import path `package.module:attr`, imported when first asked for) as
+        `name`; a later registration of the same name wins over an earlier one and over a built-in."""
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise UsageError(f"a {self.kind} name must be a non-empty string without surrounding spaces, "
+                             f"got {name!r}")
+        if isinstance(factory, str) and ":" not in factory:
+            raise UsageError(f"{self.kind} {name!r}: {factory!r} is no import path; give 'package.module:attr' "
+                             f"or the object itself")
+        self._factories[name] = factory
+
     def names(self) -> list[str]:
-        _import_user_plugins()
-        return sorted(self._factories)
+        """Every name, sorted, importing nothing but NIGHTSHIFT_PLUGINS's modules."""
+        import_user_plugins()
+        found = set(self._builtins) | set(self._factories)
+        if self.entry_point_group:
+            found |= set(_entry_points(self.entry_point_group, tuple(sys.path)))
+        return sorted(found)
 
     def get(self, name: str) -> Callable[..., T]:
-        _import_user_plugins()
-        if name in self._factories:
-            return self._factories[name]
-        if ":" in name:
-            module_name, _, attr = name.partition(":")
-            try:
-                factory = getattr(importlib.import_module(module_name), attr)
-            except (ImportError, AttributeError) as err:
-                raise UsageError(f"cannot import {self.kind} {name!r}: {err}") from err
-            return factory
-        known = ", ".join(sorted(self._factories)) or "none"
-        raise UsageError(
-            f"unknown {self.kind} {name!r}; known: {known} "
-            f"(or give an import path 'package.module:factory')"
-        )
+        import_user_plugins()
+        where = self._factories.get(name) or self._builtins.get(name)
+        if where is None and self.entry_point_group:
+            entry = _entry_points(self.entry_point_group, tuple(sys.path)).get(name)
+            if entry is not None:
+                try:
+                    loaded: Callable[..., T] = entry.load()
+                    return loaded
+                except Exception as err:
+                    raise UsageError(f"cannot load {self.kind} {name!r} (entry point {entry.value!r} of group "
+                                     f"{self.entry_point_group}): {err}") from err
+        if where is None and ":" in name and not self.strict:
+            where = name
+        if where is None:
+            hint = "" if self.strict else " (or give an import path 'package.module:factory')"
+            raise UsageError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names()) or 'none'}{hint}")
+        if isinstance(where, str):
+            return _load(self.kind, name, where)
+        return where
 
 
-def _import_user_plugins() -> None:
+def _load(kind: str, name: str, path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        shown = repr(name) if name == path else f"{name!r} ({path})"
+        raise UsageError(f"cannot import {kind} {shown}: {err}") from err
+
+
+@lru_cache(maxsize=16)
+def _entry_points(group: str, path: tuple[str, ...]) -> dict[str, Any]:
+    """The group's entry points by name, for this sys.path (a scan of the installed distributions: cached)."""
+    from importlib.metadata import entry_points
+
+    return {entry.name: entry for entry in entry_points(group=group)}
+
+
+def import_user_plugins() -> None:
     """Import the comma-separated modules in NIGHTSHIFT_PLUGINS, which register their factories."""
-    for module_name in filter(None, os.environ.get("NIGHTSHIFT_PLUGINS", "").split(",")):
+    for module_name in filter(None, (name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
-            importlib.import_module(module_name.strip())
+            importlib.import_module(module_name)
         except ImportError as err:
-            raise UsageError(f"NIGHTSHIFT_PLUGINS names {module_name!r}, which cannot be imported: {err}") from err
+            raise UsageError(f"{PLUGINS_ENV} names {module_name!r}, which cannot be imported: {err}") from err

@@ -1,18 +1,17 @@
-"""`HorovodKubernetesOperator`: multi-node Horovod training as a Kubeflow MPIJob, or locally with horovodrun.
+"""`HorovodKubernetesOperator`: multi-node Horovod training on a backend chosen by name: a Kubeflow MPIJob,
+horovodrun on this machine, emulated hosts, or a plugin's (`operators.backends`).
 
-The operator holds per-task state (the job's name, the local process) and chooses the backend; the
-spec builder (`mpijob_spec`), the launchers (`mpijob_launcher`, `local_launcher`) and the trigger
-(`triggers.MPIJobTrigger`) do the work.
+The operator holds per-task state (the job's name, this try's backend), settles its configs and builds the
+MPIJob (pure); the backend (`operators.backends.<name>`, a `TrainingBackend`) submits, waits, cancels and
+cleans up, with the launchers (`mpijob_launcher`, `local_launcher`) and the trigger (`triggers.MPIJobTrigger`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -20,11 +19,6 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 
 from operators.errors import (
     InvalidJobConfig,
-    KubernetesApiError,
-    KubernetesApiUnavailable,
-    MPIJobCleanupFailed,
-    MPIJobFailed,
-    MPIJobStartupFailure,
     TrainingResultMissing,
 )
 from operators.horovod_config import (
@@ -60,13 +54,10 @@ if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
     from airflow.sdk import Context
 
-    from operators.local_launcher import LocalHorovodLauncher
-    from operators.mpijob_launcher import MPIJobLauncher
+    from operators.backends.base import TrainingBackend
 
 GPU_POOL = "gpu"
 SHARED_VOLUME = "nightshift-shared"
-# On the last try, how long a job the task lost track of is tried to be deleted (the API was failing).
-LAST_TRY_DELETE_SECONDS = 60.0
 # The operator's settings, by concern (operators.horovod_config): its keyword argument -> the config's type.
 CONFIG_ARGUMENTS: dict[str, type[Any]] = dict(CONFIG_TYPES)
 
@@ -127,7 +118,7 @@ class HorovodKubernetesOperator(BaseOperator):
         # Per-try state that on_kill needs.
         self.job_name: str | None = None
         self._job_namespace: str | None = None
-        self._local: LocalHorovodLauncher | None = None
+        self._backend: TrainingBackend | None = None  # this try's, once chosen
         self._killed = False  # on_kill ran: whatever this try still does, it submits nothing more
 
     def _use(self, **configs: Any) -> None:
@@ -144,23 +135,6 @@ class HorovodKubernetesOperator(BaseOperator):
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
         return KubernetesHook(conn_id=self.cluster.kubernetes_conn_id)
-
-    def make_launcher(self, namespace: str, *, api_retry_seconds: float | None = None) -> MPIJobLauncher:
-        from operators.mpijob_launcher import MPIJobLauncher
-
-        retry = self.execution.api_retry_seconds
-        return MPIJobLauncher(
-            self.hook.custom_object_client,
-            self.hook.core_v1_client,
-            namespace,
-            poll_interval=self.execution.poll_interval,
-            startup_timeout=self.execution.startup_timeout,
-            queue_timeout=self.execution.queue_timeout,  # type: ignore[arg-type]  # settled: a float or None
-            api_retry_seconds=retry if api_retry_seconds is None else min(retry, api_retry_seconds),
-            api_retry_backoff=self.execution.api_retry_backoff,
-            logger=self.log,
-            interrupted=lambda: self._killed,
-        )
 
     # -- pure derivations --------------------------------------------------------------------------
 
@@ -368,42 +342,37 @@ class HorovodKubernetesOperator(BaseOperator):
 
     # -- execution ---------------------------------------------------------------------------------
 
+    def make_backend(self, name: str) -> TrainingBackend:
+        """The backend registered as `name` (operators.backends), for this try."""
+        from operators.backends import UnknownBackend, backend_class
+
+        try:
+            return backend_class(name)(self)
+        except UnknownBackend as err:
+            raise InvalidJobConfig(str(err)) from err
+
     def execute(self, context: Context) -> dict[str, Any]:
         identity = self.identity_from(context)
         self.settle()
-        backend = self.resolve_backend()
-        if backend == "local":
-            result = self.execute_local(identity)
-        else:
-            result = self.execute_kubernetes(identity, context=context)
+        backend = self._backend = self.make_backend(self.resolve_backend())
+        result = backend.submit(identity, context)  # a deferrable backend's defers here
+        self._follow(backend, result, lambda: backend.wait(result, context))
         return self.collect_results(context, result)
 
-    def execute_local(self, identity: TaskIdentity) -> dict[str, Any]:
-        from operators.local_launcher import LocalHorovodLauncher, check_local_capacity
-
-        if self.job.gpus:  # this machine is the one node: one worker with all the GPUs asked for
-            self._use(job=replace(self.job, num_workers=1, gpus_per_worker=int(self.job.gpus), gpus=0))
-        job = self.job
-        ranks = check_local_capacity(int(job.num_workers), int(job.gpus_per_worker))
-        checkpoint_dir = self.resolve_checkpoint_dir(identity, "local")
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        command = with_checkpoint_dir(split_command(job.command), checkpoint_dir)
-        self.log.info("Training with %d rank(s) here (%d worker(s) x %d GPU(s)); checkpoints of this task "
-                      "(every try): %s", ranks, job.num_workers, job.gpus_per_worker, checkpoint_dir)
-        self._local = LocalHorovodLauncher(
-            ranks,
-            command,
-            env=dict(job.env or {}),
-            timeout=self.execution.timeout,
-            logger=self.log,
-        )
-        try:
-            self._local.run()
-        finally:
-            if self._local.process is not None and self._local.process.poll() is None:
-                self._local.kill()
-        return {"backend": "local", "checkpoint_dir": checkpoint_dir, "num_workers": job.num_workers,
-                "gpus_per_worker": job.gpus_per_worker}
+    def execute_complete(
+        self, context: Context, event: Mapping[str, Any], result: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Resume after the backend's trigger: its backend (the result's "backend") judges the event and
+        cleans up; succeed (with the MLflow run) or raise."""
+        if result is not None and result.get("backend"):
+            name = str(result["backend"])
+        else:
+            self.settle()
+            name = self.resolve_backend()
+        backend = self._backend = self.make_backend(name)
+        done = {"backend": name, **dict(result or {})}
+        self._follow(backend, done, lambda: backend.complete(done, event, context))
+        return self.collect_results(context, done)
 
     def collect_results(self, context: Context | Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         """Add the training's MLflow run (found on the tracking server by its run key) to the result."""
@@ -426,124 +395,28 @@ class HorovodKubernetesOperator(BaseOperator):
         return {**result, "mlflow_run_id": run["run_id"], "experiment_id": run["experiment_id"],
                 "model_uri": run["model_uri"], "metrics": run["metrics"]}
 
-    def execute_kubernetes(self, identity: TaskIdentity, *, context: Context | Mapping[str, Any] | None = None
-                           ) -> dict[str, Any]:
-        namespace = self.resolve_namespace()
-        if self.job.gpus:
-            self.pack(self.cluster_gpus_per_node(discover=True))
-        if queue := self.resolve_queue():
-            self.check_queue_capacity(namespace, queue)
-        body = self.build_manifest(identity, namespace)
-        name = body["metadata"]["name"]
-        self.job_name, self._job_namespace = name, namespace
-        launcher = self.make_launcher(namespace)
-        result = {
-            "backend": "kubernetes",
-            "name": name,
-            "namespace": namespace,
-            "checkpoint_dir": self.resolve_checkpoint_dir(identity, "kubernetes"),
-        }
-        # An earlier try's job (a worker crash, a timeout) would share this try's checkpoints and MLflow run key.
-        launcher.delete_earlier_tries(body, timeout=self.execution.cleanup_timeout)
-        launcher.check_interrupted(f"submitting MPIJob {namespace}/{name}")
-        submitted_at = time.time()
-        launcher.submit(body)
-        if self._killed:  # on_kill ran while the job was being created: its delete may have come first
-            self._delete_quietly(launcher, name, "the task was killed while it was submitted")
-            launcher.check_interrupted(f"submitting MPIJob {namespace}/{name}")
-        if self.execution.deferrable:
-            from operators.triggers import MPIJobTrigger
-
-            self.defer(
-                trigger=MPIJobTrigger(
-                    name=name,
-                    namespace=namespace,
-                    submitted_at=submitted_at,
-                    kubernetes_conn_id=self.cluster.kubernetes_conn_id,
-                    poll_interval=self.execution.poll_interval,
-                    startup_timeout=self.execution.startup_timeout,
-                    queue_timeout=self.execution.queue_timeout,  # type: ignore[arg-type]
-                    api_retry_seconds=self.execution.api_retry_seconds,
-                    api_retry_backoff=self.execution.api_retry_backoff,
-                ),
-                method_name="execute_complete",
-                kwargs={"result": result},
-                timeout=self.deferral_timeout(context),
-            )
+    @staticmethod
+    def _follow(backend: TrainingBackend, result: dict[str, Any], wait: Callable[[], None]) -> None:
+        """Wait for the job; then the backend cleans up, told how it ended."""
         try:
-            launcher.wait(name)
-        except KubernetesApiError:
-            # The API, not the job, failed: the job may be running well. It is left for the next try to
-            # delete before it submits; on the last try there is none, so it is deleted (if the API lets us).
-            self._lost_track(context, namespace, name)
-            raise
+            wait()
         except BaseException as err:
-            # A job that ended badly follows the policy; one still running (timeout, kill) is deleted.
-            self._cleanup(launcher, name, succeeded=False, error=err, force=not isinstance(err, MPIJobFailed))
+            backend.cleanup(result, succeeded=False, error=err)
             raise
-        self._cleanup(launcher, name, succeeded=True)
-        return result
-
-    def execute_complete(
-        self, context: Context, event: Mapping[str, Any], result: Mapping[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Resume after `MPIJobTrigger`: copy the launcher's log, clean up, succeed or raise."""
-        from operators.mpijob_launcher import error_for
-
-        name, namespace = event["name"], event["namespace"]
-        self.job_name, self._job_namespace = name, namespace
-        launcher = self.make_launcher(namespace)
-        status = event.get("status")
-        try:
-            if launcher.get(name) is not None:
-                launcher.stream_unread_logs(launcher.pods(name))
-        except Exception as err:  # the logs are a courtesy; the event decides the outcome
-            self.log.warning("Could not fetch the launcher log of MPIJob %s: %s", name, err)
-        if status == "success":
-            self._cleanup(launcher, name, succeeded=True)
-            return self.collect_results(
-                context, dict(result or {"backend": "kubernetes", "name": name, "namespace": namespace}))
-        message = str(event.get("message") or f"MPIJob {namespace}/{name} failed")
-        if status == "failed":
-            error = error_for(event.get("error_kind"), message)
-            self._cleanup(launcher, name, succeeded=False, error=error)
-            raise error
-        # "error": the trigger lost sight of the API, not of a failed job.
-        self._lost_track(context, namespace, name)
-        if event.get("error_kind") == "KubernetesApiError":
-            raise KubernetesApiError(message)
-        raise KubernetesApiUnavailable(message)
+        backend.cleanup(result, succeeded=True, error=None)
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
-        """As BaseOperator's, and when the deferral timed out (execution_timeout passed while the trigger
-        waited), delete the job first: a timed-out task leaves nothing running. When the trigger itself
-        failed (TaskDeferralError) on the last try, delete it too: no next try would."""
+        """As BaseOperator's; when the deferral itself ended badly (it timed out: execution_timeout passed
+        while the trigger waited; or the trigger failed), the backend that deferred is told first (kubernetes
+        deletes the job where nothing else would)."""
         from airflow.sdk.exceptions import TaskDeferralError, TaskDeferralTimeout
 
         try:
             return super().resume_execution(next_method, next_kwargs, context)
-        except TaskDeferralTimeout as timeout:
-            name, namespace = self._job_of(context)
-            self.log.error("Timed out while MPIJob %s/%s was followed by the triggerer: deleting it", namespace, name)
-            try:
-                self.make_launcher(namespace).delete(name)
-            except Exception as err:
-                raise MPIJobCleanupFailed(
-                    f"the task timed out and MPIJob {namespace}/{name} could not be deleted ({err}); it may still "
-                    f"run: delete it (kubectl delete mpijob -n {namespace} {name}) or let the next try do it"
-                ) from timeout
+        except (TaskDeferralTimeout, TaskDeferralError) as err:
+            self.settle()
+            self.make_backend(self.resolve_backend()).deferral_failed(context, err)
             raise
-        except TaskDeferralError:
-            name, namespace = self._job_of(context)
-            self._lost_track(context, namespace, name)
-            raise
-
-    def _job_of(self, context: Context | Mapping[str, Any]) -> tuple[str, str]:
-        """This try's job (name, namespace), in a fresh process: the deferral's kwargs are gone."""
-        self.settle()
-        name, namespace = job_name(self.identity_from(context)), self.resolve_namespace()
-        self.job_name, self._job_namespace = name, namespace
-        return name, namespace
 
     def deferral_timeout(self, context: Context | Mapping[str, Any] | None) -> timedelta | None:
         """What is left of execution_timeout (from the try's start_date): Airflow applies only the deferral's
@@ -567,61 +440,11 @@ class HorovodKubernetesOperator(BaseOperator):
             return False
         return int(getattr(ti, "try_number", 1) or 1) > int(max_tries)
 
-    def _lost_track(self, context: Context | Mapping[str, Any] | None, namespace: str, name: str) -> None:
-        """The API (or the trigger), not the job, failed. With a retry left the job is left as it is (the next
-        try deletes it before submitting, or follows nothing twice); on the last try it is deleted, if the
-        API lets us: nothing else would ever stop it."""
-        if not self.no_retry_left(context):
-            self.log.error("Lost track of MPIJob %s/%s; it is left as it is (the next try deletes it before "
-                           "submitting)", namespace, name)
-            return
-        self.log.error("Lost track of MPIJob %s/%s on the last try: deleting it (no next try would)", namespace, name)
-        self._delete_quietly(self.make_launcher(namespace, api_retry_seconds=LAST_TRY_DELETE_SECONDS), name,
-                             "no retry is left")
-
-    def _delete_quietly(self, launcher: MPIJobLauncher, name: str, why: str) -> None:
-        """Best effort: delete the job, logging (not raising) a failure: the error being raised matters more."""
-        try:
-            launcher.delete(name)
-        except Exception as err:
-            self.log.error("Could not delete MPIJob %s/%s (%s): %s; delete it by hand (kubectl delete mpijob -n "
-                           "%s %s)", launcher.namespace, name, why, err, launcher.namespace, name)
-
-    def _cleanup(
-        self,
-        launcher: MPIJobLauncher,
-        name: str,
-        *,
-        succeeded: bool,
-        error: BaseException | None = None,
-        force: bool = False,
-    ) -> None:
-        cleanup = self.execution.cleanup
-        if cleanup == "never":
-            self.log.info("Keeping MPIJob %s (cleanup='never')", name)
-            return
-        never_started = isinstance(error, MPIJobStartupFailure)
-        if force or never_started or cleanup == "always" or (succeeded and cleanup == "on_success"):
-            try:
-                launcher.delete(name)
-            except Exception as err:
-                self.log.warning("Could not delete MPIJob %s: %s", name, err)
-        else:
-            self.log.info("Keeping failed MPIJob %s for inspection (cleanup=%r)", name, cleanup)
-
     def on_kill(self) -> None:
         # Airflow's SIGTERM handler calls this and returns: execute goes on, and must submit nothing more.
         self._killed = True
-        if self._local is not None:
-            self._local.kill()
-        if self.job_name is not None:
-            # Runs inside a signal handler: an exception here would surface wherever execute happened to be.
-            try:
-                namespace = self._job_namespace or self.resolve_namespace()
-                self._delete_quietly(self.make_launcher(namespace), self.job_name, "the task was killed")
-            except Exception as err:
-                self.log.error("on_kill could not delete MPIJob %s: %s", self.job_name, err)
-
+        if self._backend is not None:
+            self._backend.cancel()
 
 def _spec_value(value: Any) -> Any:
     """A setting as the spec builder takes it: mappings as dicts, lists of Kubernetes objects as plain dicts."""

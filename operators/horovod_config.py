@@ -21,9 +21,7 @@ from typing import Any, Literal, TypeVar
 from operators.errors import InvalidJobConfig
 from operators.mpijob_spec import DEFAULT_NETWORK_INTERFACES
 
-Backend = Literal["kubernetes", "local", "auto"]
 CleanupPolicy = Literal["always", "on_success", "never"]
-BACKENDS = ("kubernetes", "local", "auto")
 CLEANUP_POLICIES = ("always", "on_success", "never")
 
 Settle = Callable[[str, Any], Any]
@@ -67,6 +65,18 @@ def one_of(choices: Sequence[str]) -> Settle:
         return str(text)
 
     return check
+
+
+def a_backend(name: str, value: object) -> str:
+    """A training backend's name (operators.backends' registry: built-ins, entry points, NIGHTSHIFT_PLUGINS'
+    modules) or "auto"."""
+    from nightshift.errors import UsageError
+    from operators.backends import check_backend
+
+    try:
+        return check_backend(value)
+    except UsageError as err:
+        raise InvalidJobConfig(f"{name}: {err}") from err
 
 
 def name_or_none(name: str, value: object) -> str | None:
@@ -200,8 +210,8 @@ class JobConfig(_Settings):
 class ClusterConfig(_Settings):
     """Where it runs.
 
-    :param backend: "kubernetes", "local", or "auto" (kubernetes when the `kubernetes_conn_id` connection
-        exists, else local).
+    :param backend: a training backend's name (`operators.backends`: "local", "kubernetes", "hosts", or one a
+        plugin registers), or "auto" (kubernetes when the `kubernetes_conn_id` connection exists, else local).
     :param namespace: the MPIJob's namespace (default: the connection's, else "default").
     :param shared_volume_claim: the ReadWriteMany claim holding NIGHTSHIFT_HOME (default: NIGHTSHIFT_SHARED_PVC,
         else `nightshift-workspace`), mounted in the launcher and every worker at NIGHTSHIFT_HOME's path on
@@ -220,7 +230,7 @@ class ClusterConfig(_Settings):
         horovodrun choose, which with a single worker can pick the loopback and fail the rendezvous.
     """
 
-    backend: Backend | str = field(default="auto", metadata=meta(templated=True, settle=one_of(BACKENDS)))
+    backend: str = field(default="auto", metadata=meta(templated=True, settle=a_backend))
     kubernetes_conn_id: str = "kubernetes_default"
     namespace: str | None = field(default=None, metadata=meta(templated=True))
     shared_volume_claim: str | None = None

@@ -190,7 +190,15 @@ class LocalHorovodLauncher:
 
     def run(self) -> int:
         """Start and wait; return 0, or raise HorovodRunFailed / HorovodRunTimeout with the last log lines."""
-        process = self.start()
+        self.start()
+        return self.wait()
+
+    def wait(self) -> int:
+        """Follow the started horovodrun to its end, logging its output; return 0, or raise HorovodRunFailed /
+        HorovodRunTimeout (counted from now) with the last log lines."""
+        process = self.process
+        if process is None:
+            raise RuntimeError("LocalHorovodLauncher.wait: start() was not called")
         lines: queue.Queue[str | None] = queue.Queue()
         reader = threading.Thread(target=self._read, args=(process, lines), daemon=True)
         reader.start()

@@ -131,7 +131,8 @@ def test_on_kill_stops_the_process_tree(tmp_path: Path) -> None:
     thread.start()
     pids = wait_for_pids(pid_dir, 2)
     assert all(alive(p) for p in pids)
-    horovodrun_pid = op._local.pid if op._local else None
+    launcher = getattr(op._backend, "launcher", None)  # the local backend's LocalHorovodLauncher
+    horovodrun_pid = launcher.pid if launcher else None
     op.on_kill()
     thread.join(60)
     assert not thread.is_alive(), "execute did not return after on_kill"

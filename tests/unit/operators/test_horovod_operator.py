@@ -90,7 +90,8 @@ def test_each_setting_is_declared_once_in_a_config_and_named_when_wrong() -> Non
         JobConfig(command=COMMAND, num_workers=0)
     with pytest.raises(errors.InvalidJobConfig, match="poll_interval must be a number >= 0"):
         ExecutionConfig(poll_interval=-1)
-    with pytest.raises(errors.InvalidJobConfig, match=r"backend must be one of .*got 'slurm'"):
+    with pytest.raises(errors.InvalidJobConfig, match=r"backend: unknown training backend 'slurm'; choose one of "
+                                                      r"hosts, kubernetes, local, auto \(a new one is registered"):
         ClusterConfig(backend="slurm")
     with pytest.raises(errors.InvalidJobConfig, match=r"num_workers: not an operator argument; pass it in its "
                                                       r"config \(num_workers in JobConfig\)"):

@@ -1,0 +1,93 @@
+"""Training backends by name: where `HorovodKubernetesOperator` runs a Horovod job.
+
+One module per backend, each a `TrainingBackend` (operators.backends.base):
+
+| name | module | runs the job |
+|---|---|---|
+| `local` | `operators.backends.local` | horovodrun on the Airflow worker's machine |
+| `kubernetes` | `operators.backends.kubernetes` | an MPIJob on a cluster (the MPI Operator) |
+| `hosts` | `operators.backends.hosts` | the MPIJob `kubernetes` would submit, on emulated hosts (run-mpijob) |
+
+plus `auto` (kubernetes when the `kubernetes_conn_id` connection exists, else local). A third party adds one
+without editing the project: an entry point in the group `nightshift.training_backends`
+(`name = "package.module:Class"`), or a module named in NIGHTSHIFT_PLUGINS that calls
+`register_backend(name, Class)` (or `register_backend(name, "package.module:Class")`). The DAG's `backend`
+Param, the operator's check of `ClusterConfig.backend` and `plan` take their choices from `backend_choices()`.
+
+`backend_names()` and `backend_choices()` are cheap: a DAG file calls them at parse time. They import neither
+Airflow nor a backend's module (only NIGHTSHIFT_PLUGINS's modules, and read the installed entry points).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nightshift.errors import UsageError
+from nightshift.plugins import Registry
+
+if TYPE_CHECKING:
+    from operators.backends.base import TrainingBackend
+
+ENTRY_POINT_GROUP = "nightshift.training_backends"
+AUTO = "auto"
+BUILTIN_BACKENDS = {
+    "local": "operators.backends.local:LocalBackend",
+    "kubernetes": "operators.backends.kubernetes:KubernetesBackend",
+    "hosts": "operators.backends.hosts:HostsBackend",
+}
+
+BACKENDS: Registry[TrainingBackend] = Registry("training backend", builtins=BUILTIN_BACKENDS,
+                                               entry_point_group=ENTRY_POINT_GROUP, strict=True)
+
+
+class UnknownBackend(UsageError, ValueError):
+    """A backend name no built-in, entry point or NIGHTSHIFT_PLUGINS module registered."""
+
+
+def register_backend(name: str, backend: type[TrainingBackend] | str) -> None:
+    """Make `backend` (a TrainingBackend subclass, or its import path "package.module:Class") the backend
+    `name`; call it from a module named in NIGHTSHIFT_PLUGINS."""
+    if name == AUTO:
+        raise UsageError(f"{AUTO!r} is no backend name: it chooses kubernetes or local at run time")
+    BACKENDS.add(name, backend)  # a class is its own factory
+
+
+def backend_names() -> tuple[str, ...]:
+    """The registered backends' names, sorted (no "auto")."""
+    return tuple(BACKENDS.names())
+
+
+def backend_choices() -> tuple[str, ...]:
+    """What a user may choose: every backend name, and "auto"."""
+    return (*backend_names(), AUTO)
+
+
+def check_backend(name: object) -> str:
+    """`name` if it is a backend name or "auto"; else UnknownBackend listing the choices."""
+    choices = backend_choices()
+    if not isinstance(name, str) or name.strip() not in choices:
+        raise UnknownBackend(f"unknown training backend {name!r}; choose one of {', '.join(choices)} (a new one "
+                             f"is registered by an entry point in {ENTRY_POINT_GROUP} or by a NIGHTSHIFT_PLUGINS "
+                             f"module calling operators.backends.register_backend)")
+    return name.strip()
+
+
+def backend_class(name: str) -> type[TrainingBackend]:
+    """The TrainingBackend class registered as `name` (imports its module)."""
+    from operators.backends.base import TrainingBackend
+
+    check_backend(name)
+    if name == AUTO:
+        raise UnknownBackend(f"{AUTO!r} is resolved to a backend by the operator (resolve_backend) first")
+    try:
+        cls = BACKENDS.get(name)
+    except UsageError as err:
+        raise UnknownBackend(str(err)) from err
+    if not (isinstance(cls, type) and issubclass(cls, TrainingBackend)):
+        raise UnknownBackend(f"training backend {name!r} is {cls!r}, not a subclass of "
+                             f"operators.backends.base.TrainingBackend")
+    return cls
+
+
+__all__ = ["AUTO", "BACKENDS", "ENTRY_POINT_GROUP", "UnknownBackend", "backend_choices", "backend_class",
+           "backend_names", "check_backend", "register_backend"]
