@@ -69,7 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nightshift.settings import no_telemetry
 
     no_telemetry()
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # reads the registries (NIGHTSHIFT_PLUGINS) for choices such as deploy --target
+    except NightshiftError as err:
+        print(f"nightshift: {err}", file=sys.stderr)
+        return err.exit_code
+    args = parser.parse_args(argv)
     try:
         if args.command in MLFLOW_COMMANDS:
             from nightshift.tracking import configure

@@ -120,7 +120,10 @@ def add_parser(subparsers: Any) -> None:
 
     dep = subparsers.add_parser("deploy",
                                 help="deploy a registered version and move @champion when it answers")
-    dep.add_argument("--target", choices=("local", "kserve"), default="local")
+    from nightshift.deploy import target_names
+
+    dep.add_argument("--target", choices=target_names(), default="local",
+                     help="where to serve it: a deployment target of nightshift.deploy (built-in or a plugin's)")
     dep.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
     dep.add_argument("--version", help="model version (default: the one @--alias)")
     dep.add_argument("--alias", default="challenger")

@@ -34,6 +34,8 @@ from airflow.sdk.exceptions import AirflowSkipException
 from nightly_tasks import steps
 from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator
 from nightly_tasks.events import retrain_schedule
+from nightshift.deploy import target_names
+from operators.backends import backend_choices
 from operators.horovod import ClusterConfig, ExecutionConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
 
 if TYPE_CHECKING:
@@ -86,9 +88,25 @@ def pipeline_dag(declaration: Pipeline | str | os.PathLike[str]) -> DAG:
 
     try:
         pipeline = read_declaration(declaration)
+        check_declared_backend(pipeline)
     except PipelineInvalid as err:
         return invalid_dag(declaration, err)
     return build_dag(pipeline)
+
+
+def check_declared_backend(pipeline: Pipeline) -> None:
+    """PipelineInvalid when the declaration's training.backend is no registered backend (the schema cannot
+    list them: plugins add backends in the operators layer)."""
+    from nightshift.errors import UsageError
+    from nightshift.pipelines import PipelineInvalid
+    from operators.backends import check_backend
+
+    if pipeline.training.backend is None:
+        return
+    try:
+        check_backend(pipeline.training.backend)
+    except UsageError as err:
+        raise PipelineInvalid(str(pipeline.source or pipeline.dag_id), [f"training.backend: {err}"]) from err
 
 
 def read_declaration(declaration: Pipeline | str | os.PathLike[str]) -> Pipeline:
@@ -206,9 +224,10 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                                            "Empty: no limit."),
         # Scheduled runs take the default: a cluster deployment sets NIGHTSHIFT_BACKEND=kubernetes.
         "backend": Param(training.backend or os.environ.get("NIGHTSHIFT_BACKEND", "local"), type="string",
-                         enum=["local", "kubernetes", "auto"], title="Backend",
-                         description="local: horovodrun here; kubernetes: an MPIJob; auto: kubernetes when "
-                                     "the kubernetes_default connection exists."),
+                         enum=list(backend_choices()), title="Backend",
+                         description="local: horovodrun here; kubernetes: an MPIJob; hosts: that MPIJob on "
+                                     "emulated hosts; auto: kubernetes when the kubernetes_default connection "
+                                     "exists; any other: a plugin's (operators.backends)."),
         # As the schema: no maximum, since rmse and mae gain in the target's units, not in [0, 1].
         "min_improvement": Param(pipeline.gate.min_improvement, type="number", minimum=0,
                                  title="Minimum improvement",
@@ -218,15 +237,20 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                                   description="Wait for a human approval in the UI before deploying."),
         "force": Param(False, type="boolean", title="Force training",
                        description="Train even when data, code and training params are unchanged."),
-        "deploy_target": Param(pipeline.deploy.target, type="string", enum=["local", "kserve"],
+        "deploy_target": Param(pipeline.deploy.target, type="string", enum=list(target_names()),
                                title="Deploy target",
-                               description="local: MLflow model server on 127.0.0.1; kserve: an InferenceService."),
+                               description="local: MLflow model server on 127.0.0.1; kserve: an InferenceService; "
+                                           "any other: a plugin's (nightshift.deploy)."),
     }
 
 
 def _declared_data(pipeline: Pipeline) -> str:
     data = pipeline.dataset.data.to_dict()
     return data.get("directory") or ", ".join(f"{k}: {v}" for k, v in data.items())
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    return ", ".join(f"`{name}`" for name in names)
 
 
 def doc_md(pipeline: Pipeline) -> str:
@@ -282,11 +306,11 @@ defaults; the MLflow tag `nightshift.training_defaults` and the lineage record s
 | `queue` | Kueue LocalQueue for the MPIJob (default: declared, else `NIGHTSHIFT_KUEUE_QUEUE`; empty: no Kueue) |
 | `priority` | Kueue WorkloadPriorityClass of the MPIJob |
 | `queue_timeout` | seconds the MPIJob may wait for Kueue admission before `train` fails saying why (empty: no limit) |
-| `backend` | `local` (horovodrun on the worker machine), `kubernetes` (an MPIJob), or `auto` |
+| `backend` | where training runs: {_listed(backend_choices())} (see the form's description) |
 | `min_improvement` | how much `{gate.primary}` must gain over the champion for the new model to be promoted |
 | `require_approval` | wait for a person to approve in the UI (Required actions) before deploying |
 | `force` | train even when data, code and parameters are unchanged since the last successful run |
-| `deploy_target` | `local` (MLflow model server on 127.0.0.1, blue/green) or `kserve` |
+| `deploy_target` | where the model is served: {_listed(target_names())} |
 
 **Schedule**: `{schedule}` as declared, or `{CRON_ENV}` where the deployment sets it (`none`: manual only); and,
 when `NIGHTSHIFT_EVENTS_REDIS_URL` (or `NIGHTSHIFT_EVENTS_CONN_ID`) is set and `NIGHTSHIFT_EVENTS_PIPELINES` names

@@ -32,6 +32,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from nightly_tasks import steps
 from nightly_tasks.factory import START_DATE, invalid_dag, read_declaration, trainer_image
+from operators.backends import backend_choices
 from operators.horovod import ClusterConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
 
 if TYPE_CHECKING:
@@ -113,8 +114,9 @@ def search_params(pipeline: Pipeline, space: dict[str, Any]) -> dict[str, Param]
                          description="Workers per trial."),
         "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per worker",
                                  description="GPUs per worker; 0 trains on CPU."),
-        "backend": Param("local", type="string", enum=["local", "kubernetes", "auto"], title="Backend",
-                         description="local: horovodrun here; kubernetes: an MPIJob per trial; auto."),
+        "backend": Param("local", type="string", enum=list(backend_choices()), title="Backend",
+                         description="local: horovodrun here; kubernetes: an MPIJob per trial; hosts: that MPIJob "
+                                     "on emulated hosts; auto; any other: a plugin's (operators.backends)."),
         "storage_conn_id": Param(None, type=["null", "string"], title="Study storage connection",
                                  description="Airflow connection of a PostgreSQL database for the study (no "
                                              "password in it: use ~/.pgpass). Empty: SQLite under "
@@ -166,7 +168,7 @@ also when no trial completed).
 | `budget_hours` | compute budget in GPU-hours (CPU-hours on CPU): wall time x ranks; past it no trial starts |
 | `workers` | Horovod workers per trial |
 | `gpus_per_worker` | GPUs per worker (0: CPU) |
-| `backend` | `local`, `kubernetes` or `auto` |
+| `backend` | a training backend: {", ".join(f"`{name}`" for name in backend_choices())} |
 | `storage_conn_id` | an Airflow connection (PostgreSQL) holding the study; empty: SQLite under NIGHTSHIFT_HOME |
 | `study` | study name; empty: one per DAG run |
 

@@ -218,11 +218,23 @@ def _schema_problem(error: Any) -> list[str]:
     return [f"{where}: {error.message}"]
 
 
-@cache
 def _validator() -> Any:
+    from nightshift.deploy import target_names
+
+    return _validator_for(target_names())
+
+
+@cache
+def _validator_for(targets: tuple[str, ...]) -> Any:
+    """The published schema's validator, `deploy.target` taking every registered deployment target (the
+    published file lists the built-ins)."""
+    import copy
+
     import jsonschema
 
-    return jsonschema.Draft202012Validator(schema())
+    checked = copy.deepcopy(schema())
+    checked["properties"]["deploy"]["properties"]["target"]["enum"] = list(targets)
+    return jsonschema.Draft202012Validator(checked)
 
 
 def schema_problems(data: Any) -> list[str]:

@@ -1,0 +1,178 @@
+"""Training backends and deployment targets by name (operators.backends, nightshift.deploy): a plugin module
+named in NIGHTSHIFT_PLUGINS registers a toy backend and a toy target, which then are choices of the operator's
+backend check and of `nightshift deploy --target`, and which `HorovodKubernetesOperator.execute` drives through
+the TrainingBackend interface. The DAG's Param enums: tests/dags/test_backend_plugins.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.unit.operators.conftest import horovod_operator, make_context
+
+REPO = Path(__file__).resolve().parents[3]
+PLUGIN = "nightshift_toy_plugin"
+TOY_SOURCE = '''
+from nightshift.deploy import register_target
+from operators.backends import register_backend
+from operators.backends.base import TrainingBackend
+
+CALLS = []
+
+
+class ToyBackend(TrainingBackend):
+    name = "toy"
+
+    def submit(self, identity, context):
+        CALLS.append(("submit", identity.task_id, self.operator.job.num_workers))
+        return {"backend": self.name, "checkpoint_dir": "/toy/" + identity.run_id}
+
+    def wait(self, result, context):
+        CALLS.append(("wait", result["checkpoint_dir"]))
+        if (self.operator.job.env or {}).get("TOY_FAIL"):
+            raise RuntimeError("the toy job failed")
+
+    def cancel(self):
+        CALLS.append(("cancel",))
+
+    def cleanup(self, result, *, succeeded, error):
+        CALLS.append(("cleanup", succeeded, type(error).__name__ if error else None))
+
+
+def toy_target(model_name, *, version, alias, **options):
+    CALLS.append(("deploy", model_name, version, alias))
+    return {"status": "created", "model_name": model_name, "version": version}
+
+
+register_backend("toy", ToyBackend)
+register_target("toy-serve", toy_target)
+'''
+
+
+def install_toy_plugin(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write the toy plugin module into `folder`, put it on sys.path and name it in NIGHTSHIFT_PLUGINS."""
+    (folder / f"{PLUGIN}.py").write_text(TOY_SOURCE)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("NIGHTSHIFT_PLUGINS", PLUGIN)
+
+
+def forget_toy_plugin() -> None:
+    from nightshift.deploy import TARGETS
+    from operators.backends import BACKENDS
+
+    BACKENDS._factories.pop("toy", None)
+    TARGETS._factories.pop("toy-serve", None)
+    sys.modules.pop(PLUGIN, None)
+
+
+@pytest.fixture
+def toy_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    install_toy_plugin(tmp_path, monkeypatch)
+    from operators.backends import backend_names
+
+    backend_names()  # imports the plugin
+    yield sys.modules[PLUGIN]
+    forget_toy_plugin()
+
+
+def test_a_plugin_backend_and_target_are_choices(toy_plugin: ModuleType) -> None:
+    from nightshift.cli import build_parser
+    from nightshift.deploy import deploy, target_names
+    from operators.backends import backend_choices
+    from operators.horovod_config import ClusterConfig
+
+    assert backend_choices() == ("hosts", "kubernetes", "local", "toy", "auto")
+    assert ClusterConfig(backend="toy").settled().backend == "toy"
+    assert target_names() == ("local", "kserve", "toy-serve")
+    args = build_parser().parse_args(["deploy", "--target", "toy-serve", "--model-name", "m", "--version", "3"])
+    assert args.target == "toy-serve"
+    assert deploy("toy-serve", "m", version="3")["status"] == "created"
+    assert toy_plugin.CALLS == [("deploy", "m", "3", "challenger")]
+
+
+def test_without_the_plugin_its_names_are_refused_listing_the_known_ones(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from nightshift.cli import build_parser
+    from nightshift.deploy import deploy
+    from nightshift.errors import UsageError
+    from operators.errors import InvalidJobConfig
+    from operators.horovod_config import ClusterConfig
+
+    monkeypatch.delenv("NIGHTSHIFT_PLUGINS", raising=False)
+    with pytest.raises(InvalidJobConfig, match=r"backend: unknown training backend 'toy'; choose one of hosts, "
+                                                r"kubernetes, local, auto"):
+        ClusterConfig(backend="toy")
+    with pytest.raises(UsageError, match=r"unknown deployment target 'toy-serve'; use one of local, kserve"):
+        deploy("toy-serve", "m")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["deploy", "--target", "toy-serve"])
+    assert "invalid choice: 'toy-serve' (choose from 'local', 'kserve')" in capsys.readouterr().err
+
+
+def test_execute_drives_the_registered_backend(toy_plugin: ModuleType) -> None:
+    op = horovod_operator(task_id="train", command=["true"], num_workers="{{ params.workers }}", backend="toy")
+    op.num_workers = "3"  # as Airflow renders it
+    result = op.execute(make_context(run_id="r1"))  # type: ignore[arg-type]
+    assert result == {"backend": "toy", "checkpoint_dir": "/toy/r1"}
+    assert toy_plugin.CALLS == [("submit", "train", 3), ("wait", "/toy/r1"), ("cleanup", True, None)]
+    op.on_kill()
+    assert toy_plugin.CALLS[-1] == ("cancel",)
+
+    toy_plugin.CALLS.clear()
+    failing = horovod_operator(task_id="train", command=["true"], backend="toy", env={"TOY_FAIL": "1"})
+    with pytest.raises(RuntimeError, match="the toy job failed"):
+        failing.execute(make_context())  # type: ignore[arg-type]
+    assert [call[0] for call in toy_plugin.CALLS] == ["submit", "wait", "cleanup"]
+    assert toy_plugin.CALLS[-1] == ("cleanup", False, "RuntimeError")
+
+
+def test_an_entry_point_backend_is_found_and_loaded(toy_plugin: ModuleType, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from operators.backends import ENTRY_POINT_GROUP, backend_class, backend_names
+
+    dist = tmp_path / "entry" / "toy_backends-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backends\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nep-toy = {PLUGIN}:ToyBackend\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "entry"))
+    assert "ep-toy" in backend_names()
+    assert backend_class("ep-toy") is toy_plugin.ToyBackend
+
+
+def test_what_is_no_backend_is_refused(toy_plugin: ModuleType) -> None:
+    from nightshift.errors import UsageError
+    from operators.backends import register_backend
+    from operators.errors import InvalidJobConfig
+
+    with pytest.raises(UsageError, match="'auto' is no backend name"):
+        register_backend("auto", toy_plugin.ToyBackend)
+    register_backend("toy", "builtins:dict")  # importable, but no TrainingBackend
+    op = horovod_operator(task_id="train", command=["true"], backend="toy")
+    with pytest.raises(InvalidJobConfig, match=r"training backend 'toy' is <class 'dict'>, not a subclass of "
+                                               r"operators.backends.base.TrainingBackend"):
+        op.execute(make_context())  # type: ignore[arg-type]
+
+
+def test_listing_the_backends_imports_no_backend_and_no_airflow() -> None:
+    code = ("import sys; from operators.backends import backend_choices; from nightshift.deploy import target_names;"
+            "print(backend_choices(), target_names());"
+            "loaded = [m for m in sys.modules if m.startswith(('airflow', 'operators.backends.', 'nightshift.deploy.',"
+            " 'kubernetes'))]; print(loaded)")
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()
+    assert out == ["('hosts', 'kubernetes', 'local', 'auto') ('local', 'kserve')", "[]"]
+
+
+def test_the_operator_module_knows_no_backend_by_name() -> None:
+    source = (REPO / "operators" / "horovod.py").read_text()
+    for name in ("local", "kubernetes", "hosts"):
+        assert f'== "{name}"' not in source and f"== '{name}'" not in source
+    assert "LocalHorovodLauncher" not in source and "MPIJobTrigger(" not in source
+
+
