@@ -2,7 +2,9 @@
 
 Results go to stdout as JSON; errors go to stderr as one line a person can act on.
 Each step module exposes `add_parser(subparsers)`; the subparser's `func` returns a JSON-able
-result (printed) or an int exit code.
+result (printed) or an int exit code. Subcommands from outside this package (`plan`, which lives above the
+DAGs, or a third party's) are `add_parser` functions named in the `nightshift.commands` entry-point group:
+this module finds them there and never imports a layer above it by name.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import argparse
 import importlib
 import json
 import sys
+import tomllib
 from collections.abc import Sequence
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 from nightshift.errors import NightshiftError
@@ -21,7 +26,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.data.cli",
     "nightshift.train.cli",
     "nightshift.serving_cli",
-    "nightshift.plan_cli",
     "nightshift.mpijob_local.cli",
     "nightshift.search.cli",
     "nightshift.events",
@@ -50,11 +54,61 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+# The entry-point group of subcommands defined outside this package; each names an `add_parser(subparsers)`.
+# This project's own (`plan`) are declared in pyproject.toml's [project.entry-points."nightshift.commands"].
+COMMAND_GROUP = "nightshift.commands"
+DISTRIBUTION = "nightshift"
+
+
+def _checkout_commands() -> dict[str, EntryPoint] | None:
+    """The group as the source checkout this package runs from declares it (its pyproject.toml), or None when
+    it runs from an installed wheel. An editable install's metadata only changes at the next `pip install -e .`:
+    the checkout's own file is what the code beside it means."""
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    if project.get("name") != DISTRIBUTION:
+        return None
+    declared = project.get("entry-points", {}).get(COMMAND_GROUP, {})
+    return {name: EntryPoint(name, value, COMMAND_GROUP) for name, value in declared.items()}
+
+
+def command_entry_points() -> list[EntryPoint]:
+    """The `nightshift.commands` entry points of every installed distribution, by name; run from a checkout,
+    the checkout's declarations stand in for the installed `nightshift` distribution's."""
+    checkout = _checkout_commands()
+    found: dict[str, EntryPoint] = {}
+    for point in entry_points(group=COMMAND_GROUP):
+        if checkout is not None and point.dist is not None and point.dist.name == DISTRIBUTION:
+            continue
+        found.setdefault(point.name, point)
+    found.update(checkout or {})
+    return [found[name] for name in sorted(found)]
+
+
+def _where(point: EntryPoint) -> str:
+    return f"distribution {point.dist.name}" if point.dist is not None else "pyproject.toml"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nightshift", description=__doc__.splitlines()[0] if __doc__ else None)
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
+    for point in command_entry_points():
+        if point.name in subparsers.choices:
+            parser.error(f"the {COMMAND_GROUP} entry point {point.name!r} ({point.value}, {_where(point)}) "
+                         f"names a subcommand that already exists; rename it in that distribution")
+        try:
+            add_parser = point.load()
+        except (ImportError, AttributeError) as err:  # one broken plugin leaves the other subcommands usable
+            print(f"nightshift: subcommand {point.name!r} left out: cannot load {point.value} ({_where(point)}): "
+                  f"{err}; reinstall the distribution that declares it (pip install -e . for this checkout)",
+                  file=sys.stderr)
+            continue
+        add_parser(subparsers)
     return parser
 
 
