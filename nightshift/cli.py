@@ -76,20 +76,17 @@ def _checkout_commands() -> dict[str, EntryPoint] | None:
 
 
 def command_entry_points() -> list[EntryPoint]:
-    """The `nightshift.commands` entry points of every installed distribution, by name; run from a checkout,
-    the checkout's declarations stand in for the installed `nightshift` distribution's."""
+    """The `nightshift.commands` entry points of every installed distribution, sorted by name; run from a
+    checkout, the checkout's declarations stand in for the installed `nightshift` distribution's."""
     checkout = _checkout_commands()
-    found: dict[str, EntryPoint] = {}
-    for point in entry_points(group=COMMAND_GROUP):
-        if checkout is not None and point.dist is not None and point.dist.name == DISTRIBUTION:
-            continue
-        found.setdefault(point.name, point)
-    found.update(checkout or {})
-    return [found[name] for name in sorted(found)]
+    found = [point for point in entry_points(group=COMMAND_GROUP)
+             if checkout is None or point.dist is None or point.dist.name != DISTRIBUTION]
+    found += (checkout or {}).values()
+    return sorted(found, key=lambda point: point.name)
 
 
 def _where(point: EntryPoint) -> str:
-    return f"distribution {point.dist.name}" if point.dist is not None else "pyproject.toml"
+    return f"distribution {point.dist.name}" if point.dist is not None else "this checkout's pyproject.toml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,9 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
     for point in command_entry_points():
-        if point.name in subparsers.choices:
-            parser.error(f"the {COMMAND_GROUP} entry point {point.name!r} ({point.value}, {_where(point)}) "
-                         f"names a subcommand that already exists; rename it in that distribution")
         try:
             add_parser = point.load()
         except (ImportError, AttributeError) as err:  # one broken plugin leaves the other subcommands usable
@@ -108,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                   f"{err}; reinstall the distribution that declares it (pip install -e . for this checkout)",
                   file=sys.stderr)
             continue
-        add_parser(subparsers)
+        try:
+            add_parser(subparsers)
+        except argparse.ArgumentError as err:  # a name another subcommand has
+            parser.error(f"the {COMMAND_GROUP} entry point {point.name!r} ({point.value}, {_where(point)}): "
+                         f"{err.message}; rename it in that distribution")
     return parser
 
 
