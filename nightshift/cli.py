@@ -13,10 +13,8 @@ import argparse
 import importlib
 import json
 import sys
-import tomllib
 from collections.abc import Sequence
 from importlib.metadata import EntryPoint, entry_points
-from pathlib import Path
 from typing import Any
 
 from nightshift.errors import NightshiftError
@@ -57,36 +55,16 @@ def json_object(text: str) -> dict[str, Any]:
 # The entry-point group of subcommands defined outside this package; each names an `add_parser(subparsers)`.
 # This project's own (`plan`) are declared in pyproject.toml's [project.entry-points."nightshift.commands"].
 COMMAND_GROUP = "nightshift.commands"
-DISTRIBUTION = "nightshift"
-
-
-def _checkout_commands() -> dict[str, EntryPoint] | None:
-    """The group as the source checkout this package runs from declares it (its pyproject.toml), or None when
-    it runs from an installed wheel. An editable install's metadata only changes at the next `pip install -e .`:
-    the checkout's own file is what the code beside it means."""
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    try:
-        project = tomllib.loads(pyproject.read_text()).get("project", {})
-    except (OSError, tomllib.TOMLDecodeError):
-        return None
-    if project.get("name") != DISTRIBUTION:
-        return None
-    declared = project.get("entry-points", {}).get(COMMAND_GROUP, {})
-    return {name: EntryPoint(name, value, COMMAND_GROUP) for name, value in declared.items()}
 
 
 def command_entry_points() -> list[EntryPoint]:
-    """The `nightshift.commands` entry points of every installed distribution, sorted by name; run from a
-    checkout, the checkout's declarations stand in for the installed `nightshift` distribution's."""
-    checkout = _checkout_commands()
-    found = [point for point in entry_points(group=COMMAND_GROUP)
-             if checkout is None or point.dist is None or point.dist.name != DISTRIBUTION]
-    found += (checkout or {}).values()
-    return sorted(found, key=lambda point: point.name)
+    """The `nightshift.commands` entry points of every installed distribution, sorted by name. This project's
+    own come from its installed metadata: after pyproject.toml changes, `make setup` reinstalls it."""
+    return sorted(entry_points(group=COMMAND_GROUP), key=lambda point: point.name)
 
 
 def _where(point: EntryPoint) -> str:
-    return f"distribution {point.dist.name}" if point.dist is not None else "this checkout's pyproject.toml"
+    return f"distribution {point.dist.name}" if point.dist is not None else "an unknown distribution"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,7 +43,7 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_plan_is_found_through_the_entry_point_this_checkout_declares(site: Path) -> None:
+def test_plan_is_found_through_the_entry_point_the_project_declares(site: Path) -> None:
     points = {point.name: point for point in cli.command_entry_points()}
     assert points["plan"].value == "nightshift_plan.cli:add_parser"
     from nightshift_plan.cli import add_parser
@@ -58,16 +58,6 @@ def test_a_distribution_of_ones_own_adds_a_subcommand(site: Path, capsys: pytest
     assert cli.main(["hello", "--who", "night"]) == 0
     assert json.loads(capsys.readouterr().out) == {"hello": "night"}
     assert "plan" in cli.build_parser().parse_args(["plan"]).command  # beside this project's own
-
-
-def test_the_installed_nightshift_metadata_gives_way_to_the_checkouts(site: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    # An editable install made before a subcommand moved still names the old module; the checkout's
-    # pyproject.toml is what the code beside it means.
-    distribution(site, "nightshift", {"plan": "nightshift.plan_cli:add_parser", "gone": "nightshift.gone:x"})
-    assert [(p.name, p.value) for p in cli.command_entry_points()] == [("plan", "nightshift_plan.cli:add_parser")]
-    cli.build_parser()
-    assert capsys.readouterr().err == ""
 
 
 def test_a_subcommand_that_cannot_load_is_named_and_the_others_still_run(
