@@ -128,7 +128,7 @@ def training_options(pipeline: Pipeline, params: dict[str, Any]) -> dict[str, An
     """search.best.training_defaults for this pipeline: its model and model arguments are the defaults (declared
     model arguments win over best.json's), and best.json counts only when its search was for this pipeline as it
     is declared now (its dataset loader and options, task and model). UsageError when best.json
-    or the model_kwargs Param cannot be used. Shared with `nightshift plan` (operators.plan)."""
+    or the model_kwargs Param cannot be used. Shared with `nightshift plan` (nightshift_plan.plan)."""
     from nightshift.pipelines.spec import plain
     from nightshift.search.best import training_defaults
     from nightshift.search.pipeline import declared_training

@@ -108,7 +108,7 @@ def test_model_kwargs_typed_in_the_form_is_parsed_and_bad_text_fails_the_task() 
 
 
 def test_the_param_defaults_are_empty_so_best_json_can_fill_them() -> None:
-    from operators.plan import load_dag
+    from nightshift_plan.plan import load_dag
 
     dag = load_dag()
     values = dict(dag.params.validate())

@@ -84,7 +84,7 @@ def test_a_task_takes_its_code_version_from_its_runs_bundle(tmp_path: Path,
 def test_the_training_run_and_the_model_version_are_tagged_with_the_runs_commit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from nightshift import registry
-    from operators.plan import load_dag
+    from nightshift_plan.plan import load_dag
 
     dag = load_dag()
     train = dag.get_task("train")

@@ -23,6 +23,8 @@ TRAINER = ROOT / "images" / "trainer"
 AIRFLOW = ROOT / "images" / "airflow"
 SERVING = ROOT / "images" / "serving"
 DOCKERFILES = [TRAINER / "Dockerfile", AIRFLOW / "Dockerfile", SERVING / "Dockerfile"]
+# Every package pyproject.toml finds (nightshift_plan: the installed `nightshift.commands` entry point names it).
+PACKAGES = {"nightshift", "nightshift_plan", "operators", "dags/nightly_tasks"}
 
 
 def _hadolint() -> str | None:
@@ -235,7 +237,7 @@ def test_trainer_installs_the_project_with_constraints() -> None:
     (project,) = [r for r in _runs(TRAINER / "Dockerfile") if "/build/src" in r]
     assert "pip install --no-cache-dir -c constraints.txt /build/src" in project
     copied = {args.split()[0] for kw, args in instructions if kw == "COPY" and "/build/src" in args}
-    assert {"nightshift", "operators", "dags/nightly_tasks"} <= copied  # every package pyproject.toml finds
+    assert PACKAGES <= copied
 
 
 def test_trainer_runs_as_non_root_with_sshd_for_the_mpi_operator() -> None:
@@ -351,7 +353,7 @@ def test_airflow_image_installs_the_airflow_side_pins_without_torch_or_horovod()
     assert "pip install --no-cache-dir --no-deps /tmp/nightshift/src" in project
     copied = {args.split()[-2] for kw, args in _instructions(AIRFLOW / "Dockerfile")
               if kw == "COPY" and "/tmp/nightshift/src" in args}
-    assert {"nightshift", "operators", "dags/nightly_tasks"} <= copied  # every package pyproject.toml finds
+    assert PACKAGES <= copied
 
 
 def test_airflow_image_ships_dags_and_plugins_to_the_configured_folders() -> None:

@@ -1,7 +1,8 @@
 """`nightshift plan --conf JSON`: the Kubernetes objects a `nightly_retrain` run with that conf would create.
 
-Rendering needs the DAG and its operator, which are Airflow's: the work is handed to `operators.plan`,
-imported only when this command runs, so `nightshift` itself never imports Airflow.
+Rendering needs the DAG and its operator, which are Airflow's: the work is done by `nightshift_plan.plan`,
+imported only when this command runs. The `nightshift` CLI finds `add_parser` through the `nightshift.commands`
+entry point declared in pyproject.toml, so neither it nor anything below the DAGs imports this module.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def add_parser(subparsers: Any) -> None:
 def _plan(args: argparse.Namespace) -> int:
     import contextlib
 
-    from operators.plan import PlanError, diff, plan, plan_at_ref, render_yaml, validate_all
+    from nightshift_plan.plan import PlanError, diff, plan, plan_at_ref, render_yaml, validate_all
     from operators.validation import ManifestInvalid
 
     try:

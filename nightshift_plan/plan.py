@@ -1,5 +1,8 @@
 """What a `nightly_retrain` run would submit to Kubernetes, rendered without a cluster (`nightshift plan`).
 
+This module sits above the DAGs (it loads dags/nightly_retrain.py by path and imports nightly_tasks) and the
+operators; nothing in dags/, operators/ or nightshift/ imports it (tests/unit/test_layers.py).
+
 The DAG file is imported as Airflow would import it, the trigger conf is checked by the DAG's own Params
 (unknown keys refused too), and the `train` task's templates are rendered with that run's params and a
 staged dataset standing in for `stage_dataset`'s result. The MPIJob is built by the same code path the
