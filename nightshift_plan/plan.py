@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from operators.backends import AUTO, backend_class
 from operators.errors import InvalidJobConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,10 +102,12 @@ class _StagedTI:
 
 
 def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None) -> list[dict[str, Any]]:
-    """Every Kubernetes object a run with `conf` creates, in creation order (none on the local backend)."""
+    """Every Kubernetes object a run with `conf` creates, in creation order (none on a backend that submits no
+    MPIJob, such as local; `auto` is planned as kubernetes, what it is where the cluster connection exists)."""
     dag = dag if dag is not None else load_dag()
     params = effective_params(dag, conf)
-    if params.get("backend") == "local":
+    backend = params.get("backend")
+    if backend and backend != AUTO and not backend_class(str(backend)).renders_mpijob:
         return []
     from operators.horovod import HorovodKubernetesOperator
 
@@ -182,5 +185,5 @@ def render_yaml(objects: list[dict[str, Any]]) -> str:
     import yaml
 
     if not objects:
-        return "# backend=local: this run creates no Kubernetes objects (horovodrun on the Airflow worker)\n"
+        return "# this run's backend creates no Kubernetes objects (backend=local: horovodrun on the Airflow worker)\n"
     return yaml.safe_dump_all(objects, sort_keys=False)

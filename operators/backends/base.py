@@ -35,6 +35,9 @@ class TrainingBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Whether a run on this backend creates the MPIJob `operator.build_manifest` renders (what `nightshift plan`
+    # prints and validates); False: it creates no Kubernetes object.
+    renders_mpijob: ClassVar[bool] = False
 
     def __init__(self, operator: HorovodKubernetesOperator) -> None:
         self.operator = operator

@@ -34,6 +34,7 @@ class KubernetesBackend(TrainingBackend):
     """An MPIJob per try, named after the task instance; earlier tries' jobs are deleted before it is submitted."""
 
     name = "kubernetes"
+    renders_mpijob = True
 
     def __init__(self, operator: Any) -> None:
         super().__init__(operator)
