@@ -6,9 +6,10 @@ the same way: `num_workers`, `gpus_per_worker` and `gpus`, each an int or the st
 gives ("4"), or a whole-field ``{{ params.NAME }}`` template that the policy resolves from the run's params
 before the task runs. The pool-slot formula is here too, so both size a task alike.
 
-Standard library only, no import of this project's other modules, nothing raised: each caller turns a
-None from `parse_count` into its own error (`InvalidJobConfig` at execute; the policy keeps the task's
-parse-time slots), worded by `count_problem`.
+Standard library only and no import of this project's other modules (the policy imports it in the
+scheduler and the API server); no exception of its own: each caller turns a None from `parse_count` into
+its own (`InvalidJobConfig`, worded by `count_problem`, at execute; the policy keeps the task's parse-time
+slots and logs why).
 """
 
 from __future__ import annotations

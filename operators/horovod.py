@@ -161,12 +161,9 @@ class HorovodKubernetesOperator(BaseOperator):
 
     def settle(self) -> None:
         """Each config from the rendered template fields, converted; InvalidJobConfig names a wrong field."""
-        settled = {}
-        for argument in CONFIG_ARGUMENTS:
-            declared = getattr(self, argument)  # before the first settle, with its templates
-            rendered = replace(declared, **{name: getattr(self, name) for name in _TEMPLATED[argument]})
-            settled[argument] = rendered.settled(declared)
-        self._use(**settled)
+        self._use(**{argument: getattr(self, argument).settled({name: getattr(self, name)
+                                                                 for name in _TEMPLATED[argument]})
+                     for argument in CONFIG_ARGUMENTS})
 
     def resolve_queue(self) -> str | None:
         """The LocalQueue: `kueue_queue`, else NIGHTSHIFT_KUEUE_QUEUE; an empty one means no Kueue."""

@@ -157,24 +157,25 @@ class _Settings:
             if f.metadata.get("settle") is not None:
                 yield f.name, f.metadata["settle"], getattr(self, f.name)
 
-    def settled(self: _S, declared: _Settings | None = None) -> _S:
-        """This config with each field converted from its rendered value (InvalidJobConfig names a bad one).
+    def settled(self: _S, rendered: Mapping[str, Any] | None = None) -> _S:
+        """This config with each field converted (InvalidJobConfig names a bad one).
 
-        `declared`: the config as the DAG declared it; a bad value rendered from one of its templates is
-        reported with that template (the Param of ``{{ params.NAME }}``), which is what a person changes.
+        `rendered`: the rendered values of this config's templates (the operator's template fields after
+        Airflow rendered them); a bad one is reported with its template (the Param of ``{{ params.NAME }}``),
+        which is what a person changes.
         """
+        rendered = dict(rendered or {})
         values: dict[str, Any] = {}
         for name, settle, value in self._settles():
             try:
-                values[name] = settle(name, value)
+                values[name] = settle(name, rendered.get(name, value))
             except InvalidJobConfig as err:
-                template = getattr(declared, name, None) if declared is not None else None
-                if not is_template(template):
+                if name not in rendered or not is_template(value):
                     raise
-                param = param_name(template)
-                source = f"the run's Param {param!r}" if param else f"the template {template!r}"
+                param = param_name(value)
+                source = f"the run's Param {param!r}" if param else f"the template {value!r}"
                 raise InvalidJobConfig(f"{err} (rendered from {source})") from err
-        return dataclasses.replace(self, **values)  # type: ignore[type-var]
+        return dataclasses.replace(self, **{**rendered, **values})  # type: ignore[type-var]
 
 
 _S = TypeVar("_S", bound=_Settings)
