@@ -6,8 +6,9 @@
 the API server for a triggered run and in the scheduler for a scheduled one; `clear_task_instances`;
 mapped expansion), with the DagRun when it has one. Here the hook reads the run's effective params (the
 DAG's and the task's Param defaults, overridden by the run's conf as Airflow does at execute), resolves
-the two fields (for a mapped task, its `partial()` arguments) and sets `pool_slots` =
-`pool_slots_for(workers, gpus_per_worker)`.
+the count fields (for a mapped task, its `partial()` arguments) and sets `pool_slots` by the formula the
+operator uses for plain ints (`operators.counts.pool_slots`: the total `gpus`, else `workers x
+gpus_per_worker`, at least 1), parsing each count as the operator does (`operators.counts.parse_count`).
 
 A run asking for more slots than its pool has would never be scheduled: Airflow leaves the task instance
 `scheduled` (the UI lists "Pool Slots Available" among the dependencies blocking it, the scheduler logs a
@@ -19,13 +20,12 @@ Airflow imports this module in every component (it must be importable as `airflo
 `scripts/airflow.sh` puts this folder on PYTHONPATH; an image copies it to `$AIRFLOW_HOME/config/`).
 It imports nothing at the top but the standard library (Airflow imports it while it initialises, and a
 failed import stops every component), no DAG code, and never raises: a policy that raises breaks the
-scheduler.
+scheduler. `operators.counts` (standard library only) is imported inside the hook, whose failures are logged.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +40,7 @@ log = logging.getLogger(__name__)
 
 OPERATOR_NAME = "HorovodKubernetesOperator"
 OPERATOR_PACKAGE = "operators"
-COUNT_FIELDS = (("num_workers", 1), ("gpus_per_worker", 0))
 NOTE_MAX_CHARS = 1000  # dag_run_note.content is a String(1000)
-# The one template form resolved here: the whole field is one param, e.g. "{{ params.workers }}".
-PARAM_TEMPLATE = re.compile(r"""^\s*\{\{\s*params(?:\.(\w+)|\[\s*(['"])(\w+)\2\s*\])\s*\}\}\s*$""")
 
 
 class Unresolved(Exception):
@@ -72,22 +69,17 @@ def _size_pool_slots(ti: TaskInstance, dag_run: DagRun | None) -> None:
         # again with the run (DagRun.verify_integrity), so this is not worth a warning.
         log.debug("gpu pool policy: %s has no DagRun yet", _describe(ti))
         return
+    from operators.counts import COUNT_MINIMUMS, pool_slots
+
     try:
         params = effective_params(task, run)
-        counts = {name: resolve_count(field_value(task, name), params, name, minimum)
-                  for name, minimum in COUNT_FIELDS}
-        # The optional total (0 or absent, as in a mapped task's partial() without it: workers x GPUs).
-        total_gpus = getattr(task, "gpus", None)
-        if total_gpus is None and isinstance(getattr(task, "partial_kwargs", None), Mapping):
-            total_gpus = task.partial_kwargs.get("gpus")
-        counts["gpus"] = 0 if total_gpus is None else resolve_count(total_gpus, params, "gpus", 0)
+        counts = {name: resolve_count(field_value(task, name, optional=name == "gpus"), params, name, minimum)
+                  for name, minimum in COUNT_MINIMUMS.items()}
     except Unresolved as err:
         log.warning("gpu pool policy: %s keeps %s pool slot(s): %s", _describe(ti), ti.pool_slots, err)
         return
-    from operators.mpijob_spec import pool_slots_for
-
     # `gpus`, when set, is the job's total (the operator packs it into workers at execute).
-    slots = counts["gpus"] or pool_slots_for(counts["num_workers"], counts["gpus_per_worker"])
+    slots = pool_slots(**counts)
     ti.pool_slots = slots
     total = _pool_total(ti.pool, run)
     if total is not None and slots > total:
@@ -141,33 +133,36 @@ def effective_params(task: Any, dag_run: Any) -> dict[str, Any]:
     return params
 
 
-def field_value(task: Any, name: str) -> Any:
-    """The field as parsed: the task's attribute, or for a mapped task its `partial()` argument."""
+def field_value(task: Any, name: str, *, optional: bool = False) -> Any:
+    """The field as parsed: the task's attribute, or for a mapped task its `partial()` argument.
+
+    An `optional` field that has none (the total `gpus` of a mapped task's partial() without it) is 0.
+    """
     value = getattr(task, name, None)
     partial_kwargs = getattr(task, "partial_kwargs", None)
     if value is None and isinstance(partial_kwargs, Mapping):
         value = partial_kwargs.get(name)
+    if value is None and optional:
+        return 0
     if value is None:
         raise Unresolved(f"{name} has no value before the task runs (an expanded argument?)")
     return value
 
 
 def resolve_count(value: Any, params: Mapping[str, Any], name: str, minimum: int) -> int:
-    """A count field as the operator will see it: an int, a string of digits, or ``{{ params.NAME }}``."""
+    """A count field as the operator will see it: an int, a string of digits, or ``{{ params.NAME }}``, parsed
+    as the operator parses it (`operators.counts`)."""
+    from operators.counts import param_name, parse_count
+
     raw = value
-    if isinstance(value, str) and (match := PARAM_TEMPLATE.match(value)):
-        key = match.group(1) or match.group(3)
+    if (key := param_name(value)) is not None:
         if key not in params:
             raise Unresolved(f"{name}={value!r} names param {key!r}, which the run does not have")
         raw = params[key]
     elif isinstance(value, str) and ("{{" in value or "{%" in value):
         raise Unresolved(f"{name}={value!r} is a template other than '{{{{ params.NAME }}}}'")
-    number: int | None = None
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        number = raw
-    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
-        number = int(raw.strip())
-    if number is None or number < minimum:
+    number = parse_count(raw, minimum)
+    if number is None:
         raise Unresolved(f"{name} is {raw!r}, not an integer >= {minimum} (the task will fail at execute)")
     return number
 

@@ -29,14 +29,14 @@ from operators.horovod_config import (
     JobConfig,
     TrackingConfig,
     field_renderers,
-    is_template,
+    mpijob_config,
+    plain_objects,
     templated_fields,
     to_count,
 )
 from operators.mpijob_spec import (
     GPU_RESOURCE,
     INSTANCE_ENV,
-    MPIJobConfig,
     TaskIdentity,
     build_mpijob,
     check_instance,
@@ -45,7 +45,6 @@ from operators.mpijob_spec import (
     job_name,
     pack_gpus,
     paths_outside_mounts,
-    pool_slots_for,
     split_command,
     with_checkpoint_dir,
 )
@@ -103,12 +102,8 @@ class HorovodKubernetesOperator(BaseOperator):
             if not isinstance(config, CONFIG_ARGUMENTS[argument]):
                 raise InvalidJobConfig(f"{argument} must be a {CONFIG_ARGUMENTS[argument].__name__} "
                                        f"(operators.horovod_config), got {type(config).__name__}")
-        if pool_slots is None:
-            counts = (job.num_workers, job.gpus_per_worker, job.gpus)
-            if any(is_template(value) for value in counts):
-                pool_slots = 1
-            else:
-                pool_slots = int(job.gpus) or pool_slots_for(int(job.num_workers), int(job.gpus_per_worker))
+        if pool_slots is None:  # templated counts: 1 until the cluster policy sizes it per run
+            pool_slots = job.pool_slots() or 1
         super().__init__(pool=pool or GPU_POOL, pool_slots=pool_slots, **kwargs)
         self.job: JobConfig = job
         self.cluster: ClusterConfig = configs["cluster"]  # type: ignore[assignment]
@@ -140,8 +135,8 @@ class HorovodKubernetesOperator(BaseOperator):
 
     def settle(self) -> None:
         """Each config from the rendered template fields, converted; InvalidJobConfig names a wrong field."""
-        self._use(**{argument: replace(getattr(self, argument), **{name: getattr(self, name)
-                                                                     for name in _TEMPLATED[argument]}).settled()
+        self._use(**{argument: getattr(self, argument).settled({name: getattr(self, name)
+                                                                 for name in _TEMPLATED[argument]})
                      for argument in CONFIG_ARGUMENTS})
 
     def resolve_queue(self) -> str | None:
@@ -289,20 +284,6 @@ class HorovodKubernetesOperator(BaseOperator):
         mount = {"name": SHARED_VOLUME, "mountPath": mount_path}
         return volume, mount, {"NIGHTSHIFT_HOME": mount_path, "MLFLOW_TRACKING_URI": uri}
 
-    def job_config(self, command: Sequence[str], namespace: str) -> MPIJobConfig:
-        """The spec builder's config: every setting that MPIJobConfig has a field of the same name for."""
-        given = {name: value for config in (self.job, self.cluster, self.execution)
-                 for name, value in vars(config).items()}
-        spec: dict[str, Any] = {}
-        for f in fields(MPIJobConfig):
-            value = given.get(f.name)
-            # None: the spec's default, unless the spec's field takes None itself (ttl_seconds_after_finished).
-            if f.name in given and (value is not None or "None" in str(f.type)):
-                spec[f.name] = _spec_value(value)
-        queue = self.resolve_queue()
-        return MPIJobConfig(**{**spec, "command": list(command), "namespace": namespace, "queue_name": queue,
-                               "priority_class": self.cluster.kueue_priority if queue else None})
-
     def build_manifest(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
         """The MPIJob this task submits for `identity` (pure; no cluster needed)."""
         self.settle()
@@ -312,9 +293,9 @@ class HorovodKubernetesOperator(BaseOperator):
         checkpoint_dir = self.resolve_checkpoint_dir(identity, "kubernetes")
         command = with_checkpoint_dir(split_command(self.job.command), checkpoint_dir)
         volume, mount, env = self.cluster_contract()
-        config = self.job_config(command, namespace)
-        volumes = [volume, *(v for v in config.volumes if v.get("name") != SHARED_VOLUME)]
-        mounts = [mount, *(m for m in config.volume_mounts if m.get("name") != SHARED_VOLUME)]
+        volumes = [volume, *(v for v in plain_objects(self.cluster.volumes or ()) if v.get("name") != SHARED_VOLUME)]
+        mounts = [mount, *(m for m in plain_objects(self.cluster.volume_mounts or ())
+                           if m.get("name") != SHARED_VOLUME)]
         outside = paths_outside_mounts(command, [str(m["mountPath"]) for m in mounts])
         if outside:
             raise InvalidJobConfig(
@@ -322,7 +303,9 @@ class HorovodKubernetesOperator(BaseOperator):
                 f"mount ({', '.join(str(m['mountPath']) for m in mounts)}); put the data, outputs and checkpoints "
                 f"under NIGHTSHIFT_HOME on the shared claim, or add a volume for them"
             )
-        config = replace(config, volumes=volumes, volume_mounts=mounts, env={**env, **config.env})
+        config = mpijob_config(self.job, self.cluster, self.execution, command=command, namespace=namespace,
+                               queue_name=self.resolve_queue(), volumes=volumes, volume_mounts=mounts,
+                               env={**env, **(self.job.env or {})})
         return build_mpijob(config, identity)
 
     def dry_run(self) -> None:
@@ -446,15 +429,6 @@ class HorovodKubernetesOperator(BaseOperator):
         if self._backend is not None:
             self._backend.cancel()
 
-def _spec_value(value: Any) -> Any:
-    """A setting as the spec builder takes it: mappings as dicts, lists of Kubernetes objects as plain dicts."""
-    if isinstance(value, Mapping):
-        return dict(value)
-    if isinstance(value, list | tuple):
-        return [item if isinstance(item, str) else _plain(item) for item in value]
-    return value
-
-
 # The templated settings of each config.
 _TEMPLATED = {argument: tuple(f.name for f in fields(kind) if f.metadata.get("templated"))
               for argument, kind in CONFIG_ARGUMENTS.items()}
@@ -467,15 +441,6 @@ def _redacted(uri: str) -> str:
     if parts.password is None:
         return uri
     return parts._replace(netloc=f"***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")).geturl()
-
-
-def _plain(obj: Any) -> dict[str, Any]:
-    """A Kubernetes model object or mapping as a plain camelCase dict."""
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    from operators.mpijob_launcher import to_plain
-
-    return dict(to_plain(obj))
 
 
 # The job name for a task instance, re-exported for DAG authors and tests.

@@ -18,8 +18,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
+from operators.counts import COUNT_MINIMUMS, count_problem, param_name, parse_count, pool_slots
 from operators.errors import InvalidJobConfig
-from operators.mpijob_spec import DEFAULT_NETWORK_INTERFACES
+from operators.mpijob_spec import (
+    DEFAULT_LAUNCHER_RESOURCES,
+    DEFAULT_NETWORK_INTERFACES,
+    DEFAULT_SSH_AUTH_MOUNT_PATH,
+    DEFAULT_WORKER_COMMAND,
+    MPIJobConfig,
+)
 
 CleanupPolicy = Literal["always", "on_success", "never"]
 CLEANUP_POLICIES = ("always", "on_success", "never")
@@ -42,19 +49,20 @@ def is_template(value: object) -> bool:
 
 
 def to_count(name: str, value: object, minimum: int) -> int:
-    """An int field given as an int or as its rendered template (a string of digits)."""
-    number: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        number = int(value.strip())
-    if number is None or number < minimum:
-        raise InvalidJobConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
+    """An int field given as an int or as its rendered template (a string of digits) (`operators.counts`)."""
+    number = parse_count(value, minimum)
+    if number is None:
+        raise InvalidJobConfig(count_problem(name, value, minimum))
     return number
 
 
 def count(minimum: int) -> Settle:
     return lambda name, value: to_count(name, value, minimum)
+
+
+def count_of(field_name: str) -> Settle:
+    """The settle of a Horovod count field (`num_workers`, ...), with its minimum from `operators.counts`."""
+    return count(COUNT_MINIMUMS[field_name])
 
 
 def one_of(choices: Sequence[str]) -> Settle:
@@ -159,10 +167,25 @@ class _Settings:
             if f.metadata.get("settle") is not None:
                 yield f.name, f.metadata["settle"], getattr(self, f.name)
 
-    def settled(self: _S) -> _S:
-        """This config with each field converted from its rendered value (InvalidJobConfig names a bad one)."""
-        return dataclasses.replace(self, **{name: settle(name, value)  # type: ignore[type-var]
-                                            for name, settle, value in self._settles()})
+    def settled(self: _S, rendered: Mapping[str, Any] | None = None) -> _S:
+        """This config with each field converted (InvalidJobConfig names a bad one).
+
+        `rendered`: the rendered values of this config's templates (the operator's template fields after
+        Airflow rendered them); a bad one is reported with its template (the Param of ``{{ params.NAME }}``),
+        which is what a person changes.
+        """
+        rendered = dict(rendered or {})
+        values: dict[str, Any] = {}
+        for name, settle, value in self._settles():
+            try:
+                values[name] = settle(name, rendered.get(name, value))
+            except InvalidJobConfig as err:
+                if name not in rendered or not is_template(value):
+                    raise
+                param = param_name(value)
+                source = f"the run's Param {param!r}" if param else f"the template {value!r}"
+                raise InvalidJobConfig(f"{err} (rendered from {source})") from err
+        return dataclasses.replace(self, **{**rendered, **values})  # type: ignore[type-var]
 
 
 _S = TypeVar("_S", bound=_Settings)
@@ -193,9 +216,9 @@ class JobConfig(_Settings):
     """
 
     command: str | Sequence[str] = field(metadata=meta(templated=True, renderer="py"))
-    num_workers: int | str = field(default=1, metadata=meta(templated=True, settle=count(1)))
-    gpus_per_worker: int | str = field(default=0, metadata=meta(templated=True, settle=count(0)))
-    gpus: int | str = field(default=0, metadata=meta(templated=True, settle=count(0)))
+    num_workers: int | str = field(default=1, metadata=meta(templated=True, settle=count_of("num_workers")))
+    gpus_per_worker: int | str = field(default=0, metadata=meta(templated=True, settle=count_of("gpus_per_worker")))
+    gpus: int | str = field(default=0, metadata=meta(templated=True, settle=count_of("gpus")))
     image: str = field(default="", metadata=meta(templated=True))
     env: Mapping[str, str] | None = field(default=None, metadata=meta(templated=True, renderer="json"))
     checkpoint_dir: str | None = field(default=None, metadata=meta(templated=True))
@@ -204,6 +227,14 @@ class JobConfig(_Settings):
     cpu_limit: str | None = field(default=None, metadata=meta(templated=True))
     memory_request: str | None = field(default=None, metadata=meta(templated=True))
     memory_limit: str | None = field(default=None, metadata=meta(templated=True))
+
+    def pool_slots(self) -> int | None:
+        """The `gpu` pool slots this job takes (`operators.counts.pool_slots`); None while a count is a template
+        (known per run: the cluster policy sizes it from the run's params)."""
+        given = {name: getattr(self, name) for name in COUNT_MINIMUMS}
+        if any(is_template(value) for value in given.values()):
+            return None
+        return pool_slots(**{name: to_count(name, value, COUNT_MINIMUMS[name]) for name, value in given.items()})
 
 
 @dataclass(frozen=True)
@@ -312,6 +343,77 @@ class TrackingConfig(_Settings):
     # same key by a stale try, on other data, is never taken as this task's result.
     mlflow_expect_tags: Mapping[str, str] | None = field(default=None,
                                                           metadata=meta(templated=True, renderer="json"))
+
+
+def mpijob_config(job: JobConfig, cluster: ClusterConfig, execution: ExecutionConfig, *, command: Sequence[str],
+                  namespace: str, queue_name: str | None, volumes: Sequence[Mapping[str, Any]],
+                  volume_mounts: Sequence[Mapping[str, Any]], env: Mapping[str, str]) -> MPIJobConfig:
+    """The spec builder's input from the operator's settled configs, field by field.
+
+    The configs must be settled (`settled()`: counts are ints, Kueue names are strings); the builder checks
+    what only it knows (the namespace, the Kueue names, the pod fields). A setting left None takes the
+    MPIJob default (`mpijob_spec.DEFAULT_*`); `network_interfaces`, `ttl_seconds_after_finished` and
+    `active_deadline_seconds` take None itself (horovodrun chooses; no TTL; no deadline). The command,
+    namespace, queue, volumes, mounts and env are the operator's, worked out at execute (the checkpoint
+    directory, the connection's namespace, NIGHTSHIFT_KUEUE_QUEUE, the shared volume and its env).
+    """
+    return MPIJobConfig(
+        image=job.image,
+        command=list(command),
+        num_workers=_settled_int(job, "num_workers"),
+        gpus_per_worker=_settled_int(job, "gpus_per_worker"),
+        namespace=namespace,
+        cpu_request=job.cpu_request,
+        cpu_limit=job.cpu_limit,
+        memory_request=job.memory_request,
+        memory_limit=job.memory_limit,
+        env=dict(env),
+        volumes=plain_objects(volumes),
+        volume_mounts=plain_objects(volume_mounts),
+        service_account_name=cluster.service_account_name,
+        node_selector=dict(cluster.node_selector or {}),
+        tolerations=plain_objects(cluster.tolerations or ()),
+        priority_class_name=cluster.priority_class_name,
+        image_pull_policy=cluster.image_pull_policy,
+        image_pull_secrets=list(cluster.image_pull_secrets or ()),
+        labels=dict(cluster.labels or {}),
+        annotations=dict(cluster.annotations or {}),
+        clean_pod_policy=execution.clean_pod_policy,
+        backoff_limit=execution.backoff_limit,
+        ttl_seconds_after_finished=execution.ttl_seconds_after_finished,
+        active_deadline_seconds=execution.active_deadline_seconds,
+        launcher_resources=dict(cluster.launcher_resources if cluster.launcher_resources is not None
+                                else DEFAULT_LAUNCHER_RESOURCES),
+        worker_command=list(cluster.worker_command if cluster.worker_command is not None
+                            else DEFAULT_WORKER_COMMAND),
+        ssh_auth_mount_path=(cluster.ssh_auth_mount_path if cluster.ssh_auth_mount_path is not None
+                             else DEFAULT_SSH_AUTH_MOUNT_PATH),
+        network_interfaces=cluster.network_interfaces,
+        queue_name=queue_name,
+        priority_class=cluster.kueue_priority if queue_name else None,
+    )
+
+
+def plain_objects(objects: Sequence[Any]) -> list[dict[str, Any]]:
+    """Kubernetes objects (volumes, mounts, tolerations) given as mappings or client models, as plain
+    camelCase dicts, as the manifest holds them."""
+    plain: list[dict[str, Any]] = []
+    for obj in objects:
+        if isinstance(obj, Mapping):
+            plain.append(dict(obj))
+        else:
+            from operators.mpijob_launcher import to_plain
+
+            plain.append(dict(to_plain(obj)))
+    return plain
+
+
+def _settled_int(config: _Settings, name: str) -> int:
+    """A count field of a settled config (a programming error, not a user's, if it is still a template)."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{type(config).__name__}.{name} is {value!r}: settle the config (settled()) first")
+    return value
 
 
 CONFIG_TYPES: dict[str, type[_Settings]] = {

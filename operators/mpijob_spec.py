@@ -211,11 +211,6 @@ def pack_gpus(total: int, gpus_per_node: int, *, max_workers: int = MAX_WORKERS)
     )
 
 
-def pool_slots_for(num_workers: int, gpus_per_worker: int) -> int:
-    """Slots taken in the `gpu` pool: the GPUs the job asks for, at least one."""
-    return max(1, num_workers * gpus_per_worker)
-
-
 def safe_label_value(value: str) -> str:
     """`value` as a valid Kubernetes label value: <= 63 chars of [A-Za-z0-9_.-], alphanumeric at both ends.
 

@@ -110,7 +110,13 @@ def test_a_rendered_value_is_settled_into_its_config_naming_a_wrong_one() -> Non
     assert op.num_workers == 3  # the template field follows its config
     op = operator(num_workers="{{ params.workers }}")
     op.render_template_fields({"params": {"workers": "many"}})
-    with pytest.raises(errors.InvalidJobConfig, match="num_workers must be an integer >= 1, got 'many'"):
+    with pytest.raises(errors.InvalidJobConfig, match=r"num_workers must be an integer >= 1, got 'many' \(rendered "
+                                                      r"from the run's Param 'workers'\)"):
+        op.settle()
+    op = operator(gpus_per_worker="{{ params.gpus | default(-1) }}")
+    op.render_template_fields({"params": {}})
+    with pytest.raises(errors.InvalidJobConfig, match=r"gpus_per_worker must be an integer >= 0, got '-1' \(rendered "
+                                                      r"from the template '\{\{ params.gpus \| default\(-1\) \}\}'\)"):
         op.settle()
 
 

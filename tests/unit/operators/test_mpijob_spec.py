@@ -13,7 +13,6 @@ from operators.mpijob_spec import (
     build_mpijob,
     checkpoint_subdir,
     job_name,
-    pool_slots_for,
     safe_label_value,
     split_command,
     with_checkpoint_dir,
@@ -175,9 +174,7 @@ def test_checkpoint_dir_ignores_the_try_and_stays_inside_its_root() -> None:
     assert with_checkpoint_dir(["x", "--checkpoint-dir=/mine"], "/ck") == ["x", "--checkpoint-dir=/mine"]
 
 
-def test_pool_slots_and_command_splitting() -> None:
-    assert pool_slots_for(4, 2) == 8
-    assert pool_slots_for(2, 0) == 1
+def test_command_splitting() -> None:
     assert split_command("python -m nightshift.train --lr '0.1'") == [
         "python",
         "-m",

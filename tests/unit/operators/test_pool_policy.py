@@ -100,6 +100,26 @@ def test_a_gpu_total_takes_that_many_slots(policy: ModuleType, pool_of: Any) -> 
         assert ti.pool_slots == slots
 
 
+@pytest.mark.parametrize(("workers", "gpus_per_worker", "gpus"), [(3, 2, 0), (2, 8, 12), ("5", "1", "0")])
+def test_a_run_takes_the_slots_the_operator_takes_for_the_same_plain_counts(
+        policy: ModuleType, pool_of: Any, workers: Any, gpus_per_worker: Any, gpus: Any) -> None:
+    """One formula: the policy sizing a templated task from the run's params gives what the operator gives at
+    parse time for the same counts written as plain values."""
+    from airflow.sdk import Param
+
+    def build(dag: Any) -> None:
+        dag.params["gpus"] = Param(0, type="integer")
+        horovod(task_id="templated", gpus="{{ params.gpus }}")
+        horovod(task_id="plain", num_workers=workers, gpus_per_worker=gpus_per_worker, gpus=gpus)
+
+    dag = serialized_dag(build)
+    templated, plain = task_instance(dag, "templated"), task_instance(dag, "plain")
+    assert templated.pool_slots == 1 < plain.pool_slots  # before the run: the operator cannot know
+    policy.task_instance_mutation_hook(templated, run({"workers": workers, "gpus_per_worker": gpus_per_worker,
+                                                       "gpus": gpus}))
+    assert templated.pool_slots == plain.pool_slots
+
+
 def test_plain_ints_and_the_subscript_form_are_resolved(policy: ModuleType, pool_of: Any) -> None:
     dag = serialized_dag(lambda dag: (horovod(task_id="ints", num_workers=3, gpus_per_worker=2),
                                       horovod(task_id="subscript", gpus_per_worker="{{ params['gpus_per_worker'] }}")))
