@@ -176,3 +176,17 @@ def test_the_operator_module_knows_no_backend_by_name() -> None:
     assert "LocalHorovodLauncher" not in source and "MPIJobTrigger(" not in source
 
 
+
+
+def test_the_readme_registry_table_lists_exactly_the_built_ins() -> None:
+    """README's table of the two registries names what they hold: a built-in added or removed changes the test."""
+    import re
+
+    from nightshift.deploy import BUILTIN_TARGETS
+    from operators.backends import AUTO, BUILTIN_BACKENDS
+
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[2]
+            for line in (REPO / "README.md").read_text().splitlines()
+            if line.startswith(("| `operators.backends`", "| `nightshift.deploy`"))}
+    named = {registry: set(re.findall(r"`([a-z0-9_-]+)`", cell)) for registry, cell in rows.items()}
+    assert named == {"operators.backends": {*BUILTIN_BACKENDS, AUTO}, "nightshift.deploy": set(BUILTIN_TARGETS)}
