@@ -16,6 +16,7 @@ A registry without `strict` also takes an import path `package.module:factory` a
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -34,10 +35,11 @@ class Registry(Generic[T]):
     import paths as the escape hatch (unless `strict`)."""
 
     def __init__(self, kind: str, *, builtins: Mapping[str, str] | None = None, entry_point_group: str | None = None,
-                 strict: bool = False) -> None:
+                 strict: bool = False, reserved: frozenset[str] = frozenset()) -> None:
         self.kind = kind
         self.entry_point_group = entry_point_group
         self.strict = strict
+        self.reserved = reserved  # names that are no entry of this registry (e.g. the backends' "auto")
         self._builtins: dict[str, str] = dict(builtins or {})
         self._factories: dict[str, Callable[..., T] | str] = {}
 
@@ -50,28 +52,57 @@ class Registry(Generic[T]):
 
     def add(self, name: str, factory: Callable[..., T] | str) -> None:
         """Register `factory` (or its import path `package.module:attr`, imported when first asked for) as
-        `name`; a later registration of the same name wins over an earlier one and over a built-in."""
-        if not isinstance(name, str) or not name.strip() or name != name.strip():
-            raise UsageError(f"a {self.kind} name must be a non-empty string without surrounding spaces, "
-                             f"got {name!r}")
+        `name`; a later registration of the same name wins over an earlier one. A built-in's name or a reserved
+        one is refused: a plugin never silently takes the place of what the project ships."""
+        problem = self._name_problem(name)
+        if problem:
+            raise UsageError(problem)
         if isinstance(factory, str) and ":" not in factory:
             raise UsageError(f"{self.kind} {name!r}: {factory!r} is no import path; give 'package.module:attr' "
                              f"or the object itself")
         self._factories[name] = factory
 
+    def _name_problem(self, name: object) -> str | None:
+        """Why `name` cannot be registered (None: it can)."""
+        if not isinstance(name, str) or not name.strip() or name != name.strip() or any(c.isspace() for c in name):
+            return f"a {self.kind} name must be a non-empty string without spaces, got {name!r}"
+        if name in self._builtins or name in self.reserved:
+            what = "a built-in" if name in self._builtins else "reserved"
+            return f"{self.kind} name {name!r} is {what}; register the plugin's under a name of its own"
+        return None
+
+    def _entry_points(self) -> dict[str, Any]:
+        """The group's entry points whose names can be registered; the others are logged once and left out."""
+        if not self.entry_point_group:
+            return {}
+        found = _entry_points(self.entry_point_group, tuple(sys.path))
+        usable = {}
+        for name, entry in found.items():
+            problem = self._name_problem(name)
+            if problem is None:
+                usable[name] = entry
+            else:
+                _warn_once(f"entry point {entry.value!r} of group {self.entry_point_group} left out: {problem}")
+        return usable
+
     def names(self) -> list[str]:
-        """Every name, sorted, importing nothing but NIGHTSHIFT_PLUGINS's modules."""
-        import_user_plugins()
-        found = set(self._builtins) | set(self._factories)
-        if self.entry_point_group:
-            found |= set(_entry_points(self.entry_point_group, tuple(sys.path)))
+        """Every name, sorted, importing nothing but NIGHTSHIFT_PLUGINS's modules. A module there that cannot be
+        imported is logged (naming it) and its names are missing: a DAG file listing the choices still parses,
+        and a run that asks for a missing name is refused by get()."""
+        try:
+            import_user_plugins()
+        except UsageError as err:
+            _warn_once(str(err))
+        found = set(self._builtins) | set(self._factories) | set(self._entry_points())
         return sorted(found)
 
     def get(self, name: str) -> Callable[..., T]:
+        if name in self._builtins:  # what the project ships never depends on a plugin importing
+            return _load(self.kind, name, self._builtins[name])
         import_user_plugins()
-        where = self._factories.get(name) or self._builtins.get(name)
-        if where is None and self.entry_point_group:
-            entry = _entry_points(self.entry_point_group, tuple(sys.path)).get(name)
+        where = self._factories.get(name)
+        if where is None:
+            entry = self._entry_points().get(name)
             if entry is not None:
                 try:
                     loaded: Callable[..., T] = entry.load()
@@ -111,5 +142,15 @@ def import_user_plugins() -> None:
     for module_name in filter(None, (name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
             importlib.import_module(module_name)
-        except ImportError as err:
-            raise UsageError(f"{PLUGINS_ENV} names {module_name!r}, which cannot be imported: {err}") from err
+        except Exception as err:  # whatever a plugin's import raises, the message names the plugin
+            raise UsageError(f"{PLUGINS_ENV} names {module_name!r}, which cannot be imported: "
+                             f"{type(err).__name__}: {err}") from err
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger(__name__).warning("%s", message)

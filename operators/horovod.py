@@ -397,8 +397,11 @@ class HorovodKubernetesOperator(BaseOperator):
         try:
             return super().resume_execution(next_method, next_kwargs, context)
         except (TaskDeferralTimeout, TaskDeferralError) as err:
+            # The backend that deferred, as its result names it: "auto" resolved again could now answer otherwise.
+            deferred = ((next_kwargs or {}).get("result") or {}).get("backend")
             self.settle()
-            self.make_backend(self.resolve_backend()).deferral_failed(context, err)
+            backend = self._backend = self.make_backend(str(deferred) if deferred else self.resolve_backend())
+            backend.deferral_failed(context, err)  # an on_kill meanwhile cancels this backend's job
             raise
 
     def deferral_timeout(self, context: Context | Mapping[str, Any] | None) -> timedelta | None:

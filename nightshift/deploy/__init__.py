@@ -60,9 +60,9 @@ def _deploy_kserve(model_name: str, *, version: str | None, alias: str, data_dir
     return deploy_kserve(model_name, api=kserve_api, namespace=namespace, version=version, alias=alias, **options)
 
 
-TARGETS: Registry[dict[str, Any]] = Registry("deployment target", entry_point_group=ENTRY_POINT_GROUP, strict=True)
-TARGETS.add("local", _deploy_local)
-TARGETS.add("kserve", _deploy_kserve)
+TARGETS: Registry[dict[str, Any]] = Registry(
+    "deployment target", builtins={"local": f"{__name__}:_deploy_local", "kserve": f"{__name__}:_deploy_kserve"},
+    entry_point_group=ENTRY_POINT_GROUP, strict=True)
 
 
 def register_target(name: str, target: DeployTarget | str) -> None:

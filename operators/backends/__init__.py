@@ -37,7 +37,8 @@ BUILTIN_BACKENDS = {
 }
 
 BACKENDS: Registry[TrainingBackend] = Registry("training backend", builtins=BUILTIN_BACKENDS,
-                                               entry_point_group=ENTRY_POINT_GROUP, strict=True)
+                                               entry_point_group=ENTRY_POINT_GROUP, strict=True,
+                                               reserved=frozenset({AUTO}))
 
 
 class UnknownBackend(UsageError, ValueError):
@@ -47,9 +48,7 @@ class UnknownBackend(UsageError, ValueError):
 def register_backend(name: str, backend: type[TrainingBackend] | str) -> None:
     """Make `backend` (a TrainingBackend subclass, or its import path "package.module:Class") the backend
     `name`; call it from a module named in NIGHTSHIFT_PLUGINS."""
-    if name == AUTO:
-        raise UsageError(f"{AUTO!r} is no backend name: it chooses kubernetes or local at run time")
-    BACKENDS.add(name, backend)  # a class is its own factory
+    BACKENDS.add(name, backend)  # a class is its own factory; a built-in's name and "auto" are refused
 
 
 def backend_names() -> tuple[str, ...]:
@@ -64,6 +63,8 @@ def backend_choices() -> tuple[str, ...]:
 
 def check_backend(name: object) -> str:
     """`name` if it is a backend name or "auto"; else UnknownBackend listing the choices."""
+    if isinstance(name, str) and name.strip() in (*BUILTIN_BACKENDS, AUTO):  # no plugin needs importing for these
+        return name.strip()
     choices = backend_choices()
     if not isinstance(name, str) or name.strip() not in choices:
         raise UnknownBackend(f"unknown training backend {name!r}; choose one of {', '.join(choices)} (a new one "

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from operators.backends.base import TrainingBackend
+from operators.errors import TaskInterrupted
 from operators.mpijob_spec import split_command, with_checkpoint_dir
 
 if TYPE_CHECKING:
@@ -45,7 +46,12 @@ class LocalBackend(TrainingBackend):
             timeout=op.execution.timeout,
             logger=self.log,
         )
+        if op._killed:  # on_kill ran before there was a process to kill
+            raise TaskInterrupted("starting horovodrun: the task was killed (on_kill); nothing was started")
         self.launcher.start()
+        if op._killed:  # on_kill ran while horovodrun started: its kill may have come before the process
+            self.launcher.kill()
+            raise TaskInterrupted("starting horovodrun: the task was killed (on_kill); its ranks were stopped")
         return {"backend": self.name, "checkpoint_dir": checkpoint_dir, "num_workers": job.num_workers,
                 "gpus_per_worker": job.gpus_per_worker}
 

@@ -5,6 +5,7 @@ the TrainingBackend interface. The DAG's Param enums: tests/dags/test_backend_pl
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -149,7 +150,7 @@ def test_what_is_no_backend_is_refused(toy_plugin: ModuleType) -> None:
     from operators.backends import register_backend
     from operators.errors import InvalidJobConfig
 
-    with pytest.raises(UsageError, match="'auto' is no backend name"):
+    with pytest.raises(UsageError, match="training backend name 'auto' is reserved"):
         register_backend("auto", toy_plugin.ToyBackend)
     register_backend("toy", "builtins:dict")  # importable, but no TrainingBackend
     op = horovod_operator(task_id="train", command=["true"], backend="toy")
@@ -190,3 +191,98 @@ def test_the_readme_registry_table_lists_exactly_the_built_ins() -> None:
             if line.startswith(("| `operators.backends`", "| `nightshift.deploy`"))}
     named = {registry: set(re.findall(r"`([a-z0-9_-]+)`", cell)) for registry, cell in rows.items()}
     assert named == {"operators.backends": {*BUILTIN_BACKENDS, AUTO}, "nightshift.deploy": set(BUILTIN_TARGETS)}
+
+
+@pytest.mark.parametrize("failure", ["import not_installed_anywhere", "raise RuntimeError('needs MY_PLUGIN_TOKEN')"])
+def test_a_plugin_that_cannot_import_leaves_the_built_ins_usable_and_is_named(
+        failure: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Review finding: a broken NIGHTSHIFT_PLUGINS module made both DAG files fail to parse (the Param enums list
+    the backends), so a deferred MPIJob's resume could never run and its job was never deleted."""
+    from nightshift.deploy import TARGETS, target_names
+    from nightshift.errors import UsageError
+    from operators.backends import backend_choices, backend_class, check_backend
+    from operators.backends.kubernetes import KubernetesBackend
+
+    (tmp_path / "broken_plugin.py").write_text(failure + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("NIGHTSHIFT_PLUGINS", "broken_plugin")
+    sys.modules.pop("broken_plugin", None)
+    with caplog.at_level("WARNING"):
+        assert backend_choices() == ("hosts", "kubernetes", "local", "auto")
+        assert target_names() == ("local", "kserve")
+    assert "NIGHTSHIFT_PLUGINS names 'broken_plugin', which cannot be imported" in caplog.text
+    assert check_backend("kubernetes") == "kubernetes" and backend_class("kubernetes") is KubernetesBackend
+    assert TARGETS.get("local").__name__ == "_deploy_local"
+    with pytest.raises(UsageError, match=r"NIGHTSHIFT_PLUGINS names 'broken_plugin', which cannot be imported: "
+                                         r"(ModuleNotFoundError|RuntimeError)"):
+        TARGETS.get("toy-serve")
+
+
+def test_a_plugin_never_takes_a_built_in_name(toy_plugin: ModuleType, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: register_backend('kubernetes', X) silently replaced the built-in (plan and clean-up
+    included); an entry point named local was listed but ignored, one named auto listed auto twice."""
+    from nightshift.deploy import register_target, target_names
+    from nightshift.errors import UsageError
+    from operators.backends import ENTRY_POINT_GROUP, backend_choices, backend_class, register_backend
+    from operators.backends.kubernetes import KubernetesBackend
+
+    with pytest.raises(UsageError, match="training backend name 'kubernetes' is a built-in"):
+        register_backend("kubernetes", toy_plugin.ToyBackend)
+    with pytest.raises(UsageError, match="deployment target name 'local' is a built-in"):
+        register_target("local", toy_plugin.toy_target)
+    assert backend_class("kubernetes") is KubernetesBackend and target_names() == ("local", "kserve", "toy-serve")
+    dist = tmp_path / "entry" / "clash-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: clash\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nlocal = {PLUGIN}:ToyBackend\n"
+                                           f"auto = {PLUGIN}:ToyBackend\nBad Name = {PLUGIN}:ToyBackend\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "entry"))
+    assert backend_choices() == ("hosts", "kubernetes", "local", "toy", "auto")
+    assert backend_class("local").__module__ == "operators.backends.local"
+
+
+def test_a_kill_before_horovodrun_starts_starts_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: on_kill while the local backend prepared (check_local_capacity imports torch: seconds)
+    was lost, and horovodrun then ran to the end in a session of its own."""
+    import operators.local_launcher as local_launcher
+    from operators.errors import TaskInterrupted
+
+    marker = tmp_path / "started"
+    fake = tmp_path / "horovodrun"
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    op = horovod_operator(task_id="train", command=["python", "-c", "pass"], backend="local")
+
+    def killed_meanwhile(workers: int, gpus: int) -> int:
+        op.on_kill()
+        return workers
+
+    monkeypatch.setattr(local_launcher, "check_local_capacity", killed_meanwhile)
+    with pytest.raises(TaskInterrupted, match="nothing was started"):
+        op.execute(make_context())  # type: ignore[arg-type]
+    assert not marker.exists()
+
+
+def test_a_failed_deferral_is_given_to_the_backend_that_deferred(toy_plugin: ModuleType,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: after a deferral timeout, "auto" was resolved again (a connection lookup could now say
+    local, whose deferral_failed does nothing, so the MPIJob was never deleted), and an on_kill meanwhile was
+    lost."""
+    from airflow.sdk import BaseOperator
+    from airflow.sdk.exceptions import TaskDeferralTimeout
+
+    seen: list[str] = []
+    monkeypatch.setattr(toy_plugin.ToyBackend, "deferral_failed",
+                        lambda self, context, err: (seen.append(self.name), self.operator.on_kill()), raising=False)
+
+    def timed_out(*args: object, **kwargs: object) -> None:
+        raise TaskDeferralTimeout("deferral timed out")
+
+    monkeypatch.setattr(BaseOperator, "resume_execution", timed_out)
+    op = horovod_operator(task_id="train", command=["true"], backend="auto")
+    monkeypatch.setattr(type(op), "resolve_backend", lambda self: "local")
+    with pytest.raises(TaskDeferralTimeout):
+        op.resume_execution("execute_complete", {"result": {"backend": "toy"}}, make_context())  # type: ignore[arg-type]
+    assert seen == ["toy"] and toy_plugin.CALLS[-1] == ("cancel",)
