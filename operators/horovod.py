@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
     from airflow.sdk import Context
 
+    from operators.backends.hosts import HostsBackend
     from operators.local_launcher import LocalHorovodLauncher
     from operators.mpijob_launcher import MPIJobLauncher
 
@@ -128,6 +129,7 @@ class HorovodKubernetesOperator(BaseOperator):
         self.job_name: str | None = None
         self._job_namespace: str | None = None
         self._local: LocalHorovodLauncher | None = None
+        self._hosts: HostsBackend | None = None  # ISSUE25-H4 TEMPORARY (H2's registry holds the backend)
         self._killed = False  # on_kill ran: whatever this try still does, it submits nothing more
 
     def _use(self, **configs: Any) -> None:
@@ -374,6 +376,8 @@ class HorovodKubernetesOperator(BaseOperator):
         backend = self.resolve_backend()
         if backend == "local":
             result = self.execute_local(identity)
+        elif backend == "hosts":  # ISSUE25-H4 TEMPORARY: H2's backend registry replaces this branch
+            result = self.execute_hosts(identity, context)
         else:
             result = self.execute_kubernetes(identity, context=context)
         return self.collect_results(context, result)
@@ -404,6 +408,24 @@ class HorovodKubernetesOperator(BaseOperator):
                 self._local.kill()
         return {"backend": "local", "checkpoint_dir": checkpoint_dir, "num_workers": job.num_workers,
                 "gpus_per_worker": job.gpus_per_worker}
+
+    def execute_hosts(self, identity: TaskIdentity, context: Context | Mapping[str, Any]) -> dict[str, Any]:
+        """ISSUE25-H4 TEMPORARY: backend=hosts through its TrainingBackend, until H2's registry drives every
+        backend this way (submit, wait, cleanup; cancel from on_kill)."""
+        from operators.backends.hosts import HostsBackend
+
+        self._hosts = HostsBackend(self)
+        result: dict[str, Any] = {}
+        error: BaseException | None = None
+        try:
+            result = self._hosts.submit(identity, context)
+            self._hosts.wait(result, context)
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            self._hosts.cleanup(result, succeeded=error is None, error=error)
+        return result
 
     def collect_results(self, context: Context | Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
         """Add the training's MLflow run (found on the tracking server by its run key) to the result."""
@@ -614,6 +636,8 @@ class HorovodKubernetesOperator(BaseOperator):
         self._killed = True
         if self._local is not None:
             self._local.kill()
+        if self._hosts is not None:  # ISSUE25-H4 TEMPORARY
+            self._hosts.cancel()
         if self.job_name is not None:
             # Runs inside a signal handler: an exception here would surface wherever execute happened to be.
             try:

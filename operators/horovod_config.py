@@ -21,9 +21,9 @@ from typing import Any, Literal, TypeVar
 from operators.errors import InvalidJobConfig
 from operators.mpijob_spec import DEFAULT_NETWORK_INTERFACES
 
-Backend = Literal["kubernetes", "local", "auto"]
+Backend = Literal["kubernetes", "local", "hosts", "auto"]
 CleanupPolicy = Literal["always", "on_success", "never"]
-BACKENDS = ("kubernetes", "local", "auto")
+BACKENDS = ("kubernetes", "local", "hosts", "auto")  # "hosts": ISSUE25-H4 TEMPORARY (H2: the registry)
 CLEANUP_POLICIES = ("always", "on_success", "never")
 
 Settle = Callable[[str, Any], Any]
@@ -200,8 +200,8 @@ class JobConfig(_Settings):
 class ClusterConfig(_Settings):
     """Where it runs.
 
-    :param backend: "kubernetes", "local", or "auto" (kubernetes when the `kubernetes_conn_id` connection
-        exists, else local).
+    :param backend: "kubernetes", "local", "hosts" (the kubernetes MPIJob on emulated hosts of this machine), or
+        "auto" (kubernetes when the `kubernetes_conn_id` connection exists, else local).
     :param namespace: the MPIJob's namespace (default: the connection's, else "default").
     :param shared_volume_claim: the ReadWriteMany claim holding NIGHTSHIFT_HOME (default: NIGHTSHIFT_SHARED_PVC,
         else `nightshift-workspace`), mounted in the launcher and every worker at NIGHTSHIFT_HOME's path on

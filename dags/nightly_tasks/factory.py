@@ -206,8 +206,10 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                                            "Empty: no limit."),
         # Scheduled runs take the default: a cluster deployment sets NIGHTSHIFT_BACKEND=kubernetes.
         "backend": Param(training.backend or os.environ.get("NIGHTSHIFT_BACKEND", "local"), type="string",
-                         enum=["local", "kubernetes", "auto"], title="Backend",
-                         description="local: horovodrun here; kubernetes: an MPIJob; auto: kubernetes when "
+                         # "hosts": ISSUE25-H4 TEMPORARY, until H2's registry gives this enum
+                         enum=["local", "kubernetes", "hosts", "auto"], title="Backend",
+                         description="local: horovodrun here; kubernetes: an MPIJob; hosts: that MPIJob on "
+                                     "emulated hosts of this machine (root); auto: kubernetes when "
                                      "the kubernetes_default connection exists."),
         # As the schema: no maximum, since rmse and mae gain in the target's units, not in [0, 1].
         "min_improvement": Param(pipeline.gate.min_improvement, type="number", minimum=0,
