@@ -133,7 +133,7 @@ class HostsBackend(TrainingBackend):
         self._reader: threading.Thread | None = None
         self._tmp: Path | None = None
         self._cancelled = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # cancel() may run in a signal handler while submit() holds it
 
     # -- submit ------------------------------------------------------------------------------------
     def submit(self, identity: TaskIdentity, context: Any) -> dict[str, Any]:
