@@ -48,6 +48,9 @@ CLUSTER_URI_ENV = "NIGHTSHIFT_CLUSTER_MLFLOW_URI"  # nightshift.settings.cluster
 # run-mpijob's own clean-up after SIGTERM: each pod's processes get 10 s, its namespaces 10 s more.
 KILL_GRACE_SECONDS = 45.0
 TAIL_LINES = 40
+# How long workers and the MLflow service may take to accept connections: an MLflow server takes 100 s to
+# start on a loaded 2-core machine (run-mpijob's default is 120 s).
+READY_TIMEOUT_SECONDS = 600.0
 EXIT_REFUSED = 2  # run-mpijob refused the manifest or the machine (one line)
 EXIT_TIMEOUT = 124
 
@@ -83,7 +86,8 @@ def run_mpijob_argv(manifest: Path, claim: str, home: str, service: str, timeout
     nightshift = shutil.which("nightshift", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     if nightshift is None:
         raise InvalidJobConfig(f"backend=hosts needs the `nightshift` command beside {sys.executable} or on PATH")
-    argv = [nightshift, "run-mpijob", str(manifest), "--volume", f"{claim}={home}", "--service", service]
+    argv = [nightshift, "run-mpijob", str(manifest), "--volume", f"{claim}={home}", "--service", service,
+            "--ready-timeout", str(READY_TIMEOUT_SECONDS)]
     if timeout:
         argv += ["--timeout", str(timeout)]
     return argv

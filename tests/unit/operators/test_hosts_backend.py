@@ -174,6 +174,7 @@ def test_the_job_runs_as_the_kubernetes_backends_mpijob_with_the_service_and_the
     (argv,) = backend.argvs
     assert argv[1:3] == ["run-mpijob", str(scratch / "mpijob.yaml")]
     assert argv[argv.index("--volume") + 1] == f"nightshift-workspace={home}"
+    assert float(argv[argv.index("--ready-timeout") + 1]) >= 300  # an MLflow server starts slowly
     assert f"--backend-store-uri sqlite:///{home}/mlflow.db" in argv[argv.index("--service") + 1]
     command = logged(hb, f"MPIJob {result['name']} launcher command: ")
     assert command[command.index("--checkpoint-dir") + 1] == result["checkpoint_dir"]
