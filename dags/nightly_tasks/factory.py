@@ -284,7 +284,7 @@ defaults; the MLflow tag `nightshift.training_defaults` and the lineage record s
 | `queue` | Kueue LocalQueue for the MPIJob (default: declared, else `NIGHTSHIFT_KUEUE_QUEUE`; empty: no Kueue) |
 | `priority` | Kueue WorkloadPriorityClass of the MPIJob |
 | `queue_timeout` | seconds the MPIJob may wait for Kueue admission before `train` fails saying why (empty: no limit) |
-| `backend` | `local` (horovodrun on the worker machine), `kubernetes` (an MPIJob), or `auto` |
+| `backend` | `local` (horovodrun on the worker), `kubernetes` (an MPIJob), `hosts` (it, on emulated hosts), `auto` |
 | `min_improvement` | how much `{gate.primary}` must gain over the champion for the new model to be promoted |
 | `require_approval` | wait for a person to approve in the UI (Required actions) before deploying |
 | `force` | train even when data, code and parameters are unchanged since the last successful run |
