@@ -106,8 +106,9 @@ def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None)
     MPIJob, such as local; `auto` is planned as kubernetes, what it is where the cluster connection exists)."""
     dag = dag if dag is not None else load_dag()
     params = effective_params(dag, conf)
-    backend = params.get("backend")
-    if backend and backend != AUTO and not backend_class(str(backend)).renders_mpijob:
+    name = str(params.get("backend") or AUTO)
+    kind = backend_class("kubernetes" if name == AUTO else name)
+    if not kind.renders_mpijob:
         return []
     from operators.horovod import HorovodKubernetesOperator
 
@@ -118,7 +119,7 @@ def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None)
     context = {"params": params, "run_id": run_id, "dag": dag, "ti": ti, "task_instance": ti, "task": task}
     task.render_template_fields(context)  # type: ignore[arg-type]
     try:
-        return [task.build_manifest(task.identity_from(context))]
+        return [kind(task).render(task.identity_from(context))]
     except InvalidJobConfig as err:
         raise PlanError(f"{TRAIN_TASK}: {err}") from err
 

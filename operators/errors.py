@@ -13,6 +13,10 @@ class InvalidJobConfig(HorovodJobError, ValueError):
     """An operator or spec-builder argument is invalid; the message names the field."""
 
 
+class HostsBackendUnavailable(InvalidJobConfig):
+    """This machine cannot run emulated hosts (backend=hosts): no root, `ip`, `unshare` or `sshd`."""
+
+
 class MPIJobFailed(HorovodJobError):
     """The MPIJob reached the Failed condition (launcher exited non-zero, a worker died...)."""
 

@@ -5,7 +5,9 @@ unless AIRFLOW_HOME is set. Airflow's metadata database is the one `make airflow
 the same home, chosen by nightshift.settings.airflow_database(): PostgreSQL when it answers at
 NIGHTSHIFT_POSTGRES_URL, else SQLite in AIRFLOW_HOME (said so), so that the UI shows the demo's runs.
 The DAGs and plugins come from this repository.
-Run 1 trains with the local backend (2 Horovod workers) and deploys; run 2 forces a retrain on the same
+Run 1 trains with 2 Horovod workers and deploys: on emulated hosts (backend=hosts: the MPIJob a cluster would
+run, across network namespaces) where this machine allows them (root, `ip netns`, sshd), else with the local
+backend (horovodrun here), saying which and why; run 2 forces a retrain (local backend) on the same
 data and shows the gate refusing to promote a model that is not better. Then the test rows are streamed
 through a private redis-server and `nightshift score-stream` (skipped, saying why, without redis-server).
 The model server keeps running.
@@ -94,6 +96,22 @@ def prepare_airflow(env: dict[str, str]) -> None:
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
     airflow(env, "db", "migrate")
     airflow(env, "pools", "set", "gpu", str(GPU_POOL_SLOTS), "Horovod training slots (GPUs, or CPU jobs)")
+
+
+def run1_backend(lacking: list[str] | None = None, tracking_uri: str | None = None) -> tuple[str, str]:
+    """Run 1's backend and why: `hosts` where this machine can run emulated hosts (root, `ip netns`, sshd;
+    `lacking`: what it lacks, default asked of it) and the run's MLflow store is on this machine's disk (the
+    hosts reach it through a service; `tracking_uri`: default the settings'); else `local`, saying why not."""
+    from nightshift import settings
+    from nightshift.mpijob_local.requirements import missing, served_store_problem
+
+    lacking = missing() if lacking is None else lacking
+    if lacking:
+        return "local", f"emulated hosts need {'; '.join(lacking)}"
+    problem = served_store_problem(tracking_uri or settings.mlflow_tracking_uri())
+    if problem:
+        return "local", f"backend=hosts cannot be used: {problem}"
+    return "hosts", "this machine allows network namespaces (root, ip netns, sshd): one emulated host per worker"
 
 
 def ledger(nightshift: Path) -> list[dict[str, Any]]:
@@ -315,8 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     prepare_airflow(env)
 
     base = {"data_source": str(data), "epochs": args.epochs, "workers": args.workers, "backend": "local"}
-    title = "run 1: nightly_retrain on the demo data"
-    first = start_run(env, title, base, args.verbose)
+    backend, why = run1_backend()
+    print(f"run 1 backend: {backend} ({why})", flush=True)
+    title = f"run 1: nightly_retrain on the demo data, backend={backend}"
+    first = start_run(env, title, {**base, "backend": backend}, args.verbose)
     print_summary(title, first.record, first.seconds, first.log)
     if first.code != 0 or not first.record or first.record.get("status") != "success":
         print(f"run 1 failed (airflow dags test exited {first.code}; log: {first.log})", file=sys.stderr)
@@ -335,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("  prediction      : nothing is serving (no model passed the gate yet)")
 
-    title = "run 2: same data, force=true (retrain; the gate decides)"
+    title = "run 2: same data, force=true, backend=local (retrain; the gate decides)"
     run = start_run(env, title, {**base, "force": True}, args.verbose)
     second = run.record
     print_summary(title, second, run.seconds, run.log)

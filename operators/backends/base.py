@@ -43,6 +43,10 @@ class TrainingBackend(ABC):
         self.operator = operator
         self.log = operator.log
 
+    def render(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
+        """The MPIJob this backend would run for `identity` (only where `renders_mpijob`): what `plan` prints."""
+        return self.operator.build_manifest(identity, namespace)
+
     @abstractmethod
     def submit(self, identity: TaskIdentity, context: Mapping[str, Any]) -> dict[str, Any]:
         """Start the job for this try; return the result dict."""

@@ -111,6 +111,19 @@ def test_the_local_backend_creates_no_kubernetes_object(monkeypatch: pytest.Monk
     assert code == 0 and not list(yaml.safe_load_all(out))
 
 
+def test_the_hosts_backend_plans_the_mpijob_it_runs_with_its_mlflow_service(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], validate_mpijob: Any) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # hosts serves the task's own store to the pods
+    code, out, err = plan_here({"backend": "hosts", "workers": 3}, monkeypatch, capsys)
+    assert code == 0, err
+    (job,) = list(yaml.safe_load_all(out))
+    validate_mpijob(job)
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 3
+    env = {e["name"]: e.get("value") for e in
+           job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_TRACKING_URI"] == "http://mlflow.nightshift.svc:5000"
+
+
 @pytest.mark.parametrize(("conf", "message"), [
     ({"backend": "kubernetes", "workerz": 4}, "unknown conf key(s) workerz"),
     ({"workers": "four"}, "Invalid input for param workers: 'four' is not of type 'integer'"),
