@@ -29,7 +29,7 @@ def parse_count(value: object, minimum: int) -> int | None:
     number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
-    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    elif isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,18}", value.strip()):  # ASCII digits, one sign
         number = int(value.strip())
     return number if number is not None and number >= minimum else None
 

@@ -266,13 +266,15 @@ class HorovodKubernetesOperator(BaseOperator):
             sub += f"/{identity.map_index}"
         return f"{str(root).rstrip('/')}/{sub}"
 
-    def cluster_contract(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
-        """The shared volume, its mount and the env every pod gets: NIGHTSHIFT_HOME and the tracking URI."""
+    def cluster_contract(self, tracking_uri: str | None = None
+                         ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+        """The shared volume, its mount and the env every pod gets: NIGHTSHIFT_HOME and the tracking URI
+        (`tracking_uri`, else the settings' cluster one)."""
         from nightshift import settings
 
         claim = self.cluster.shared_volume_claim or settings.shared_volume_claim()
         mount_path = str(settings.home())
-        uri = settings.cluster_mlflow_tracking_uri()
+        uri = tracking_uri or settings.cluster_mlflow_tracking_uri()
         if not uri.startswith(("http://", "https://")):
             raise InvalidJobConfig(
                 f"backend=kubernetes needs an MLflow tracking server that the pods reach, and the tracking URI "
@@ -284,15 +286,17 @@ class HorovodKubernetesOperator(BaseOperator):
         mount = {"name": SHARED_VOLUME, "mountPath": mount_path}
         return volume, mount, {"NIGHTSHIFT_HOME": mount_path, "MLFLOW_TRACKING_URI": uri}
 
-    def build_manifest(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
-        """The MPIJob this task submits for `identity` (pure; no cluster needed)."""
+    def build_manifest(self, identity: TaskIdentity, namespace: str | None = None, *,
+                       tracking_uri: str | None = None) -> dict[str, Any]:
+        """The MPIJob this task submits for `identity` (pure; no cluster needed); its pods log to
+        `tracking_uri` (default: the settings' cluster tracking URI)."""
         self.settle()
         if self.job.gpus:
             self.pack(self.cluster_gpus_per_node(discover=False))
         namespace = namespace or self.cluster.namespace or "default"
         checkpoint_dir = self.resolve_checkpoint_dir(identity, "kubernetes")
         command = with_checkpoint_dir(split_command(self.job.command), checkpoint_dir)
-        volume, mount, env = self.cluster_contract()
+        volume, mount, env = self.cluster_contract(tracking_uri)
         volumes = [volume, *(v for v in plain_objects(self.cluster.volumes or ()) if v.get("name") != SHARED_VOLUME)]
         mounts = [mount, *(m for m in plain_objects(self.cluster.volume_mounts or ())
                            if m.get("name") != SHARED_VOLUME)]

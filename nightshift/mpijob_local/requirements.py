@@ -51,9 +51,14 @@ def served_store_problem(tracking_uri: str) -> str | None:
     """None when run-mpijob can serve this MLflow tracking store to the hosts (a `--service` MLflow server on
     the job's network, reading the store from this machine's disk); else why not. The hosts have no route off
     their links: a tracking server or a database elsewhere is out of their reach, and of the service's."""
-    scheme = urlsplit(tracking_uri).scheme.lower()
-    if scheme in ("", "file", "sqlite"):
+    parts = urlsplit(tracking_uri)
+    scheme = parts.scheme.lower()
+    if scheme == "sqlite" and parts.path.strip("/") in ("", ":memory:"):
+        return (f"the tracking store {tracking_uri!r} is an in-memory SQLite database: the MLflow service would "
+                f"log the run to a store of its own, lost when it stops; use sqlite:///PATH")
+    if scheme in ("", "file", "sqlite") and tracking_uri.strip().lower() != "databricks":
         return None
+    scheme = scheme or tracking_uri.strip()
     return (f"the tracking store is {scheme}://..., which the emulated hosts cannot reach (they have no route "
             f"off their own links); the hosts backend serves a store on this machine's disk: unset "
             f"MLFLOW_TRACKING_URI (NIGHTSHIFT_HOME's SQLite store) or set it to sqlite:///PATH")

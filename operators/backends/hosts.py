@@ -27,13 +27,15 @@ import queue
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -44,7 +46,10 @@ from operators.mpijob_spec import TaskIdentity
 BIN = Path(sys.executable).parent
 MLFLOW_HOST = "mlflow.nightshift.svc"  # the service's name on the job's network
 MLFLOW_PORT = 5000
-CLUSTER_URI_ENV = "NIGHTSHIFT_CLUSTER_MLFLOW_URI"  # nightshift.settings.cluster_mlflow_tracking_uri
+SERVICE_URL = f"http://{MLFLOW_HOST}:{MLFLOW_PORT}"  # the pods' MLFLOW_TRACKING_URI
+# In the task's checkpoint directory (shared by its tries): the run-mpijob of the try that started last, so a
+# try stops an earlier try's job that outlived its task (SIGKILLed by the supervisor before on_kill ended).
+PIDFILE = "run-mpijob.pid"
 # run-mpijob's own clean-up after SIGTERM: each pod's processes get 10 s, its namespaces 10 s more.
 KILL_GRACE_SECONDS = 45.0
 TAIL_LINES = 40
@@ -109,18 +114,47 @@ def launcher_command(body: Mapping[str, Any]) -> list[str]:
     return [str(arg) for arg in containers[0].get("command") or []]
 
 
-@contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    """`name=value` in this process's environment for the block (the settings read it), then as it was."""
-    saved = os.environ.get(name)
-    os.environ[name] = value
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (field 22 of /proc/PID/stat), or None when it is gone: with the
+    PID it names one process, never a later one that reused the PID."""
     try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _write_pidfile(path: Path, pid: int) -> None:
+    from nightshift.fsutil import atomic_write_json
+
+    atomic_write_json(path, {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid)})
+
+
+def _running_from_pidfile(path: Path) -> int | None:
+    """The pid the file names if that very process (this machine's, same start time, a run-mpijob) still runs;
+    else None."""
+    try:
+        recorded = json.loads(path.read_text())
+        host, pid, start = recorded["host"], int(recorded["pid"]), recorded["start"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname():  # a try on another machine: its processes are not this machine's
+        return None
+    if start is None or _start_time(pid) != start or not _alive(pid):
+        return None
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return pid if b"run-mpijob" in argv[1:3] else None
 
 
 class HostsBackend(TrainingBackend):
@@ -147,7 +181,7 @@ class HostsBackend(TrainingBackend):
         check_machine()
         op = self.operator
         url, service = mlflow_service(settings.mlflow_tracking_uri(), settings.mlflow_artifact_root())
-        assert url == f"http://{MLFLOW_HOST}:{MLFLOW_PORT}", url  # what render() gives the pods
+        assert url == SERVICE_URL, url  # what render() gives the pods
         experiment = op.tracking.mlflow_experiment
         if experiment:
             # Made here, on the task's store, so its artifacts go where the task reads them (a local path the
@@ -159,39 +193,85 @@ class HostsBackend(TrainingBackend):
         namespace = op.cluster.namespace or "default"
         body = self.render(identity, namespace)
         name = body["metadata"]["name"]
+        checkpoint_dir = op.resolve_checkpoint_dir(identity, "kubernetes")
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        self._stop_earlier_try(Path(checkpoint_dir) / PIDFILE)
         self._tmp = Path(tempfile.mkdtemp(prefix="nightshift-hosts-"))
-        manifest = self._tmp / "mpijob.yaml"
+        try:
+            return self._start(body, name, namespace, checkpoint_dir, url, service)
+        except BaseException:
+            # execute() cleans up only after a submit that returned: nothing may be left running or on disk.
+            if self.process is not None and self.process.poll() is None:
+                self.cancel()
+            if self._reader is not None:
+                self._reader.join(timeout=10)
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+            raise
+
+    def _start(self, body: dict[str, Any], name: str, namespace: str, checkpoint_dir: str, url: str,
+               service: str) -> dict[str, Any]:
         import yaml
 
+        from nightshift import settings
+        from operators.local_launcher import child_environment
+
+        op = self.operator
+        assert self._tmp is not None
+        manifest = self._tmp / "mpijob.yaml"
         manifest.write_text(yaml.safe_dump(body, sort_keys=False))
         manifest.chmod(0o600)
         argv = run_mpijob_argv(manifest, shared_claim(body), str(settings.home()), service,
                                op.execution.timeout)
-        checkpoint_dir = op.resolve_checkpoint_dir(identity, "kubernetes")
         self.log.info("MPIJob %s/%s on %s emulated host(s); checkpoints of this task (every try): %s; MLflow "
                       "for the pods: %s over %s", namespace, name, op.job.num_workers, checkpoint_dir, url,
                       settings.mlflow_tracking_uri())
         self.log.info("MPIJob %s launcher command: %s", name, json.dumps(launcher_command(body)))
-        if self._cancelled:
+        if self._cancelled or op._killed:
             raise TaskInterrupted(f"the task was killed before MPIJob {name} started on emulated hosts")
-        from operators.local_launcher import child_environment
-
         # Only the allowlisted part of the worker's environment: run-mpijob passes its own to the services.
         env = child_environment(os.environ, {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
                                                      f"{os.pathsep}/usr/sbin{os.pathsep}/sbin"})
         with self._lock:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _write_pidfile(Path(checkpoint_dir) / PIDFILE, self.process.pid)
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"run-mpijob-{name}")
         self._reader.start()
         self.log.info("run-mpijob (pid %d): %s", self.process.pid, shlex.join(argv))
+        if self._cancelled or op._killed:  # on_kill ran while it started: its cancel may have found no process
+            self.cancel()
+            raise TaskInterrupted(f"the task was killed while MPIJob {name} started on emulated hosts; stopped")
         return {"backend": self.name, "name": name, "namespace": namespace, "checkpoint_dir": checkpoint_dir,
                 "num_workers": op.job.num_workers, "gpus_per_worker": op.job.gpus_per_worker}
 
+    def _stop_earlier_try(self, pidfile: Path) -> None:
+        """An earlier try's run-mpijob that outlived its task (the supervisor SIGKILLs a task 5 s after SIGTERM,
+        and run-mpijob runs in a session of its own) would train beside this try, into the same checkpoints
+        and MLflow run key: stop it (SIGTERM, then SIGKILL) and remove what it leaves, as the kubernetes
+        backend deletes an earlier try's MPIJob."""
+        earlier = _running_from_pidfile(pidfile)
+        if earlier is None:
+            return
+        self.log.warning("An earlier try's run-mpijob (pid %d) is still running: stopping it before this try "
+                         "starts", earlier)
+        with suppress(ProcessLookupError):
+            os.killpg(earlier, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE_SECONDS
+        while _alive(earlier) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _alive(earlier):
+            self.log.error("run-mpijob (pid %d) did not stop in %.0fs: SIGKILL", earlier, KILL_GRACE_SECONDS)
+            with suppress(ProcessLookupError):
+                os.killpg(earlier, signal.SIGKILL)
+            while _alive(earlier):
+                time.sleep(0.2)
+        self._remove_leftovers()
+
     def render(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
         """The kubernetes backend's MPIJob, its pods logging to the MLflow service on the job's network."""
-        with _environ(CLUSTER_URI_ENV, f"http://{MLFLOW_HOST}:{MLFLOW_PORT}"):
-            return self.operator.build_manifest(identity, namespace or self.operator.cluster.namespace or "default")
+        return self.operator.build_manifest(identity, namespace or self.operator.cluster.namespace or "default",
+                                            tracking_uri=SERVICE_URL)
 
     def _read(self) -> None:
         process = self.process
@@ -222,7 +302,7 @@ class HostsBackend(TrainingBackend):
         if self._cancelled:
             raise TaskInterrupted(f"the task was killed: MPIJob {name} on emulated hosts was stopped")
         last = self._last_word()
-        if code == EXIT_REFUSED:
+        if code == EXIT_REFUSED and last.startswith(("nightshift run-mpijob:", "nightshift: ")):
             raise InvalidJobConfig(f"run-mpijob refused MPIJob {name}: {last}")
         what = "ran out of time" if code == EXIT_TIMEOUT else f"failed (run-mpijob exit code {code})"
         raise MPIJobFailed(f"MPIJob {name} on emulated hosts {what}: {last}; last log lines:\n"

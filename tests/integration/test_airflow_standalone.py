@@ -1,9 +1,10 @@
 """`airflow standalone` (scripts/airflow.sh) on 127.0.0.1: trigger `nightly_retrain` through the REST API v2
 with params, as the UI's trigger form does; once on good data (success, a model version, extra links, the
 lineage page), once on corrupt data (fails at validate_data, no new model version), once waiting for an
-approval. Then, in headless Chromium, a person's view: the extra links of the successful run's tasks and of
-the refused run's gate, the lineage page, and last the trigger form submitted with its defaults starting a
-run (screenshots in `$NIGHTSHIFT_ARTIFACTS/browser`, default `.artifacts/browser`)."""
+approval (trained across 2 emulated hosts, backend=hosts, where the machine allows it). Then, in headless
+Chromium, a person's view: the extra links of the successful run's tasks and of the refused run's gate, the
+lineage page, and last the trigger form submitted with its defaults starting a run (screenshots in
+`$NIGHTSHIFT_ARTIFACTS/browser`, default `.artifacts/browser`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from nightshift.mpijob_local.requirements import missing
 from nightshift.netutil import free_port
 from tests.integration import airflow_helpers
 from tests.integration.airflow_helpers import airflow_standalone, registered_versions
@@ -132,10 +134,14 @@ def test_corrupt_data_fails_at_validation_without_a_new_model(standalone: dict[s
 
 
 def test_require_approval_waits_for_a_person_then_deploys(standalone: dict[str, Any]) -> None:
+    """This run trains on emulated hosts (backend=hosts: the MPIJob across 2 of them, run-mpijob as the train
+    task's child) where the machine allows it (root, ip, unshare, sshd), else locally."""
     api: Api = standalone["api"]
+    backend = "local" if missing() else "hosts"
     # force: same data, so it would skip training; min_improvement 0: an equal model passes the gate.
-    run_id = _trigger(api, {"epochs": 5, "force": True, "min_improvement": 0.0, "require_approval": True})
-    deadline = time.monotonic() + 300
+    run_id = _trigger(api, {"epochs": 2, "batch_size": 8, "workers": 2, "backend": backend, "force": True,
+                            "min_improvement": 0.0, "require_approval": True})
+    deadline = time.monotonic() + 600
     while (state := api.task_states(run_id).get("approve")) not in {"awaiting_input", "deferred"}:
         assert state not in {"failed", "skipped", "upstream_failed", "success"}, api.task_states(run_id)
         assert time.monotonic() < deadline, f"approve still {state}"
@@ -155,6 +161,10 @@ def test_require_approval_waits_for_a_person_then_deploys(standalone: dict[str, 
     states = api.task_states(run_id)
     assert states["approve"] == "success" and states["deploy"] == "success", states
     assert registered_versions(standalone["home"]) == ["1", "2"]
+    trained = api.call("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/train/xcomEntries/return_value"
+                              "?deserialize=true&stringify=false")
+    value = trained["value"] if isinstance(trained["value"], dict) else json.loads(trained["value"])
+    assert value["backend"] == backend and value["num_workers"] == 2, value
 
 
 def _screenshot_dialog(driver: WebDriver, path: Path) -> None:

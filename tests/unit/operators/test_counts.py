@@ -101,3 +101,14 @@ def test_an_unsettled_count_is_a_programming_error_not_a_manifest() -> None:
     with pytest.raises(TypeError, match=r"JobConfig.num_workers is '\{\{ params.workers \}\}': settle"):
         mpijob_config(dataclasses.replace(job, num_workers="{{ params.workers }}"), cluster, execution,
                       command=["x"], namespace="ns", queue_name=None, volumes=[], volume_mounts=[], env={})
+
+
+@pytest.mark.parametrize("value", ["--3", "²", "٣", "1" * 5000, "+-2", " 4 4"])
+def test_a_count_no_parser_saw_is_refused_naming_the_field(value: str) -> None:
+    """Review finding: "--3" and "²" passed the digit check and int() then raised a bare ValueError (naming
+    neither the field nor the Param); a 5000-digit string exceeded int()'s limit."""
+    from operators.counts import parse_count
+
+    assert parse_count(value, 1) is None
+    with pytest.raises(InvalidJobConfig, match="num_workers must be an integer >= 1"):
+        JobConfig(command=["x"], num_workers=value).settled()

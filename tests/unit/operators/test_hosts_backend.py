@@ -246,3 +246,106 @@ def test_the_manifest_file_is_the_operators_mpijob(backend: Any) -> None:
     hb.cleanup(result, succeeded=True, error=None)
     assert body["kind"] == "MPIJob" and body["metadata"]["name"] == result["name"]
     assert body["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 2
+
+
+# --- review findings ---------------------------------------------------------------------------------------
+
+
+def test_a_kill_while_run_mpijob_starts_stops_it(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """on_kill landing just before the child exists found no process; the job then started and ran to the end."""
+    hb = backend("sleep")
+    real = hosts.subprocess.Popen
+
+    def killed_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        hb.operator.on_kill()  # the signal handler, on this thread
+        hb.cancel()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hosts.subprocess, "Popen", killed_meanwhile)
+    with pytest.raises(errors.TaskInterrupted, match=r"killed while MPIJob .* started"):
+        hb.submit(IDENTITY, {})
+    assert hb.process is not None and hb.process.poll() is not None
+    assert hb._tmp is None  # the manifest's scratch directory is gone too
+
+
+def test_an_earlier_tries_run_mpijob_that_outlived_its_task_is_stopped_first(backend: Any, tmp_path: Path) -> None:
+    """The supervisor SIGKILLs a task 5 s after SIGTERM; run-mpijob (its own session) went on training, and the
+    retry started a second job beside it into the same checkpoints and MLflow run key."""
+    import subprocess
+
+    script = tmp_path / "stand_in.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    earlier = subprocess.Popen([sys.executable, str(script), "run-mpijob", "earlier.yaml"], start_new_session=True)
+    try:
+        hb = backend("ok")
+        checkpoints = Path(hb.operator.resolve_checkpoint_dir(IDENTITY, "kubernetes"))
+        checkpoints.mkdir(parents=True)
+        hosts._write_pidfile(checkpoints / hosts.PIDFILE, earlier.pid)
+        result = hb.submit(IDENTITY, {})
+        assert earlier.wait(timeout=5) == -15  # SIGTERM, before this try's job started
+        assert any(f"earlier try's run-mpijob (pid {earlier.pid})" in line for line in hb.log.lines)
+        hb.wait(result, {})
+        hb.cleanup(result, succeeded=True, error=None)
+        assert json.loads((checkpoints / hosts.PIDFILE).read_text())["pid"] == hb.process.pid
+        # A pid file naming a process that is gone, or another program, stops nothing.
+        assert hosts._running_from_pidfile(checkpoints / hosts.PIDFILE) is None
+        hosts._write_pidfile(checkpoints / hosts.PIDFILE, os.getpid())
+        assert hosts._running_from_pidfile(checkpoints / hosts.PIDFILE) is None
+    finally:
+        if earlier.poll() is None:
+            earlier.kill()
+            earlier.wait()
+
+
+def test_the_manifest_is_rendered_without_touching_the_processs_environment(backend: Any,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """render() set NIGHTSHIFT_CLUSTER_MLFLOW_URI in os.environ around build_manifest: two renders in threads
+    left the hosts' URL there for good, for every later kubernetes render and child of the process."""
+    monkeypatch.setenv("NIGHTSHIFT_CLUSTER_MLFLOW_URI", "http://mlflow.prod.svc:5000")
+    seen: list[str | None] = []
+    hb = backend("ok")
+    real = hb.operator.build_manifest
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        seen.append(os.environ.get("NIGHTSHIFT_CLUSTER_MLFLOW_URI"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hb.operator, "build_manifest", watched)
+    body = hb.render(IDENTITY)
+    env = {e["name"]: e.get("value") for e in
+           body["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_TRACKING_URI"] == hosts.SERVICE_URL
+    assert seen == ["http://mlflow.prod.svc:5000"]
+    assert os.environ["NIGHTSHIFT_CLUSTER_MLFLOW_URI"] == "http://mlflow.prod.svc:5000"
+
+
+def test_a_failing_submit_leaves_no_manifest(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    hb = backend("ok")
+    made: list[Path] = []
+    real = hosts.tempfile.mkdtemp
+    monkeypatch.setattr(hosts.tempfile, "mkdtemp", lambda **kw: made.append(Path(real(**kw))) or made[-1])
+
+    def gone(*args: Any, **kwargs: Any) -> list[str]:
+        raise errors.InvalidJobConfig("backend=hosts needs the `nightshift` command")
+
+    monkeypatch.setattr(hosts, "run_mpijob_argv", gone)
+    with pytest.raises(errors.InvalidJobConfig):
+        hb.submit(IDENTITY, {})
+    assert made and not made[0].exists()
+
+
+def test_a_training_that_exits_2_is_a_failed_job_not_a_refusal(backend: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    hb = backend("ok")
+    exits_2 = "print('[job-launcher] usage error'); raise SystemExit(2)"
+    monkeypatch.setattr(hosts, "run_mpijob_argv", lambda *a: [sys.executable, "-c", exits_2])
+    result = hb.submit(IDENTITY, {})
+    with pytest.raises(errors.MPIJobFailed, match=r"run-mpijob exit code 2\): \[job-launcher\] usage error"):
+        hb.wait(result, {})
+    hb.cleanup(result, succeeded=False, error=None)
+
+
+def test_stores_the_service_could_not_share_are_refused() -> None:
+    assert "in-memory" in (served_store_problem("sqlite://") or "")
+    assert "in-memory" in (served_store_problem("sqlite:///:memory:") or "")
+    assert "databricks" in (served_store_problem("databricks") or "")
