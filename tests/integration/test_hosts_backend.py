@@ -144,7 +144,6 @@ def test_dag_trains_on_emulated_hosts_and_a_killed_host_is_resumed_bit_for_bit(t
         env.pop(name, None)
     env.update({"NIGHTSHIFT_RETRAIN_CRON": "none", "NIGHTSHIFT_TRAIN_RETRY_DELAY_S": "1"})
     module.prepare_airflow(env)
-    scratch_before = set(Path(tempfile.gettempdir()).glob("nightshift-hosts-*"))
 
     killer = KillWorkerHostAfterFirstCheckpoint(home)
     killer.start()
@@ -196,4 +195,7 @@ def test_dag_trains_on_emulated_hosts_and_a_killed_host_is_resumed_bit_for_bit(t
         assert not list(Path(tempfile.gettempdir()).glob(f"nightshift-mpijob-{pid}-*"))
         assert not processes_mentioning(f"nightshift-mpijob-{pid}-")
     assert not processes_mentioning(str(home / "mlflow.db"), str(out))
-    assert set(Path(tempfile.gettempdir()).glob("nightshift-hosts-*")) <= scratch_before
+    # Each try's manifest directory (named in its run-mpijob command line; other tests' hosts runs may be
+    # running beside this one, so only this run's are looked at).
+    scratch = set(re.findall(r"run-mpijob (/\S+/nightshift-hosts-[^/\s]+)/mpijob\.yaml", log))
+    assert len(scratch) == 2 and not [path for path in scratch if Path(path).exists()], scratch
