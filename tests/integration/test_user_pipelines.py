@@ -63,7 +63,7 @@ DIABETES = {
 }
 PIPELINES = {"cancer": CANCER, "diabetes": DIABETES}
 # What the wheel is built from: the distribution's sources, copied so that no build/ lands in the checkout.
-SOURCES = ("pyproject.toml", "README.md", "nightshift", "operators", "dags/nightly_tasks")
+SOURCES = ("pyproject.toml", "README.md", "nightshift", "nightshift_plan", "operators", "dags/nightly_tasks")
 
 
 # ---- Nightshift from a wheel ------------------------------------------------------------------------------------
