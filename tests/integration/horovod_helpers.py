@@ -1,5 +1,6 @@
 """Real `horovodrun --gloo` training jobs on this machine, shared by test_train_horovod and
-test_kueue_preemption: the command, a run that must succeed, and bit-for-bit weight comparison."""
+test_kueue_preemption: the command, a run that must succeed, and bit-for-bit weight comparison; and the
+processes left behind by a run, for the emulated-host tests (test_run_mpijob, test_hosts_backend)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,18 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"parameter {name} differs"
+
+
+def processes_mentioning(*needles: str, pids: list[str] | None = None) -> list[str]:
+    """"PID: command line" of each process (of `pids`, default all) whose command line holds one of `needles`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or (pids is not None and entry.name not in pids):
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(needle in cmdline for needle in needles):
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found

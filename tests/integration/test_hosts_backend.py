@@ -26,6 +26,7 @@ import pytest
 
 from nightshift.mpijob_local.requirements import missing
 from tests.integration.airflow_helpers import demo_module, registered_versions, stop_model_server
+from tests.integration.horovod_helpers import processes_mentioning
 
 BIN = Path(sys.executable).parent
 # 2 ranks x batch 8, 2 epochs: 158 steps; the first checkpoint (step 100) comes mid-run.
@@ -83,20 +84,6 @@ class _gone:
 
     def __exit__(self, kind: type[BaseException] | None, *_: Any) -> bool:
         return kind is not None and issubclass(kind, ProcessLookupError)
-
-
-def processes_mentioning(*needles: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(needle in cmdline for needle in needles):
-            found.append(f"{entry.name}: {cmdline[:200]}")
-    return found
 
 
 def without_mlflow_args(command: list[str]) -> list[str]:

@@ -27,6 +27,8 @@ import pytest
 import torch
 import yaml
 
+from tests.integration.horovod_helpers import processes_mentioning
+
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
@@ -173,20 +175,6 @@ def host_links() -> set[str]:
 def namespace_pids(namespace: str) -> list[str]:
     done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
     return done.stdout.split()
-
-
-def processes_mentioning(*needles: str, pids: list[str] | None = None) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or (pids is not None and entry.name not in pids):
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(needle in cmdline for needle in needles):
-            found.append(f"{entry.name}: {cmdline[:200]}")
-    return found
 
 
 def assert_nothing_left(pid: int, links_before: set[str], *markers: str) -> None:
