@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
+from nightshift import processes
 from nightshift import settings as nightshift_settings
 from nightshift.errors import UsageError
 from nightshift.search.errors import StudyMismatch
@@ -258,21 +258,13 @@ def load_study(storage: str, name: str) -> tuple[optuna.Study, SearchSettings]:
 
 def process_owner() -> dict[str, Any]:
     """Who runs a trial asked by this process: host, pid and the process's start time (pid reuse)."""
-    return {"kind": "process", "host": socket.gethostname(), "pid": os.getpid(), "start": _start_ticks(os.getpid())}
-
-
-def _start_ticks(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rpartition(")")[2].split()[19])
+    return {"kind": "process", **processes.identity(os.getpid())}
 
 
 def _owner_alive(owner: dict[str, Any]) -> bool:
-    if owner.get("kind") != "process" or owner.get("host") != socket.gethostname():
+    if owner.get("kind") != "process" or not processes.on_this_host(owner):
         return True  # not ours to judge: another machine, or an Airflow task (its DAG run finalises it)
-    return _start_ticks(int(owner["pid"])) == owner.get("start")
+    return processes.start_ticks(int(owner["pid"])) == owner.get("start")
 
 
 def ask_trial(study: optuna.Study, space: SearchSpace, settings: SearchSettings, *, owner: dict[str, Any],

@@ -27,7 +27,6 @@ import queue
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -114,16 +113,6 @@ def launcher_command(body: Mapping[str, Any]) -> list[str]:
     return [str(arg) for arg in containers[0].get("command") or []]
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (field 22 of /proc/PID/stat), or None when it is gone: with the
-    PID it names one process, never a later one that reused the PID."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -134,21 +123,22 @@ def _alive(pid: int) -> bool:
 
 def _write_pidfile(path: Path, pid: int) -> None:
     from nightshift.fsutil import atomic_write_json
+    from nightshift.processes import identity
 
-    atomic_write_json(path, {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid)})
+    atomic_write_json(path, identity(pid))
 
 
 def _running_from_pidfile(path: Path) -> int | None:
-    """The pid the file names if that very process (this machine's, same start time, a run-mpijob) still runs;
-    else None."""
+    """The pid the file names if that very process (this machine's, same start time: nightshift.processes; a
+    run-mpijob) still runs; else None. A try on another machine names none of this machine's processes."""
+    from nightshift.processes import still_running
+
     try:
         recorded = json.loads(path.read_text())
-        host, pid, start = recorded["host"], int(recorded["pid"]), recorded["start"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if host != socket.gethostname():  # a try on another machine: its processes are not this machine's
-        return None
-    if start is None or _start_time(pid) != start or not _alive(pid):
+        pid = int(recorded["pid"])
+        if not still_running(recorded) or not _alive(pid):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
