@@ -10,6 +10,7 @@ load, not only in this project's virtualenv. Logging is idempotent by the tag `n
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -17,7 +18,8 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,8 +88,40 @@ def configure(uri: str | None = None) -> MlflowClient:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    _configured = (uri, mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri))
+    with _store_creation_lock(uri):
+        _configured = (uri, mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri))
     return _configured[1]
+
+
+@contextmanager
+def _store_creation_lock(uri: str) -> Iterator[None]:
+    """For a SQLite store file: an exclusive lock (`<file>.init-lock` beside it) held while the client is made.
+
+    Making a client over a SQLite store creates and migrates its tables when they are missing, and MLflow's
+    tracking store does so unlocked: two processes opening a new store at once (two pipelines' first runs
+    sharing NIGHTSHIFT_HOME's store) both run the migrations, and one fails ("Online migration expected to
+    match one row ..."). Under this lock the second finds the tables made. Other stores are left to their
+    servers; a store whose folder is missing is left to MLflow's own error."""
+    path = _sqlite_file(uri)
+    if path is None or not path.parent.is_dir():
+        yield
+        return
+    with path.with_name(path.name + ".init-lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    """The file of a `sqlite:///PATH` URI; None for an in-memory database or another store."""
+    if not uri.lower().startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    return None if database in (None, "", ":memory:") else Path(str(database))
 
 
 def client() -> MlflowClient:

@@ -43,7 +43,7 @@ class Api(airflow_helpers.Api):
             if state in {"success", "failed"}:
                 return str(state)
             time.sleep(3)
-        raise AssertionError(f"run {run_id} still {state} after {timeout:.0f}s")
+        raise AssertionError(f"run {run_id} still {state} after {timeout:.0f}s: {self.task_states(run_id)}")
 
     def task_states(self, run_id: str) -> dict[str, str]:
         out = self.call("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")
@@ -73,7 +73,7 @@ def _trigger(api: Api, conf: dict[str, Any]) -> str:
 def test_trigger_with_params_through_the_rest_api_succeeds(standalone: dict[str, Any]) -> None:
     api: Api = standalone["api"]
     run_id = _trigger(api, {"epochs": 5, "workers": 2, "backend": "local", "min_improvement": 0.0})
-    state = api.wait_run(run_id, timeout=420)
+    state = api.wait_run(run_id, timeout=900)
     states = api.task_states(run_id)
     assert state == "success", f"{states}; log {standalone['log']}"
     assert states["train"] == "success" and states["deploy"] == "success"
@@ -366,5 +366,5 @@ def test_trigger_form_submits_with_its_defaults(browser: WebDriver, standalone: 
     time.sleep(2)
     _screenshot_newest_runs(browser, artifacts / "run-grid.png")
 
-    state = api.wait_run(run_id, timeout=420)
+    state = api.wait_run(run_id, timeout=900)
     assert state == "success", f"{api.task_states(run_id)}; log {standalone['log']}"

@@ -307,6 +307,28 @@ def test_mlflow_is_configured_once_per_process(monkeypatch: pytest.MonkeyPatch, 
     assert tracking.configure(other) is tracking.client() and pointed == [other]
 
 
+def test_two_processes_opening_a_new_sqlite_store_make_its_tables_one_after_the_other(nightshift_home: Path) -> None:
+    """Two pipelines' first runs opened NIGHTSHIFT_HOME's new store at once and both ran MLflow's migrations:
+    one failed ("Online migration expected to match one row"). A client is made under the store's lock."""
+    import fcntl
+    import sqlite3
+    import threading
+
+    store = nightshift_home / "shared.db"
+    made: list[Any] = []
+    with (nightshift_home / "shared.db.init-lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process making the store
+        opener = threading.Thread(target=lambda: made.append(tracking.configure(f"sqlite:///{store}")))
+        opener.start()
+        opener.join(1.5)
+        assert opener.is_alive() and not store.exists()  # waits; creates nothing meanwhile
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    opener.join(60)
+    assert made and made[0].search_experiments()
+    tables = {row[0] for row in sqlite3.connect(store).execute("SELECT name FROM sqlite_master")}
+    assert {"experiments", "runs", "registered_models"} <= tables
+
+
 def test_no_module_sets_environment_defaults_when_imported() -> None:
     import ast
 
