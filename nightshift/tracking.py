@@ -101,9 +101,15 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
     tracking store does so unlocked: two processes opening a new store at once (two pipelines' first runs
     sharing NIGHTSHIFT_HOME's store) both run the migrations, and one fails ("Online migration expected to
     match one row ..."). Under this lock the second finds the tables made. Other stores are left to their
-    servers; a store whose folder is missing is left to MLflow's own error."""
+    servers. The store's folder is made first, as MLflow would; one that cannot be made is left to MLflow's
+    own error."""
     path = _sqlite_file(uri)
-    if path is None or not path.parent.is_dir():
+    try:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        path = None
+    if path is None:
         yield
         return
     with path.with_name(path.name + ".init-lock").open("a") as handle:

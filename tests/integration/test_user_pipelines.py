@@ -153,7 +153,11 @@ class UserRepo:
                     proc.kill()
                     proc.wait()
         records = self.ledger(dag_id)[before:]
-        assert code == 0 and records, f"airflow dags test {dag_id}: exit {code}\n{log_path.read_text()[-4000:]}"
+        if code != 0 or not records:  # the errors of every try (a train's are far above the log's tail)
+            text = log_path.read_text(errors="replace")
+            errors = [line[:400] for line in text.splitlines() if "Error" in line or "Exception" in line]
+            raise AssertionError(f"airflow dags test {dag_id}: exit {code}; errors:\n" + "\n".join(errors[-40:])
+                                 + f"\n... log {log_path}:\n{text[-2000:]}")
         return records[-1]
 
 
