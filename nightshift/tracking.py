@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,33 +101,45 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
     tracking store does so unlocked: two processes opening a new store at once (two pipelines' first runs
     sharing NIGHTSHIFT_HOME's store) both run the migrations, and one fails ("Online migration expected to
     match one row ..."). Under this lock the second finds the tables made. Other stores are left to their
-    servers. The store's folder is made first, as MLflow would; one that cannot be made is left to MLflow's
-    own error."""
+    servers. The store's folder is made first, as MLflow would. Where the lock cannot be had (a read-only
+    folder holding a store to read, a lock file of another user's), the client is made without it."""
     path = _sqlite_file(uri)
-    try:
-        if path is not None:
+    handle = None
+    if path is not None:
+        lock = path.with_name(path.name + ".init-lock")
+        with suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        path = None
-    if path is None:
+        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # flock needs no write access to the file
+            try:
+                handle = os.open(lock, flags | os.O_CLOEXEC, 0o666)
+                break
+            except OSError:
+                continue
+    if handle is None:
         yield
         return
-    with path.with_name(path.name + ".init-lock").open("a") as handle:
+    try:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
 
 
 def _sqlite_file(uri: str) -> Path | None:
-    """The file of a `sqlite:///PATH` URI; None for an in-memory database or another store."""
-    if not uri.lower().startswith("sqlite:"):
+    """The file of a SQLite store URI (`sqlite:///PATH`, `sqlite+pysqlite:///PATH`...); None for an in-memory
+    database, another store, or a URI SQLAlchemy cannot read (left to MLflow's own error)."""
+    if not uri.lower().startswith("sqlite"):
         return None
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
-    database = make_url(uri).database
-    return None if database in (None, "", ":memory:") else Path(str(database))
+    try:
+        url = make_url(uri)
+    except ArgumentError:
+        return None
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    return Path(str(url.database))
 
 
 def client() -> MlflowClient:

@@ -173,6 +173,9 @@ print(settings.mlflow_tracking_uri()); print(settings.mlflow_artifact_root())')
         return 0
     fi
     mkdir -p "$NIGHTSHIFT_HOME" "$artifacts"
+    # The store made (its tables, under its lock: nightshift.tracking) before the UI opens it: `mlflow ui` migrates
+    # a new store unlocked, racing the first task that uses it.
+    python -c 'from nightshift import tracking; tracking.configure()'
     local log="$NIGHTSHIFT_HOME/mlflow-ui.log"
     # Job execution (GenAI jobs, ~8 huey worker processes) is not needed to browse runs and models.
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false setsid mlflow ui --host 127.0.0.1 --port "$MLFLOW_UI_PORT" --workers 1 --backend-store-uri "$uri" \

@@ -172,13 +172,15 @@ class HostsBackend(TrainingBackend):
         op = self.operator
         url, service = mlflow_service(settings.mlflow_tracking_uri(), settings.mlflow_artifact_root())
         assert url == SERVICE_URL, url  # what render() gives the pods
+        from nightshift.tracking import configure, ensure_experiment
+
+        # The store made (its tables, under its lock) before the service opens it: `mlflow server` migrates a
+        # new store unlocked, racing another task's first use of the same store.
+        configure()
         experiment = op.tracking.mlflow_experiment
         if experiment:
             # Made here, on the task's store, so its artifacts go where the task reads them (a local path the
             # pods see too), not behind the service's artifact proxy, which is gone once the job ends.
-            from nightshift.tracking import configure, ensure_experiment
-
-            configure()
             ensure_experiment(str(experiment))
         namespace = op.cluster.namespace or "default"
         body = self.render(identity, namespace)

@@ -133,6 +133,7 @@ def test_standalone_serves_the_mlflow_ui_and_stops_it(script_env: dict[str, str]
     assert seen["argv"] == ["standalone"]
     assert seen["env"]["NIGHTSHIFT_MLFLOW_UI_URL"] == f"http://127.0.0.1:{port}"
     assert seen.get("mlflow_health") == 200, (nightshift_home / "mlflow-ui.log").read_text()[-2000:]
+    assert (nightshift_home / "mlflow.db.init-lock").is_file()  # the store made under its lock before the UI
     assert f"MLflow UI: http://127.0.0.1:{port}" in proc.stderr
     deadline = time.monotonic() + 15
     while _listening(port) and time.monotonic() < deadline:

@@ -329,6 +329,35 @@ def test_two_processes_opening_a_new_sqlite_store_make_its_tables_one_after_the_
     assert {"experiments", "runs", "registered_models"} <= tables
 
 
+@pytest.mark.parametrize(("uri", "file"), [
+    ("sqlite:////abs/m.db", "/abs/m.db"), ("sqlite+pysqlite:////abs/m.db", "/abs/m.db"),
+    ("sqlite:////abs/m.db?timeout=30", "/abs/m.db"), ("sqlite:///rel.db", "rel.db"), ("sqlite://", None),
+    ("sqlite:///:memory:", None), ("postgresql://u@h/db", None), ("http://mlflow:5000", None), ("sqlite:/x", None)])
+def test_the_store_file_locked_is_the_one_sqlite_opens(uri: str, file: str | None) -> None:
+    assert tracking._sqlite_file(uri) == (None if file is None else Path(file))
+
+
+def test_a_store_whose_lock_cannot_be_had_is_still_opened(nightshift_home: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only folder holding a store to read, or another user's lock file: the client is made unlocked."""
+    import io
+    import os
+
+    uri = f"sqlite:///{nightshift_home / 'ro.db'}"
+    tracking.configure(uri).create_experiment("there")
+
+    def refusing(real: Any) -> Any:
+        def refuse(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path).endswith(".init-lock"):
+                raise OSError(30, "Read-only file system", str(path))
+            return real(path, *args, **kwargs)
+        return refuse
+
+    monkeypatch.setattr(os, "open", refusing(os.open))
+    monkeypatch.setattr(io, "open", refusing(io.open))
+    assert tracking.configure(uri).get_experiment_by_name("there") is not None
+
+
 def test_no_module_sets_environment_defaults_when_imported() -> None:
     import ast
 

@@ -159,6 +159,8 @@ def test_the_job_runs_as_the_kubernetes_backends_mpijob_with_the_service_and_the
     result = hb.submit(IDENTITY, {})
     scratch = hb._tmp
     assert scratch is not None and (scratch / "mpijob.yaml").exists()
+    # the store made under its lock before the service (which migrates a new store unlocked) opened it
+    assert (backend.home / "mlflow.db").is_file() and (backend.home / "mlflow.db.init-lock").is_file()
     assert "NIGHTSHIFT_CLUSTER_MLFLOW_URI" not in os.environ  # only while the manifest was built
     hb.wait(result, {})
     hb.cleanup(result, succeeded=True, error=None)
