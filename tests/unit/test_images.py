@@ -23,6 +23,8 @@ TRAINER = ROOT / "images" / "trainer"
 AIRFLOW = ROOT / "images" / "airflow"
 SERVING = ROOT / "images" / "serving"
 DOCKERFILES = [TRAINER / "Dockerfile", AIRFLOW / "Dockerfile", SERVING / "Dockerfile"]
+# Local equivalents of the official base images, for `make images` where those cannot be pulled.
+LOCAL_BASES = [ROOT / "images" / "local" / name / "Dockerfile" for name in ("python", "airflow")]
 # Every package pyproject.toml finds (nightshift_plan: the installed `nightshift.commands` entry point names it).
 PACKAGES = {"nightshift", "nightshift_plan", "operators", "dags/nightly_tasks"}
 
@@ -67,7 +69,7 @@ def _pins() -> dict[str, str]:
 # --- lint -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("dockerfile", DOCKERFILES + LOCAL_BASES, ids=lambda p: str(p.parent.relative_to(ROOT)))
 def test_hadolint_reports_nothing(dockerfile: Path) -> None:
     hadolint = _hadolint()
     if hadolint is None:
@@ -84,7 +86,7 @@ def test_hadolint_reports_nothing(dockerfile: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("dockerfile", DOCKERFILES + LOCAL_BASES, ids=lambda p: str(p.parent.relative_to(ROOT)))
 def test_every_inline_ignore_is_justified(dockerfile: Path) -> None:
     lines = dockerfile.read_text().splitlines()
     for i, line in enumerate(lines):
@@ -111,6 +113,96 @@ def test_trainer_has_cuda_build_and_runtime_stages_and_a_cpu_variant() -> None:
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim", text, re.M)
     assert "build-${VARIANT} AS build" in froms and "runtime-${VARIANT} AS runtime" in froms
     assert froms[-1] == "runtime-${VARIANT} AS runtime"
+
+
+def _stages(dockerfile: Path) -> dict[str, list[tuple[str, str]]]:
+    """Instructions by stage name (an unnamed stage by its base), each list starting with ("FROM", base)."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for kw, args in _instructions(dockerfile):
+        if kw == "FROM":
+            base, _, name = args.partition(" AS ")
+            current = name or base
+            stages[current] = [("FROM", base)]
+        elif current is not None:
+            stages[current].append((kw, args))
+    return stages
+
+
+def _env(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(pair.split("=", 1) for kw, args in instructions if kw == "ENV" for pair in args.split())
+
+
+def _apt_packages(instructions: list[tuple[str, str]]) -> set[str]:
+    packages: set[str] = set()
+    for kw, args in instructions:
+        if kw == "RUN":
+            for group in re.findall(r"apt-get install -y --no-install-recommends (.*?)(?:&&|$)", args):
+                packages |= set(group.split())
+    return packages
+
+
+# What the CUDA stages add to get Python 3.11 onto Ubuntu (the deadsnakes PPA); the python base image has it.
+DEADSNAKES = {"ca-certificates", "gnupg", "software-properties-common", "python3.11", "python3.11-dev",
+              "python3.11-venv"}
+
+
+@pytest.mark.parametrize("step", ["build", "runtime"])
+def test_trainer_variants_differ_only_in_the_base_and_the_torch_and_horovod_build_flags(step: str) -> None:
+    """Everything but the base is shared: the cuda and cpu stages of a step only pick a base image, add its
+    system packages and set torch's index and Horovod's GPU flags; the shared stage does all the rest."""
+    stages = _stages(TRAINER / "Dockerfile")
+    cuda, cpu, shared = stages[f"{step}-cuda"], stages[f"{step}-cpu"], stages[step]
+    assert shared[0] == ("FROM", f"{step}-${{VARIANT}}")
+    for variant in (cuda, cpu):
+        assert {kw for kw, _ in variant} <= {"FROM", "ARG", "SHELL", "ENV", "RUN"}  # no COPY, USER, ...
+        for kw, args in variant:
+            if kw == "RUN":
+                assert "pip " not in args and "/build" not in args and "useradd" not in args, args
+    # The base: nvidia/cuda for cuda, the python image for cpu.
+    assert cuda[0][1].startswith("nvidia/cuda:") and cpu[0][1] == "${PYTHON_IMAGE}"
+    # System packages: the same, but for how the CUDA base gets Python 3.11.
+    assert _apt_packages(cpu) <= _apt_packages(cuda)
+    assert _apt_packages(cuda) - _apt_packages(cpu) <= DEADSNAKES
+    # Environment: the same keys and values, but for torch's index and Horovod's GPU build flags.
+    cuda_env, cpu_env = _env(cuda), _env(cpu)
+    differing = {k for k in cuda_env.keys() | cpu_env.keys() if cuda_env.get(k) != cpu_env.get(k)}
+    assert all(k == "TORCH_INDEX_URL" or k.startswith("HOROVOD_") for k in differing), differing
+    assert not any(k.startswith("HOROVOD_") for k in cpu_env)
+    if step == "build":
+        assert "TORCH_INDEX_URL" in cuda_env and "TORCH_INDEX_URL" in cpu_env
+        args_cuda = {a.split("=")[0] for kw, a in cuda if kw == "ARG"}
+        args_cpu = {a.split("=")[0] for kw, a in cpu if kw == "ARG"}
+        assert args_cuda == args_cpu == {"DEBIAN_FRONTEND", "TORCH_INDEX_URL"}
+    # Everything else (torch, Horovod, the project, the user, sshd) is in the shared stage.
+    shared_runs = " ".join(args for kw, args in shared if kw == "RUN")
+    assert ("horovod" in shared_runs) if step == "build" else ("useradd" in shared_runs)
+
+
+def test_the_torch_source_is_a_build_argument_defaulting_to_the_pytorch_index() -> None:
+    stages = _stages(TRAINER / "Dockerfile")
+    for variant, default in (("build-cuda", "cu128"), ("build-cpu", "cpu")):
+        assert ("ARG", f"TORCH_INDEX_URL=https://download.pytorch.org/whl/{default}") in stages[variant]
+        assert _env(stages[variant])["TORCH_INDEX_URL"] == "${TORCH_INDEX_URL}"
+
+
+ALL_DOCKERFILES = DOCKERFILES + LOCAL_BASES
+
+
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES, ids=lambda p: str(p.parent.relative_to(ROOT)))
+def test_pip_gets_the_ca_bundle_only_as_a_build_secret(dockerfile: Path) -> None:
+    """Every RUN that reaches PyPI mounts the `pip-ca` secret; PIP_CERT is an argument without default (unset
+    in a plain `docker build`), never an ENV of an image."""
+    instructions = _instructions(dockerfile)
+    for kw, args in instructions:
+        if kw == "RUN" and re.search(r"pip (install|download)", args) and "--no-deps /tmp/nightshift/src" not in args:
+            assert args.startswith("--mount=type=secret,id=pip-ca,mode=0444 "), args
+        assert not (kw == "ENV" and "PIP_CERT" in args)
+        assert not (kw == "ARG" and args.startswith("PIP_CERT="))
+        assert not (kw in {"COPY", "ADD"} and "ca-certificates.crt" in args)
+    for stage in _stages(dockerfile).values():  # the argument is declared where the secret is mounted
+        if any(kw == "RUN" and args.startswith("--mount=type=secret,id=pip-ca") for kw, args in stage):
+            assert ("ARG", "PIP_CERT") in stage
 
 
 def test_trainer_applies_the_cxx17_patch_to_both_cmakelists() -> None:
@@ -295,7 +387,7 @@ def test_dockerignore_keeps_everything_the_trainer_copies() -> None:
 # --- the commit an image is built from ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dockerfile", [AIRFLOW / "Dockerfile", TRAINER / "Dockerfile"], ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
 def test_images_carry_the_commit_they_are_built_from(dockerfile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--build-arg NIGHTSHIFT_GIT_COMMIT=...` becomes the final image's env, which code_version reads."""
     instructions = _instructions(dockerfile)
@@ -320,7 +412,9 @@ def test_images_carry_the_commit_they_are_built_from(dockerfile: Path, monkeypat
 def test_airflow_image_extends_the_official_image() -> None:
     instructions = _instructions(AIRFLOW / "Dockerfile")
     froms = [args for kw, args in instructions if kw == "FROM"]
-    assert froms == [f"apache/airflow:{_pins()['apache-airflow']}-python3.11"]
+    assert froms == ["${AIRFLOW_IMAGE}"]  # a build argument, for make images' local equivalent
+    (default,) = [args for kw, args in instructions[: instructions.index(("FROM", froms[0]))] if kw == "ARG"]
+    assert default == f"AIRFLOW_IMAGE=apache/airflow:{_pins()['apache-airflow']}-python3.11"
     # The official image's own unprivileged user stays in charge.
     assert all(args not in {"root", "0"} for kw, args in instructions if kw == "USER")
 
@@ -406,8 +500,8 @@ def test_serving_image_is_mlserver_with_the_mlflow_runtime_and_torch_of_a_chosen
     assert re.search(r"^ARG TORCH_VARIANT=cpu$", text, re.M)  # CPU by default, cu128 by build arg
     assert f"ARG TORCH_VERSION={_pins()['torch']}" in text
     (install,) = [r for r in _runs(SERVING / "Dockerfile") if "pip install" in r]
-    torch_at = install.index('--index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" '
-                             '"torch==${TORCH_VERSION}"')
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/\$\{TORCH_VARIANT\}$", text, re.M)
+    torch_at = install.index('--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"')
     assert torch_at < install.index("pip install --no-cache-dir -r /tmp/serving/requirements.txt")
     assert "import mlflow.pyfunc, mlserver_mlflow, torch" in install
     assert ("COPY", "images/serving/requirements.txt /tmp/serving/requirements.txt") in instructions
@@ -445,3 +539,73 @@ def test_images_readme_documents_every_build_from_the_repo_root() -> None:
     assert "docker build -f images/airflow/Dockerfile" in readme
     assert "docker build -f images/serving/Dockerfile" in readme
     assert "--build-arg TORCH_VARIANT=cu128" in readme
+
+
+# --- scripts/images.py (make images) -------------------------------------------------------------------
+
+
+def _images_script():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("images_script", ROOT / "scripts" / "images.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_local_torch_index_serves_the_wheel_and_sends_every_other_project_to_pypi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import http.client
+    import urllib.request
+
+    images = _images_script()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    # A CUDA build of the same version is not what the CPU images want; the '+' must survive URL quoting.
+    (wheels / "torch-2.13.0+cu128-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"cuda")
+    wheel = wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"not really a wheel")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("NIGHTSHIFT_TORCH_INDEX_PORT", str(_free_port()))
+    with images.torch_index("2.13.0") as index:
+        assert index is not None and index.startswith("http://127.0.0.1:")
+        page = urllib.request.urlopen(f"{index}/torch/", timeout=10).read().decode()
+        (href,) = re.findall(r'href="([^"]+)"', page)
+        assert href == "/files/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+        base = index.removesuffix("/simple")
+        assert urllib.request.urlopen(base + href, timeout=10).read() == b"not really a wheel"
+        host, port = base.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/simple/numpy/")
+        response = conn.getresponse()
+        assert (response.status, response.getheader("Location")) == (302, "https://pypi.org/simple/numpy/")
+        conn.close()
+    with pytest.raises(OSError):  # stopped with the context
+        urllib.request.urlopen(f"{index}/torch/", timeout=5)
+
+
+def test_without_a_local_torch_wheel_the_dockerfiles_default_index_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with _images_script().torch_index("2.13.0") as index:
+        assert index is None
+
+
+def test_images_script_names_what_to_install_when_podman_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    images = _images_script()
+    monkeypatch.setattr(images.shutil, "which", lambda tool, path=None: None)
+    assert images.main(["--only", "serving"]) == 1
+    assert "podman and runc not found: run `make setup` as root" in capsys.readouterr().err
