@@ -38,7 +38,7 @@ import time
 import tomllib
 import urllib.parse
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         commit = git_commit()
         ensure_debian_base()
         build("images/local/python/Dockerfile", PYTHON_IMAGE, {"DEBIAN_IMAGE": DEBIAN_IMAGE}, secret=secret)
-        with torch_index(pins["torch"]) as index:
+        with torch_index(pins["torch"]) if {"trainer", "serving"} & set(wanted) else nullcontext() as index:
             torch = {"TORCH_INDEX_URL": index} if index else {}
             common = {"NIGHTSHIFT_GIT_COMMIT": commit}
             if "trainer" in wanted:

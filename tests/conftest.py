@@ -22,6 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Modules that cost minutes (from `--durations=0` of a full run), started first so that with pytest-xdist the
 # longest ones do not start last and leave the other workers idle at the end. The order only matters for speed.
 LONGEST_FIRST = (
+    "tests/integration/test_images.py",  # a cold `make images` compiles Horovod (tens of minutes); cached: seconds
     "tests/integration/test_run_mpijob.py",
     "tests/integration/test_airflow_standalone.py",
     "tests/integration/test_celery_executor.py",

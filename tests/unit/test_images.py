@@ -195,7 +195,7 @@ def test_pip_gets_the_ca_bundle_only_as_a_build_secret(dockerfile: Path) -> None
     in a plain `docker build`), never an ENV of an image."""
     instructions = _instructions(dockerfile)
     for kw, args in instructions:
-        if kw == "RUN" and re.search(r"pip (install|download)", args) and "--no-deps /tmp/nightshift/src" not in args:
+        if kw == "RUN" and re.search(r"pip (install|download)", args):  # --no-deps too: the build backend
             assert args.startswith("--mount=type=secret,id=pip-ca,mode=0444 "), args
         assert not (kw == "ENV" and "PIP_CERT" in args)
         assert not (kw == "ARG" and args.startswith("PIP_CERT="))
