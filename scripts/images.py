@@ -219,12 +219,14 @@ def git_commit() -> str:
     return commit
 
 
-def build(dockerfile: str, tag: str, args: dict[str, str], *, secret: Path) -> None:
+def build(dockerfile: str, tag: str, args: dict[str, str], *, secret: Path | None) -> None:
+    """`podman build` from the repository root; `secret`: the CA bundle for the RUNs that call pip, if any."""
     cmd = podman(
         # docker format: the OCI format drops SHELL (the Dockerfiles run RUN under bash -o pipefail).
         "build", "--format", "docker", "--network", "host", "--layers", "-f", dockerfile, "-t", tag,
-        "--secret", f"id={SECRET},src={secret}", "--build-arg", f"PIP_CERT=/run/secrets/{SECRET}",
     )
+    if secret is not None:
+        cmd += ["--secret", f"id={SECRET},src={secret}", "--build-arg", f"PIP_CERT=/run/secrets/{SECRET}"]
     ignore = ROOT / (dockerfile + ".dockerignore")
     if ignore.exists():
         cmd += ["--ignorefile", str(ignore)]
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         secret = ca_bundle()
         commit = git_commit()
         ensure_debian_base()
-        build("images/local/python/Dockerfile", PYTHON_IMAGE, {"DEBIAN_IMAGE": DEBIAN_IMAGE}, secret=secret)
+        build("images/local/python/Dockerfile", PYTHON_IMAGE, {"DEBIAN_IMAGE": DEBIAN_IMAGE}, secret=None)
         with torch_index(pins["torch"]) if {"trainer", "serving"} & set(wanted) else nullcontext() as index:
             torch = {"TORCH_INDEX_URL": index} if index else {}
             common = {"NIGHTSHIFT_GIT_COMMIT": commit}
