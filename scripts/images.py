@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import html
+import json
 import os
 import re
 import shutil
@@ -237,7 +238,31 @@ def build(dockerfile: str, tag: str, args: dict[str, str], *, secret: Path | Non
     result = run([*cmd, "."], cwd=ROOT)
     if result.returncode != 0:
         raise ImagesError(f"building {tag} from {dockerfile} failed (exit {result.returncode}; podman's output above)")
+    commit = args.get("NIGHTSHIFT_GIT_COMMIT")
+    if commit is not None and image_env(tag).get("NIGHTSHIFT_GIT_COMMIT") != commit:
+        restamp(tag, commit)
     log(f"built {tag} in {time.monotonic() - started:.0f} s")
+
+
+def image_env(tag: str) -> dict[str, str]:
+    out = run(podman("image", "inspect", "--format", "{{json .Config.Env}}", tag), capture_output=True)
+    if out.returncode != 0:
+        raise ImagesError(f"podman image inspect {tag} failed: {out.stderr.strip()}")
+    return dict(item.split("=", 1) for item in json.loads(out.stdout))
+
+
+def restamp(tag: str, commit: str) -> None:
+    """Podman 4.3 (buildah 1.28) keys the layer cache of ENV/ARG instructions on their unexpanded text, so a
+    build with only a new NIGHTSHIFT_GIT_COMMIT reuses the old commit's last layers. Then one ENV layer with
+    the commit written out (its text, hence its cache key, is the commit) goes on top of the built image."""
+    log(f"{tag}: podman reused the layer of an earlier NIGHTSHIFT_GIT_COMMIT; setting {commit}")
+    with tempfile.TemporaryDirectory(prefix="nightshift-restamp-") as empty:
+        containerfile = Path(empty) / "Containerfile"
+        containerfile.write_text(f"FROM {tag}\nENV NIGHTSHIFT_GIT_COMMIT={commit}\n")
+        result = run(podman("build", "--format", "docker", "--layers", "-f", str(containerfile), "-t", tag, empty),
+                     capture_output=True)
+    if result.returncode != 0 or image_env(tag).get("NIGHTSHIFT_GIT_COMMIT") != commit:
+        raise ImagesError(f"could not set NIGHTSHIFT_GIT_COMMIT={commit} on {tag}: {result.stderr.strip()[-2000:]}")
 
 
 def size(tag: str) -> str:
