@@ -221,14 +221,18 @@ def _pod(template: Mapping[str, Any], *, where: str, name: str, role: str, index
     if working_dir is not None and not PurePosixPath(working_dir).is_absolute():
         raise ManifestNotSupported(f"{where}.workingDir {working_dir!r} is not absolute")
     env = [*_env(container, where), *operator_env]
-    pod_security = _get(spec, "securityContext", dict, where.rsplit(".containers", 1)[0]) or {}
-    security = {**pod_security, **(_get(container, "securityContext", dict, where) or {})}
-    ids = {key: _id(security, key, where) for key in ("runAsUser", "runAsGroup")}
+    pod_where = where.rsplit(".containers", 1)[0]
+    pod_security = _get(spec, "securityContext", dict, pod_where) or {}
+    container_security = _get(container, "securityContext", dict, where) or {}
+    ids = {}
+    for key in ("runAsUser", "runAsGroup"):  # the container's over the pod's; both must be valid
+        pod_id, container_id = _id(pod_security, key, pod_where), _id(container_security, key, where)
+        ids[key] = pod_id if container_id is None else container_id
     image = _get(container, "image", str, where) or ""
     return PodSpec(name=name, role=role, index=index, argv=tuple(argv), env=tuple(env),
                    working_dir=working_dir, mounts=tuple(mounts), gpus=_gpus(container), image=image,
                    command=tuple(command), args=tuple(args), run_as_user=ids["runAsUser"],
-                   run_as_group=ids["runAsGroup"], fs_group=_id(pod_security, "fsGroup", where))
+                   run_as_group=ids["runAsGroup"], fs_group=_id(pod_security, "fsGroup", pod_where))
 
 
 def _id(security: Mapping[str, Any], key: str, where: str) -> int | None:
