@@ -79,8 +79,16 @@ class PodmanSettings:
 
 
 def run_podman(settings: PodmanSettings, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(settings.command(*args), capture_output=True, text=True, check=False, timeout=timeout,
-                          env=settings.env(), stdin=subprocess.DEVNULL)
+    """One podman command; a podman that hangs (past `timeout`) or cannot start is a failed command (exit 124 or
+    127, its reason in stderr), never an exception that would cut a clean-up short."""
+    argv = settings.command(*args)
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout,
+                              env=settings.env(), stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"podman {args[0]} did not answer within {timeout:.0f}s")
+    except OSError as err:
+        return subprocess.CompletedProcess(argv, 127, "", f"podman {args[0]} could not start: {err.strerror}")
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -357,6 +365,13 @@ def idmap_maps(source_uid: int, source_gid: int, user: PodUser) -> tuple[str, st
 def idmapped_bind(source: str, target: Path, user: PodUser) -> None:
     """Mount `source` at `target` (made here) so that its owner is `user` there; nothing on disk changes."""
     info = os.stat(source)
+    if 0 in (info.st_uid, info.st_gid):
+        # Mapped to the pod's user, root's files would be the pod's to write: a setuid file it made there would
+        # be setuid root on this machine.
+        raise HostNotSuitable(
+            f"the claim directory {source} is owned by root (uid {info.st_uid}, gid {info.st_gid}): a pod writing "
+            f"it as user {user.uid} would write as root on this machine; give the claim a directory owned by a "
+            f"non-root user (e.g. chown {user.uid}:{user.gid} {source}, the pod's user)")
     uid_map, gid_map = idmap_maps(info.st_uid, info.st_gid, user)
     target.mkdir(mode=0o755)
     userns = _userns_fd(uid_map, gid_map)
@@ -441,8 +456,12 @@ def remove_containers(settings: PodmanSettings, names: Sequence[str]) -> list[st
     """`podman rm -f` (SIGTERM, SIGKILL after STOP_GRACE_S); those that are still there."""
     if not names:
         return []
-    run_podman(settings, "rm", "-f", "--ignore", "--time", str(STOP_GRACE_S), *names, timeout=120)
-    present = set(list_containers(settings))
+    done = run_podman(settings, "rm", "-f", "--ignore", "--time", str(STOP_GRACE_S), *names, timeout=60)
+    listed = run_podman(settings, "ps", "-a", "--filter", f"name=^{CONTAINER_PREFIX}", "--format", "{{.Names}}",
+                        timeout=30)
+    if listed.returncode != 0:  # cannot tell: none is known to be gone unless rm said so
+        return [] if done.returncode == 0 else list(names)
+    present = {line.strip() for line in listed.stdout.splitlines()}
     return [name for name in names if name in present]
 
 
@@ -455,5 +474,5 @@ def remove_stale_containers(settings: PodmanSettings, alive: Callable[[int], boo
         match = _CONTAINER_NAME.match(name)
         if match and not alive(int(match.group(1))):
             stale.append(name)
-    remove_containers(settings, stale)
-    return stale
+    left = set(remove_containers(settings, stale))
+    return [name for name in stale if name not in left]

@@ -191,9 +191,11 @@ def preflight(job: LocalJob, options: RunOptions, pod_path: str) -> None:
 
 
 def remove_stale_runs(podman_settings: podman.PodmanSettings | None = None) -> list[str]:
-    """Containers, namespaces and temporary directories of runs whose run-mpijob died without cleaning up."""
-    settings = podman_settings or podman.PodmanSettings.from_environment()
-    removed = [f"container {name}" for name in podman.remove_stale_containers(settings, network.pid_alive)]
+    """Namespaces and temporary directories of runs whose run-mpijob died without cleaning up; with
+    `podman_settings` (a `--runtime podman` run) their containers too. A host-runtime run never calls podman."""
+    removed = []
+    if podman_settings is not None:
+        removed += [f"container {n}" for n in podman.remove_stale_containers(podman_settings, network.pid_alive)]
     removed += network.remove_stale_namespaces()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}*-*")):
         match = re.match(rf"{TEMP_PREFIX}(\d+)-", os.path.basename(path))
@@ -488,8 +490,17 @@ class LocalRun:
     def close(self) -> list[str]:
         """Remove the containers, stop every process, delete namespaces (and their links), unmount the claims'
         views, remove the temporary directory."""
-        left = [f"container {name}" for name in podman.remove_containers(self.options.podman, self.containers)]
-        left += self.net.close()
+        left: list[str] = []
+        # Each step whatever the one before did: a podman that fails or hangs must not keep the namespaces, the
+        # claims' views or the temporary directory here.
+        try:
+            left += [f"container {name}" for name in podman.remove_containers(self.options.podman, self.containers)]
+        except Exception as err:  # noqa: BLE001 - reported, and the clean-up goes on
+            left.append(f"containers {', '.join(self.containers)} ({err})")
+        try:
+            left += self.net.close()
+        except Exception as err:  # noqa: BLE001
+            left.append(f"network ({err})")
         for pod in self.pods:
             if pod.proc is not None:
                 try:
@@ -530,7 +541,7 @@ def run_mpijob(manifest: Mapping[str, Any], options: RunOptions, *, out: TextIO 
     job = parse_job(manifest, claims=options.claims, gpus_available=count_gpus())
     pod_path = files.image_env(str(Path(sys.executable).parent), "/", "")["PATH"]
     preflight(job, options, pod_path)
-    for name in remove_stale_runs(options.podman):
+    for name in remove_stale_runs(options.podman if options.runtime == "podman" else None):
         err.write(f"run-mpijob: removed {name}, left by a run that did not clean up\n")
     run = LocalRun(job, options, out=out, err=err)
     with _stop_on_signals(run):

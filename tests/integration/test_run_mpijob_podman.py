@@ -53,8 +53,17 @@ if MISSING:
     pytestmark.append(pytest.mark.skip(reason=MISSING))
 
 
+CLAIM_OWNER = 4242  # not root (refused: see podman.idmapped_bind), not the pods' user: they write through a view
+
+
 class ImageSite(Site):
-    """The plan renders the trainer image into every pod template."""
+    """The plan renders the trainer image into every pod template; the claim's directory is a non-root user's."""
+
+    def plan(self, run_id: str, conf: dict[str, Any]) -> dict[str, Any]:
+        job = super().plan(run_id, conf)
+        for path in (self.home, *self.home.rglob("*")):  # what this test (root) wrote there, the claim owner's
+            os.lchown(path, CLAIM_OWNER, CLAIM_OWNER)
+        return job
 
     def env(self) -> dict[str, str]:
         env = {**super().env(), "NIGHTSHIFT_TRAINER_IMAGE": IMAGE}
@@ -116,7 +125,7 @@ def test_plans_job_trains_in_trainer_containers_like_the_host_venv_and_logs_to_m
     for i in range(2):  # each rank came in over ssh as the image's user, with the job's key
         assert f"[{name}-worker-{i}] Accepted publickey for mpiuser from 10.231.0.10" in out
     # The pods wrote the claim as mpiuser; on this machine the files are the claim owner's.
-    assert (model / "model.pt").stat().st_uid == site.home.stat().st_uid
+    assert (model / "model.pt").stat().st_uid == site.home.stat().st_uid == CLAIM_OWNER
 
     from mlflow.tracking import MlflowClient
 

@@ -210,3 +210,62 @@ def test_settings_come_from_options_then_the_environment() -> None:
 def test_a_containers_exit_status_above_128_is_a_kill_by_that_signal() -> None:
     assert _exit_text(137, container=True) == "killed by SIGKILL"
     assert _exit_text(137) == "exit code 137" and _exit_text(-9) == "killed by SIGKILL"
+
+
+def test_a_root_owned_claim_is_refused_not_mapped_to_the_pods_user(tmp_path: Path) -> None:
+    """Mapped to the pod's user, root's claim would let the pod make setuid-root files on this machine."""
+    from nightshift.mpijob_local.errors import HostNotSuitable
+
+    claim, view = tmp_path / "claim", tmp_path / "view"
+    claim.mkdir()
+    os.chown(claim, 0, 0)
+    try:
+        with pytest.raises(HostNotSuitable, match=r"owned by root .*chown 1000:1000 "):
+            podman.idmapped_bind(str(claim), view, podman.PodUser(1000, 1000, "1000:1000"))
+    finally:
+        assert podman.unmount_all(tmp_path) == []
+
+
+def test_a_podman_that_hangs_or_is_gone_is_a_failed_command_not_an_exception(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hanging = tmp_path / "bin" / "podman"
+    hanging.parent.mkdir()
+    hanging.write_text("#!/bin/sh\nexec sleep 30\n")
+    hanging.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{hanging.parent}:/usr/bin:/bin")
+    done = podman.run_podman(podman.PodmanSettings(), "rm", "-f", "x", timeout=0.5)
+    assert done.returncode == 124 and done.stderr == "podman rm did not answer within 0s"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    gone = podman.run_podman(podman.PodmanSettings(), "ps", timeout=5)
+    assert gone.returncode == 127 and gone.stderr.startswith("podman ps could not start")
+
+
+def test_a_host_runtime_sweep_never_calls_podman(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A podman that hangs (or holds its storage lock for a build) must not stop host-runtime runs."""
+    from nightshift.mpijob_local import runner
+
+    def asked(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the host runtime's sweep asked podman")
+
+    monkeypatch.setattr(podman, "remove_stale_containers", asked)
+    monkeypatch.setattr(runner.network, "remove_stale_namespaces", lambda: ["netns nsmj1-l"])
+    monkeypatch.setattr(runner.glob, "glob", lambda pattern: [])
+    assert runner.remove_stale_runs() == ["netns nsmj1-l"]
+
+
+def test_close_goes_on_when_podman_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightshift.mpijob_local.runner import LocalRun
+
+    job = parse_job(manifest(), claims=CLAIMS, gpus_available=0)
+    run = LocalRun(job, RunOptions(runtime="podman"), out=open(os.devnull, "w"), err=open(os.devnull, "w"))  # noqa: SIM115
+    run.containers = ["nightshift-mpijob-1-job-launcher"]
+    closed: list[bool] = []
+
+    def broken(settings: Any, names: Any) -> list[str]:
+        raise RuntimeError("podman rm hung")
+
+    monkeypatch.setattr(podman, "remove_containers", broken)
+    monkeypatch.setattr(run.net, "close", lambda: closed.append(True) or [])
+    left = run.close()
+    assert closed == [True] and not run.tmp.exists()
+    assert left == ["containers nightshift-mpijob-1-job-launcher (podman rm hung)"]
