@@ -495,11 +495,11 @@ class LocalRun:
         # claims' views or the temporary directory here.
         try:
             left += [f"container {name}" for name in podman.remove_containers(self.options.podman, self.containers)]
-        except Exception as err:  # noqa: BLE001 - reported, and the clean-up goes on
+        except Exception as err:
             left.append(f"containers {', '.join(self.containers)} ({err})")
         try:
             left += self.net.close()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             left.append(f"network ({err})")
         for pod in self.pods:
             if pod.proc is not None:

@@ -257,7 +257,7 @@ def test_close_goes_on_when_podman_fails(monkeypatch: pytest.MonkeyPatch) -> Non
     from nightshift.mpijob_local.runner import LocalRun
 
     job = parse_job(manifest(), claims=CLAIMS, gpus_available=0)
-    run = LocalRun(job, RunOptions(runtime="podman"), out=open(os.devnull, "w"), err=open(os.devnull, "w"))  # noqa: SIM115
+    run = LocalRun(job, RunOptions(runtime="podman"), out=open(os.devnull, "w"), err=open(os.devnull, "w"))
     run.containers = ["nightshift-mpijob-1-job-launcher"]
     closed: list[bool] = []
 
