@@ -1,4 +1,5 @@
-"""`nightshift run-mpijob MANIFEST [--volume CLAIM=DIR]... [--link-rate R] [--link-delay MS] [--timeout S]`."""
+"""`nightshift run-mpijob MANIFEST [--volume CLAIM=DIR]... [--runtime host|podman] [--link-rate R] [--link-delay MS]
+[--timeout S]`."""
 
 from __future__ import annotations
 
@@ -51,6 +52,15 @@ def add_parser(subparsers: Any) -> None:
                         metavar="HOST:PORT=COMMAND",
                         help="run COMMAND on a host of its own named HOST, on the job's network, before the "
                              "workers; ready when PORT accepts connections (e.g. an MLflow server)")
+    parser.add_argument("--runtime", choices=("host", "podman"), default="host",
+                        help="host (default): each pod runs its command from this machine's disk; podman: each "
+                             "pod is a container of its template's image inside its emulated host")
+    parser.add_argument("--containers-conf", metavar="PATH",
+                        help="containers.conf for podman (default: $NIGHTSHIFT_CONTAINERS_CONF, $CONTAINERS_CONF, "
+                             "else the repository's images/podman/containers.conf)")
+    parser.add_argument("--oci-runtime", metavar="NAME",
+                        help="podman --runtime NAME (e.g. runc; default: $NIGHTSHIFT_OCI_RUNTIME, else "
+                             "containers.conf's)")
     parser.set_defaults(func=_run)
 
 
@@ -70,9 +80,12 @@ def _load(path: str) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     from nightshift.mpijob_local.network import LinkShape
+    from nightshift.mpijob_local.podman import PodmanSettings
     from nightshift.mpijob_local.runner import RunOptions, run_mpijob
 
     options = RunOptions(claims=dict(args.volumes),
                          link=LinkShape(rate=args.link_rate, delay_ms=args.link_delay, loss_pct=args.link_loss),
-                         timeout_s=args.timeout, services=tuple(args.services), ready_timeout_s=args.ready_timeout)
+                         timeout_s=args.timeout, services=tuple(args.services), ready_timeout_s=args.ready_timeout,
+                         runtime=args.runtime,
+                         podman=PodmanSettings.from_environment(args.containers_conf, args.oci_runtime))
     return run_mpijob(_load(args.manifest), options)

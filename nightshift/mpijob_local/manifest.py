@@ -50,6 +50,7 @@ class Mount:
     target: str
     source: str | None
     read_only: bool = False
+    kind: str = "claim"  # claim (a PersistentVolumeClaim's directory) | emptyDir | hostPath
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,14 @@ class PodSpec:
     working_dir: str | None
     mounts: tuple[Mount, ...]
     gpus: int = 0
+    image: str = ""
+    # What the template gives, apart: empty both means the image's ENTRYPOINT and CMD (container runtimes).
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    # securityContext (the container's over the pod's); None: the image's user.
+    run_as_user: int | None = None
+    run_as_group: int | None = None
+    fs_group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -118,9 +127,9 @@ def _get(obj: Mapping[str, Any], key: str, kind: type, where: str, default: Any 
     return value
 
 
-def _volumes(pod: Mapping[str, Any], where: str, claims: Mapping[str, str]) -> dict[str, str | None]:
-    """Volume name → directory on this machine (None: an emptyDir, made per pod)."""
-    out: dict[str, str | None] = {}
+def _volumes(pod: Mapping[str, Any], where: str, claims: Mapping[str, str]) -> dict[str, tuple[str | None, str]]:
+    """Volume name → (directory on this machine (None: an emptyDir, made per pod), kind of volume)."""
+    out: dict[str, tuple[str | None, str]] = {}
     for volume in _get(pod, "volumes", list, where, []) or []:
         name = volume.get("name")
         if "persistentVolumeClaim" in volume:
@@ -129,11 +138,11 @@ def _volumes(pod: Mapping[str, Any], where: str, claims: Mapping[str, str]) -> d
                 raise ManifestNotSupported(
                     f"{where}: volume {name!r} mounts PersistentVolumeClaim {claim!r}; give it a directory "
                     f"with --volume {claim}=DIR")
-            out[name] = claims[claim]
+            out[name] = (claims[claim], "claim")
         elif "emptyDir" in volume:
-            out[name] = None
+            out[name] = (None, "emptyDir")
         elif "hostPath" in volume:
-            out[name] = str(volume["hostPath"].get("path"))
+            out[name] = (str(volume["hostPath"].get("path")), "hostPath")
         else:
             kinds = sorted(k for k in volume if k != "name")
             raise ManifestNotSupported(
@@ -199,7 +208,7 @@ def _pod(template: Mapping[str, Any], *, where: str, name: str, role: str, index
             raise ManifestNotSupported(f"{where}.volumeMounts: {volume!r} is not a volume of this pod")
         if not PurePosixPath(target).is_absolute():
             raise ManifestNotSupported(f"{where}.volumeMounts {volume}: mountPath {target!r} is not absolute")
-        source = volumes[volume]
+        source, kind = volumes[volume]
         sub_path = mount.get("subPath")
         if sub_path:
             if PurePosixPath(sub_path).is_absolute() or ".." in PurePosixPath(sub_path).parts:
@@ -207,13 +216,32 @@ def _pod(template: Mapping[str, Any], *, where: str, name: str, role: str, index
             if source is None:
                 raise ManifestNotSupported(f"{where}.volumeMounts {volume}: subPath of an emptyDir is not supported")
             source = str(PurePosixPath(source) / sub_path)
-        mounts.append(Mount(target=target, source=source, read_only=bool(mount.get("readOnly", False))))
+        mounts.append(Mount(target=target, source=source, read_only=bool(mount.get("readOnly", False)), kind=kind))
     working_dir = _get(container, "workingDir", str, where)
     if working_dir is not None and not PurePosixPath(working_dir).is_absolute():
         raise ManifestNotSupported(f"{where}.workingDir {working_dir!r} is not absolute")
     env = [*_env(container, where), *operator_env]
+    pod_where = where.rsplit(".containers", 1)[0]
+    pod_security = _get(spec, "securityContext", dict, pod_where) or {}
+    container_security = _get(container, "securityContext", dict, where) or {}
+    ids = {}
+    for key in ("runAsUser", "runAsGroup"):  # the container's over the pod's; both must be valid
+        pod_id, container_id = _id(pod_security, key, pod_where), _id(container_security, key, where)
+        ids[key] = pod_id if container_id is None else container_id
+    image = _get(container, "image", str, where) or ""
     return PodSpec(name=name, role=role, index=index, argv=tuple(argv), env=tuple(env),
-                   working_dir=working_dir, mounts=tuple(mounts), gpus=_gpus(container))
+                   working_dir=working_dir, mounts=tuple(mounts), gpus=_gpus(container), image=image,
+                   command=tuple(command), args=tuple(args), run_as_user=ids["runAsUser"],
+                   run_as_group=ids["runAsGroup"], fs_group=_id(pod_security, "fsGroup", pod_where))
+
+
+def _id(security: Mapping[str, Any], key: str, where: str) -> int | None:
+    value = security.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestNotSupported(f"{where}.securityContext.{key} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _launcher_env(implementation: str, slots: int) -> list[tuple[str, str]]:

@@ -4,8 +4,10 @@ Order of events, as on a cluster with `launcherCreationPolicy: WaitForWorkersRea
 (`--service`), then the workers (sshd) start; once every one accepts TCP connections the launcher starts;
 the job ends with the launcher, whose exit status is the job's. A worker whose main process dies is a
 failed pod: its remaining processes are killed (the kubelet would tear the container down) and the job
-fails, naming it. Whatever happens (success, failure, timeout, SIGINT/SIGTERM) every process,
-namespace, link and temporary file of the run is removed before `run_mpijob` returns.
+fails, naming it. With `--runtime podman` each pod is a container of its image inside its emulated host
+(see `podman.py`); services stay processes of this machine. Whatever happens (success, failure, timeout,
+SIGINT/SIGTERM) every container, process, namespace, link and temporary file of the run is removed before
+`run_mpijob` returns.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path, PurePosixPath
 from types import FrameType
 from typing import Any, TextIO
 
-from nightshift.mpijob_local import files, network
+from nightshift.mpijob_local import files, network, podman
 from nightshift.mpijob_local.errors import HostNotSuitable, ManifestNotSupported, MPIJobFailed, PodStartFailed
 from nightshift.mpijob_local.manifest import CONFIG_MOUNT_PATH, LocalJob, PodSpec, parse_job
 
@@ -39,6 +41,7 @@ TEMP_PREFIX = "nightshift-mpijob-"
 EXIT_TIMEOUT = 124
 LOST_WORKER_GRACE_S = 15.0  # time the launcher gets to fail by itself once a worker pod died
 TAIL_LINES = 80
+RUNTIMES = ("host", "podman")
 _ERROR_LINE = re.compile(r"\b[\w.]*(Error|Exception|error)\b:? ")
 _PROBE = """
 import socket, sys, time
@@ -87,6 +90,12 @@ class RunOptions:
     timeout_s: float | None = None
     services: tuple[Service, ...] = ()
     ready_timeout_s: float = 120.0
+    runtime: str = "host"  # host: the pods' commands run from this machine's disk | podman: their images
+    podman: podman.PodmanSettings = field(default_factory=podman.PodmanSettings)
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ManifestNotSupported(f"--runtime {self.runtime!r} must be one of {', '.join(RUNTIMES)}")
 
 
 @dataclass
@@ -101,6 +110,7 @@ class RunningPod:
     pump: threading.Thread | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     ready_port: int | None = None
+    container: bool = False  # a podman container (its exit status is podman run's)
 
 
 class _Stopped(Exception):
@@ -115,7 +125,11 @@ def count_gpus() -> int:
     return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def _exit_text(code: int) -> str:
+def _exit_text(code: int, container: bool = False) -> str:
+    """How a pod's process ended; a container's 128+N (podman run's status) is a kill by signal N."""
+    if container and code > 128:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(code - 128).name}"
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
@@ -158,6 +172,14 @@ def preflight(job: LocalJob, options: RunOptions, pod_path: str) -> None:
     if options.link.loss_pct and not network.netem_available() and not network.nft_available():
         raise HostNotSuitable("--link-loss needs the kernel's netem qdisc or nftables: this kernel has no netem; "
                               "install nftables (apt-get install -y nftables)")
+    for claim, directory in options.claims.items():
+        if not Path(directory).is_dir():
+            raise ManifestNotSupported(f"--volume {claim}={directory}: {directory} is not a directory")
+    if options.runtime == "podman":
+        lacking = podman.missing(options.podman, [pod.image for pod in job.pods])
+        if lacking:
+            raise HostNotSuitable(f"--runtime podman: {'; '.join(lacking)}")
+        return
     for pod in job.pods:
         program = pod.argv[0]
         found = program if "/" in program else shutil.which(program, path=pod_path)
@@ -166,18 +188,19 @@ def preflight(job: LocalJob, options: RunOptions, pod_path: str) -> None:
             raise HostNotSuitable(f"pod {pod.name}: `{program}` not found on this machine{package}")
     if any(_is_sshd(w.argv) for w in job.workers) and shutil.which("ssh") is None:
         raise HostNotSuitable("`ssh` not found: install openssh-client (apt-get install -y openssh-client)")
-    for claim, directory in options.claims.items():
-        if not Path(directory).is_dir():
-            raise ManifestNotSupported(f"--volume {claim}={directory}: {directory} is not a directory")
 
 
-def remove_stale_runs() -> list[str]:
-    """Namespaces and temporary directories of runs whose run-mpijob died without cleaning up."""
-    removed = network.remove_stale_namespaces()
+def remove_stale_runs(podman_settings: podman.PodmanSettings | None = None) -> list[str]:
+    """Namespaces and temporary directories of runs whose run-mpijob died without cleaning up; with
+    `podman_settings` (a `--runtime podman` run) their containers too. A host-runtime run never calls podman."""
+    removed = []
+    if podman_settings is not None:
+        removed += [f"container {n}" for n in podman.remove_stale_containers(podman_settings, network.pid_alive)]
+    removed += network.remove_stale_namespaces()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}*-*")):
         match = re.match(rf"{TEMP_PREFIX}(\d+)-", os.path.basename(path))
         if match and not network.pid_alive(int(match.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
+            podman.remove_tree(Path(path))  # never into a claim's idmapped view: unmounted first
             removed.append(path)
     return removed
 
@@ -191,6 +214,9 @@ class LocalRun:
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{self.owner}-"))
         self.net = network.Network(self.owner)
         self.pods: list[RunningPod] = []
+        self.containers: list[str] = []  # names of the containers this run started (--runtime podman)
+        self.images: dict[str, podman.ImageConfig] = {}
+        self.claim_views: dict[tuple[str, int, int], str] = {}
         self.stop_signal: int | None = None
         self._write_lock = threading.Lock()
         self.python_bin = str(Path(sys.executable).parent)
@@ -285,8 +311,53 @@ class LocalRun:
         return {**base, "tmpfs": [home] if fresh_home else [], "cwd": spec.working_dir or home, "env": env,
                 "argv": list(spec.argv)}
 
+    def image(self, spec: PodSpec) -> podman.ImageConfig:
+        if spec.image not in self.images:
+            self.images[spec.image] = podman.inspect_image(self.options.podman, spec.image)
+        return self.images[spec.image]
+
+    def claim_view(self, spec: PodSpec, user: podman.PodUser) -> dict[str, str]:
+        """For each claim the pod writes: an idmapped view of its directory where the pod's user owns it."""
+        views = {}
+        for mount in spec.mounts:
+            if mount.kind != "claim" or mount.source is None:
+                continue
+            info = os.stat(mount.source)
+            if (info.st_uid, info.st_gid) == (user.uid, user.gid):
+                continue  # already the pod user's
+            key = (mount.source, user.uid, user.gid)
+            if key not in self.claim_views:
+                target = self.tmp / "claims" / str(len(self.claim_views))
+                target.parent.mkdir(exist_ok=True)
+                podman.idmapped_bind(mount.source, target, user)
+                self.claim_views[key] = str(target)
+            views[mount.source] = self.claim_views[key]
+        return views
+
+    def start_container(self, running: RunningPod, spec: PodSpec) -> None:
+        """The pod as a container of its image, in its emulated host's network namespace."""
+        image = self.image(spec)
+        env = files.merged_env({"OMP_WAIT_POLICY": "PASSIVE"}, spec.env)
+        user = podman.pod_user(spec, image)
+        plan = podman.plan_container(
+            spec, image, owner=self.owner, namespace=running.namespace, pod_dir=self.tmp / "pods" / running.name,
+            hosts=self.hosts, secret=self.secret, ssh_auth_mount_path=self.job.ssh_auth_mount_path,
+            mpi_config=self.mpi_config, env=env, claim_view=self.claim_view(spec, user))
+        running.ready_port = podman.ready_port(spec, image)
+        self.containers.append(plan.name)
+        running.proc = subprocess.Popen(plan.argv(self.options.podman), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=self.options.podman.env())
+        running.container = True
+        running.pump = threading.Thread(target=self._pump, args=(running,), daemon=True,
+                                        name=f"log-{running.name}")
+        running.pump.start()
+
     def start_pod(self, running: RunningPod, spec: PodSpec | None = None, service: Service | None = None) -> None:
         self.check_stop()
+        if spec is not None and self.options.runtime == "podman":
+            self.start_container(running, spec)
+            return
         spec_file = self.tmp / "pods" / f"{running.name}.json"
         spec_file.write_text(json.dumps(self.pod_spec(running, spec, service)))
         spec_file.chmod(0o600)
@@ -331,7 +402,7 @@ class LocalRun:
                     if pod.proc is not None and pod.proc.poll() is not None:
                         last = next((line for line in reversed(pod.tail) if line.strip()), "no output")
                         raise PodStartFailed(f"pod {pod.name} exited before it was ready "
-                                             f"({_exit_text(pod.proc.returncode)}): {last}")
+                                             f"({_exit_text(pod.proc.returncode, pod.container)}): {last}")
                 time.sleep(0.1)
         finally:
             if probe.poll() is None:
@@ -375,7 +446,7 @@ class LocalRun:
             for worker in workers:
                 if worker.proc is not None and worker.proc.poll() is not None and lost_at is None:
                     lost_at = now
-                    self.say(f"worker {worker.name} stopped ({_exit_text(worker.proc.returncode)}): "
+                    self.say(f"worker {worker.name} stopped ({_exit_text(worker.proc.returncode, worker.container)}): "
                              f"the job fails")
                     network.kill_namespaces([worker.namespace], grace_s=0)
             if lost_at is not None and now - lost_at > LOST_WORKER_GRACE_S:
@@ -395,21 +466,21 @@ class LocalRun:
         lost = self.lost_workers(workers)
         what = f"lost {'; '.join(lost)}" if lost else f"first error: {_first_error(launcher.tail)[-300:]}"
         raise MPIJobFailed(f"MPIJob {self.job.name} failed after {elapsed:.1f}s: launcher "
-                           f"{_exit_text(code)}; {what}", code if code > 0 else 1)
+                           f"{_exit_text(code, launcher.container)}; {what}", code if code > 0 else 1)
 
     def lost_workers(self, workers: Sequence[RunningPod]) -> list[str]:
         """Workers that died, whose link is down, or that the launcher's namespace cannot reach."""
-        probe = self.probe([(w.ip, files.SSH_PORT) for w in workers if w.ready_port], 2.0)
+        probe = self.probe([(w.ip, w.ready_port) for w in workers if w.ready_port], 2.0)
         unreachable = set(probe.communicate(timeout=30)[0].split())
         lost = []
         for worker in workers:
             why = []
             if worker.proc is not None and worker.proc.poll() is not None:
-                why.append(f"its processes are gone: {_exit_text(worker.proc.returncode)}")
+                why.append(f"its processes are gone: {_exit_text(worker.proc.returncode, worker.container)}")
             state = self.net.link_state(worker.namespace, worker.slot)
             if state != "up":
                 why.append(f"its link is {state}")
-            elif not why and f"{worker.ip}:{files.SSH_PORT}" in unreachable:
+            elif not why and f"{worker.ip}:{worker.ready_port}" in unreachable:
                 why.append("unreachable from the launcher")
             if why:
                 lost.append(f"host {worker.name} ({', '.join(why)})")
@@ -417,8 +488,19 @@ class LocalRun:
 
     # ------------------------------------------------------------------ clean-up
     def close(self) -> list[str]:
-        """Stop every process, delete namespaces (and their links), remove the temporary directory."""
-        left = self.net.close()
+        """Remove the containers, stop every process, delete namespaces (and their links), unmount the claims'
+        views, remove the temporary directory."""
+        left: list[str] = []
+        # Each step whatever the one before did: a podman that fails or hangs must not keep the namespaces, the
+        # claims' views or the temporary directory here.
+        try:
+            left += [f"container {name}" for name in podman.remove_containers(self.options.podman, self.containers)]
+        except Exception as err:
+            left.append(f"containers {', '.join(self.containers)} ({err})")
+        try:
+            left += self.net.close()
+        except Exception as err:
+            left.append(f"network ({err})")
         for pod in self.pods:
             if pod.proc is not None:
                 try:
@@ -429,9 +511,7 @@ class LocalRun:
                     left.append(f"pod {pod.name}: pid {pod.proc.pid} needed SIGKILL")
             if pod.pump is not None:
                 pod.pump.join(timeout=5)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        if self.tmp.exists():
-            left.append(str(self.tmp))
+        left += podman.remove_tree(self.tmp)
         return left
 
 
@@ -461,7 +541,7 @@ def run_mpijob(manifest: Mapping[str, Any], options: RunOptions, *, out: TextIO 
     job = parse_job(manifest, claims=options.claims, gpus_available=count_gpus())
     pod_path = files.image_env(str(Path(sys.executable).parent), "/", "")["PATH"]
     preflight(job, options, pod_path)
-    for name in remove_stale_runs():
+    for name in remove_stale_runs(options.podman if options.runtime == "podman" else None):
         err.write(f"run-mpijob: removed {name}, left by a run that did not clean up\n")
     run = LocalRun(job, options, out=out, err=err)
     with _stop_on_signals(run):

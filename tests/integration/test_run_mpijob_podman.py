@@ -1,0 +1,195 @@
+"""`nightshift run-mpijob --runtime podman`: the MPIJob `nightshift plan` renders, in containers of the trainer image.
+
+Each pod is a container of `localhost/nightshift/trainer:cpu` (built by `make images`) inside its emulated host's
+network namespace; MLflow is a `--service` of this machine on the job's network. The same job by the host runtime
+(this machine's venv: the same torch, CPU, the same data) is the yardstick, bit for bit. Needs root, podman and the
+image; skips, saying which, without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nightshift.mpijob_local import podman
+from tests.integration.horovod_helpers import processes_mentioning
+from tests.integration.test_run_mpijob import (
+    CONF,
+    NIGHTSHIFT,
+    THREADS,
+    Site,
+    assert_bitwise_equal,
+    finish,
+    host_links,
+    trainer_arg,
+    wait_for,
+    without_mlflow,
+)
+from tests.integration.test_run_mpijob import _missing as _missing_host
+
+IMAGE = "localhost/nightshift/trainer:cpu"
+SETTINGS = podman.PodmanSettings.from_environment()
+CONF_1 = {**CONF, "epochs": 1, "batch_size": 16}  # 1 epoch of 40 steps (2 ranks x 16): small
+
+
+def _missing() -> str | None:
+    why = _missing_host()
+    if why:
+        return why
+    lacking = podman.missing(SETTINGS, [IMAGE])
+    return f"--runtime podman: {'; '.join(lacking)}" if lacking else None
+
+
+MISSING = _missing()
+pytestmark = [pytest.mark.integration, pytest.mark.images]
+if MISSING:
+    pytestmark.append(pytest.mark.skip(reason=MISSING))
+
+
+CLAIM_OWNER = 4242  # not root (refused: see podman.idmapped_bind), not the pods' user: they write through a view
+
+
+class ImageSite(Site):
+    """The plan renders the trainer image into every pod template; the claim's directory is a non-root user's."""
+
+    def plan(self, run_id: str, conf: dict[str, Any]) -> dict[str, Any]:
+        job = super().plan(run_id, conf)
+        for path in (self.home, *self.home.rglob("*")):  # what this test (root) wrote there, the claim owner's
+            os.lchown(path, CLAIM_OWNER, CLAIM_OWNER)
+        return job
+
+    def env(self) -> dict[str, str]:
+        env = {**super().env(), "NIGHTSHIFT_TRAINER_IMAGE": IMAGE}
+        if SETTINGS.containers_conf:
+            env["NIGHTSHIFT_CONTAINERS_CONF"] = SETTINGS.containers_conf
+        return env
+
+
+def containers_of(pid: int) -> list[str]:
+    done = subprocess.run(SETTINGS.command("ps", "-a", "--format", "{{.Names}}"), capture_output=True, text=True,
+                          env=SETTINGS.env(), check=True)
+    return [n for n in done.stdout.split() if n.startswith(f"{podman.CONTAINER_PREFIX}{pid}-")]
+
+
+def assert_nothing_left(pid: int, links_before: set[str]) -> None:
+    """No container, namespace, link, mount or temporary directory of the run-mpijob with this pid."""
+    assert containers_of(pid) == []
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert f"nsmj{pid}-" not in namespaces, namespaces
+    assert host_links() <= links_before, host_links() - links_before
+    assert f"nightshift-mpijob-{pid}-" not in Path("/proc/self/mountinfo").read_text()
+    assert not list(Path("/tmp").glob(f"nightshift-mpijob-{pid}-*"))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> ImageSite:
+    root = tmp_path_factory.mktemp("run-mpijob-podman")
+    (root / "home").mkdir()
+    (root / "mlflow").mkdir()
+    data = root / "demo-data"
+    done = subprocess.run([NIGHTSHIFT, "demo-data", str(data)], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    return ImageSite(home=root / "home", mlflow=root / "mlflow", data=data)
+
+
+@pytest.fixture(scope="module")
+def links_before() -> set[str]:
+    return host_links()
+
+
+def test_plans_job_trains_in_trainer_containers_like_the_host_venv_and_logs_to_mlflow(
+        site: ImageSite, links_before: set[str]) -> None:
+    job = site.plan("in-containers", CONF_1)
+    name = job["metadata"]["name"]
+    containers = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert containers[0]["image"] == IMAGE
+    started = time.monotonic()
+    proc = site.run_mpijob(site.write(job, "in-containers"), "--runtime", "podman", *site.mlflow_service())
+    wait_for(lambda: len(containers_of(proc.pid)) == 3 or proc.poll() is not None, 120, "three containers", proc)
+    code, out, err = finish(proc)
+    elapsed = time.monotonic() - started
+    assert code == 0, err[-3000:] + out[-3000:]
+    assert f"MPIJob {name} succeeded" in err
+    model = site.workspace("in-containers") / "model"
+    summary = json.loads((model / "metrics.json").read_text())
+    assert summary["world_size"] == 2
+    assert f"{THREADS} torch threads" in out
+    for i in range(2):  # each rank came in over ssh as the image's user, with the job's key
+        assert f"[{name}-worker-{i}] Accepted publickey for mpiuser from 10.231.0.10" in out
+    # The pods wrote the claim as mpiuser; on this machine the files are the claim owner's.
+    assert (model / "model.pt").stat().st_uid == site.home.stat().st_uid == CLAIM_OWNER
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{site.mlflow / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("nightly_retrain").experiment_id],
+                                "tags.`nightshift.run_key` = 'nightly_retrain/in-containers'")
+    assert run.data.metrics["val_accuracy"] == pytest.approx(summary["val_accuracy"])
+    assert_nothing_left(proc.pid, links_before)
+    print(f"2 hosts in containers: {elapsed:.1f}s end to end (MLflow service start included)")
+
+    # The same job by the host runtime (this machine's venv): the same weights, bit for bit.
+    host_job = without_mlflow(site.plan("on-host", CONF_1))
+    host = site.run_mpijob(site.write(host_job, "on-host"))
+    code, out, err = finish(host)
+    assert code == 0, err[-3000:] + out[-3000:]
+    assert_bitwise_equal(model / "model.pt", site.workspace("on-host") / "model" / "model.pt")
+
+
+def test_a_killed_worker_container_fails_the_job_naming_it_and_a_rerun_resumes(
+        site: ImageSite, links_before: set[str]) -> None:
+    job = without_mlflow(site.plan("killed-container", CONF))
+    name = job["metadata"]["name"]
+    manifest = site.write(job, "killed-container")
+    checkpoints = Path(trainer_arg(job, "--checkpoint-dir"))
+    proc = site.run_mpijob(manifest, "--runtime", "podman")
+    wait_for(lambda: checkpoints.exists() and any(checkpoints.glob("ckpt-*.pt")), 300, "checkpoint", proc)
+    victims = subprocess.run(["ip", "netns", "pids", f"nsmj{proc.pid}-w1"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert victims, "worker 1 runs nothing"
+    for pid in victims:  # every process of the host: its sshd and its rank
+        os.kill(int(pid), signal.SIGKILL)
+    code, _, err = finish(proc)
+    assert code != 0
+    assert f"lost host {name}-worker-1 (its processes are gone: killed by SIGKILL)" in err
+    assert_nothing_left(proc.pid, links_before)
+
+    again = site.run_mpijob(manifest, "--runtime", "podman")  # the operator's retry: the same job again
+    code, out, err = finish(again)
+    assert code == 0, err[-3000:]
+    assert "resumed from checkpoint" in out
+    assert_nothing_left(again.pid, links_before)
+
+
+def _job(name: str, launcher_args: list[str]) -> dict[str, Any]:
+    """A 1-worker MPIJob of the image's contract: workers give no command (the image's sshd)."""
+    return {"apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": {"name": name},
+            "spec": {"slotsPerWorker": 1, "sshAuthMountPath": "/home/mpiuser/.ssh", "mpiReplicaSpecs": {
+                "Launcher": {"replicas": 1, "template": {"spec": {"containers": [
+                    {"name": "launcher", "image": IMAGE, "args": launcher_args}]}}},
+                "Worker": {"replicas": 1, "template": {"spec": {"containers": [
+                    {"name": "worker", "image": IMAGE}]}}}}}}
+
+
+def test_a_signal_mid_job_removes_every_container(site: ImageSite, links_before: set[str]) -> None:
+    job = _job("sleepy", ["horovodrun", "--gloo", "-np", "1", "--hostfile", "/etc/mpi/hostfile", "sleep", "600.41"])
+    proc = site.run_mpijob(site.write(job, "sleepy-podman"), "--runtime", "podman")
+    def rank_running() -> bool:
+        pids = subprocess.run(["ip", "netns", "pids", f"nsmj{proc.pid}-w0"], capture_output=True, text=True,
+                              check=False).stdout.split()
+        return bool(processes_mentioning("sleep 600.41", pids=pids))
+
+    wait_for(rank_running, 120, "the rank on the worker", proc)
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc, timeout=120)
+    assert code == 128 + signal.SIGTERM
+    assert "MPIJob sleepy stopped by SIGTERM" in err
+    assert_nothing_left(proc.pid, links_before)
