@@ -129,11 +129,24 @@ def code_version(bundle_version: str | None = None) -> str:
     root = _repo_root()
     if root is None or not (root / ".git").exists():
         return source_digest(root)
+    return git_version(root, CODE_PATHS)
+
+
+def git_version(root: Path, paths: tuple[str, ...] = ()) -> str:
+    """git HEAD of the checkout at `root`, plus a hash of what differs from it under `paths` (all of the tree when
+    empty): uncommitted changes of tracked files and untracked files git does not ignore (a new module changes
+    what runs as much as an edit does). Two different trees never share a value; a git that fails raises
+    CodeVersionUnknown, never a guess."""
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=30,
+                              check=True).stdout
+
+    where = ("--", *paths) if paths else ()
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=30, check=True).stdout.strip()
-        diff = subprocess.run(["git", "-C", str(root), "diff", "HEAD", "--", *CODE_PATHS],
-                              capture_output=True, timeout=30, check=True).stdout
+        head = git("rev-parse", "HEAD").decode().strip()
+        diff = git("diff", "--no-ext-diff", "--no-textconv", "--binary", "HEAD", *where)
+        untracked = sorted(n for n in git("ls-files", "--others", "--exclude-standard", "-z", *where).split(b"\0")
+                           if n)
     except subprocess.CalledProcessError as err:
         stderr = (err.stderr if isinstance(err.stderr, str) else (err.stderr or b"").decode(errors="replace"))
         raise CodeVersionUnknown(f"git in {root} failed ({stderr.strip() or err}): cannot tell which code runs; "
@@ -143,9 +156,15 @@ def code_version(bundle_version: str | None = None) -> str:
                                  f"or set NIGHTSHIFT_GIT_COMMIT") from err
     if not head:
         raise CodeVersionUnknown(f"git in {root} printed no HEAD commit; set NIGHTSHIFT_GIT_COMMIT")
-    if diff:
-        return f"{head}+dirty.{hashlib.sha256(diff).hexdigest()[:12]}"
-    return head
+    if not diff and not untracked:
+        return head
+    digest = hashlib.sha256(diff)
+    for name in untracked:
+        path = root / name.decode(errors="surrogateescape")
+        digest.update(b"\0" + name + b"\0")
+        if path.is_file() and not path.is_symlink():
+            digest.update(path.read_bytes())
+    return f"{head}+dirty.{digest.hexdigest()[:12]}"
 
 
 # The fields of a fingerprint that must all match the last success for training to be skipped.

@@ -25,7 +25,6 @@ usage: scripts/images.py [--only trainer,serving,airflow]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import html
 import json
 import os
@@ -209,15 +208,22 @@ def torch_index(version: str) -> Iterator[str | None]:
 
 
 def git_commit() -> str:
-    """HEAD, plus a hash of uncommitted changes to tracked files (two different codes never share a value)."""
-    head = run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True)
-    if head.returncode != 0:
-        raise ImagesError(f"git rev-parse HEAD failed in {ROOT}: {head.stderr.strip()}")
-    diff = run(["git", "diff", "HEAD"], cwd=ROOT, capture_output=True)
-    commit = head.stdout.strip()
-    if diff.stdout:
-        commit += "-dirty-" + hashlib.sha256(diff.stdout.encode()).hexdigest()[:12]
-    return commit
+    """What the images carry as NIGHTSHIFT_GIT_COMMIT: NIGHTSHIFT_GIT_COMMIT when set (a source tree without git),
+    else HEAD plus a hash of uncommitted changes and untracked files (nightshift.ledger.git_version, the code
+    version the tasks record): two different trees never share a value."""
+    given = os.environ.get("NIGHTSHIFT_GIT_COMMIT", "").strip()
+    if given:
+        return given
+    sys.path.insert(0, str(ROOT))
+    try:
+        from nightshift.errors import CodeVersionUnknown
+        from nightshift.ledger import git_version
+    finally:
+        sys.path.remove(str(ROOT))
+    try:
+        return git_version(ROOT)
+    except CodeVersionUnknown as err:
+        raise ImagesError(str(err)) from err
 
 
 def build(dockerfile: str, tag: str, args: dict[str, str], *, secret: Path | None) -> None:

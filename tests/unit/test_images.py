@@ -147,6 +147,31 @@ DEADSNAKES = {"ca-certificates", "gnupg", "software-properties-common", "python3
               "python3.11-venv"}
 
 
+HOROVOD_GPU_FLAGS = {"HOROVOD_GPU_OPERATIONS", "HOROVOD_CUDA_HOME", "HOROVOD_NCCL_LINK", "HOROVOD_BUILD_CUDA_CC_LIST"}
+
+
+def _shared_commands(instructions: list[tuple[str, str]]) -> list[str]:
+    """The stage's RUN commands (split at `&&`, blanks folded), without what only gets the CUDA base Python 3.11:
+    the PPA, its packages (also in a purge) and the second `apt-get update` it needs."""
+    commands: list[str] = []
+    for kw, args in instructions:
+        if kw != "RUN":
+            continue
+        for command in (" ".join(c.split()) for c in args.split("&&")):
+            words = command.split()
+            if words[:1] == ["add-apt-repository"]:
+                continue
+            if words[:2] in (["apt-get", "install"], ["apt-get", "purge"]):
+                words = [w for w in words if w not in DEADSNAKES]
+                if all(w.startswith("-") for w in words[2:]):
+                    continue
+            command = " ".join(words)
+            if command == "apt-get update" and command in commands:
+                continue
+            commands.append(command)
+    return commands
+
+
 @pytest.mark.parametrize("step", ["build", "runtime"])
 def test_trainer_variants_differ_only_in_the_base_and_the_torch_and_horovod_build_flags(step: str) -> None:
     """Everything but the base is shared: the cuda and cpu stages of a step only pick a base image, add its
@@ -161,13 +186,13 @@ def test_trainer_variants_differ_only_in_the_base_and_the_torch_and_horovod_buil
                 assert "pip " not in args and "/build" not in args and "useradd" not in args, args
     # The base: nvidia/cuda for cuda, the python image for cpu.
     assert cuda[0][1].startswith("nvidia/cuda:") and cpu[0][1] == "${PYTHON_IMAGE}"
-    # System packages: the same, but for how the CUDA base gets Python 3.11.
-    assert _apt_packages(cpu) <= _apt_packages(cuda)
+    # Commands: the same, word for word and in order, once what gets the CUDA base its Python 3.11 is taken out.
+    assert _shared_commands(cuda) == _shared_commands(cpu)
     assert _apt_packages(cuda) - _apt_packages(cpu) <= DEADSNAKES
     # Environment: the same keys and values, but for torch's index and Horovod's GPU build flags.
     cuda_env, cpu_env = _env(cuda), _env(cpu)
     differing = {k for k in cuda_env.keys() | cpu_env.keys() if cuda_env.get(k) != cpu_env.get(k)}
-    assert all(k == "TORCH_INDEX_URL" or k.startswith("HOROVOD_") for k in differing), differing
+    assert differing <= {"TORCH_INDEX_URL"} | HOROVOD_GPU_FLAGS, differing
     assert not any(k.startswith("HOROVOD_") for k in cpu_env)
     if step == "build":
         assert "TORCH_INDEX_URL" in cuda_env and "TORCH_INDEX_URL" in cpu_env
@@ -609,3 +634,31 @@ def test_images_script_names_what_to_install_when_podman_is_missing(
     monkeypatch.setattr(images.shutil, "which", lambda tool, path=None: None)
     assert images.main(["--only", "serving"]) == 1
     assert "podman and runc not found: run `make setup` as root" in capsys.readouterr().err
+
+
+def test_the_images_commit_counts_untracked_files_and_can_be_given(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """An untracked module under nightshift/ is copied into the images: it must change the commit they carry
+    (git diff HEAD alone missed it). A source tree without git names its commit through NIGHTSHIFT_GIT_COMMIT."""
+    import subprocess
+
+    images = _images_script()
+    repo = tmp_path / "repo"
+    (repo / "nightshift").mkdir(parents=True)
+    (repo / "nightshift" / "a.py").write_text("a = 1\n")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, env=env, capture_output=True)
+    monkeypatch.delenv("NIGHTSHIFT_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(images, "ROOT", repo)
+    head = images.git_commit()
+    (repo / "nightshift" / "b.py").write_text("b = 1\n")
+    assert images.git_commit().startswith(head + "+dirty.")
+    monkeypatch.setenv("NIGHTSHIFT_GIT_COMMIT", "abc123")
+    assert images.git_commit() == "abc123"
+    monkeypatch.delenv("NIGHTSHIFT_GIT_COMMIT")
+    monkeypatch.setattr(images, "ROOT", tmp_path / "not-a-checkout")
+    (tmp_path / "not-a-checkout").mkdir()
+    with pytest.raises(images.ImagesError, match="set NIGHTSHIFT_GIT_COMMIT"):
+        images.git_commit()

@@ -60,6 +60,25 @@ def test_code_version_never_answers_unknown(monkeypatch: pytest.MonkeyPatch, tmp
     assert ledger.code_version("bundle-commit") == "bundle-commit"  # the bundle's commit needs no git
 
 
+def test_an_untracked_module_is_another_code_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A new, uncommitted module changes what runs as much as an edit: `git diff HEAD` alone did not see it (so a
+    run could skip training as "same code"); files git ignores and files outside the code paths do not count."""
+    monkeypatch.delenv("NIGHTSHIFT_GIT_COMMIT", raising=False)
+    root = git_checkout(tmp_path / "repo")
+    monkeypatch.setattr(ledger, "_repo_root", lambda: root)
+    head = ledger.code_version()
+    (root / ".gitignore").write_text("*.pyc\n")
+    (root / "nightshift" / "cache.pyc").write_bytes(b"ignored")
+    (root / "notes.txt").write_text("outside the code paths\n")
+    assert ledger.code_version() == head
+    (root / "nightshift" / "new.py").write_text("def f(): return 1\n")
+    first = ledger.code_version()
+    assert first.startswith(head + "+dirty.")
+    (root / "nightshift" / "new.py").write_text("def f(): return 2\n")
+    assert ledger.code_version() not in (first, head)
+    assert ledger.git_version(root) != ledger.git_version(root, ("nightshift",))  # the whole tree: notes.txt too
+
+
 def test_an_installed_package_is_versioned_by_its_sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("NIGHTSHIFT_GIT_COMMIT", raising=False)
     (tmp_path / "nightshift").mkdir()
