@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if "airflow" in wanted:
             base = AIRFLOW_BASE_IMAGE.format(airflow=pins["apache-airflow"])
             build("images/local/airflow/Dockerfile", base,
-                  {"PYTHON_IMAGE": PYTHON_IMAGE, "AIRFLOW_VERSION": pins["apache-airflow"]}, secret=secret)
+                  {"PYTHON_IMAGE": PYTHON_IMAGE}, secret=secret)
             build("images/airflow/Dockerfile", names["airflow"], {"AIRFLOW_IMAGE": base, **common}, secret=secret)
     except ImagesError as exc:
         print(f"images: error: {exc}", file=sys.stderr)

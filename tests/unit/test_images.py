@@ -192,13 +192,13 @@ def test_trainer_variants_differ_only_in_the_base_and_the_torch_and_horovod_buil
     # Environment: the same keys and values, but for torch's index and Horovod's GPU build flags.
     cuda_env, cpu_env = _env(cuda), _env(cpu)
     differing = {k for k in cuda_env.keys() | cpu_env.keys() if cuda_env.get(k) != cpu_env.get(k)}
-    assert differing <= {"TORCH_INDEX_URL"} | HOROVOD_GPU_FLAGS, differing
+    assert differing <= {"TORCH_INDEX_DEFAULT"} | HOROVOD_GPU_FLAGS, differing
     assert not any(k.startswith("HOROVOD_") for k in cpu_env)
     if step == "build":
-        assert "TORCH_INDEX_URL" in cuda_env and "TORCH_INDEX_URL" in cpu_env
+        assert "TORCH_INDEX_DEFAULT" in cuda_env and "TORCH_INDEX_DEFAULT" in cpu_env
         args_cuda = {a.split("=")[0] for kw, a in cuda if kw == "ARG"}
         args_cpu = {a.split("=")[0] for kw, a in cpu if kw == "ARG"}
-        assert args_cuda == args_cpu == {"DEBIAN_FRONTEND", "TORCH_INDEX_URL"}
+        assert args_cuda == args_cpu == {"DEBIAN_FRONTEND"}
     # Everything else (torch, Horovod, the project, the user, sshd) is in the shared stage.
     shared_runs = " ".join(args for kw, args in shared if kw == "RUN")
     assert ("horovod" in shared_runs) if step == "build" else ("useradd" in shared_runs)
@@ -207,8 +207,25 @@ def test_trainer_variants_differ_only_in_the_base_and_the_torch_and_horovod_buil
 def test_the_torch_source_is_a_build_argument_defaulting_to_the_pytorch_index() -> None:
     stages = _stages(TRAINER / "Dockerfile")
     for variant, default in (("build-cuda", "cu128"), ("build-cpu", "cpu")):
-        assert ("ARG", f"TORCH_INDEX_URL=https://download.pytorch.org/whl/{default}") in stages[variant]
-        assert _env(stages[variant])["TORCH_INDEX_URL"] == "${TORCH_INDEX_URL}"
+        assert _env(stages[variant])["TORCH_INDEX_DEFAULT"] == f"https://download.pytorch.org/whl/{default}"
+    assert ("ARG", 'TORCH_INDEX_URL=""') in stages["build"]
+
+
+def test_no_env_line_takes_a_build_arguments_value() -> None:
+    """podman (buildah 1.28) caches an ENV line on its unexpanded text: `ENV X=${ARG}` keeps the value of the build
+    that made the layer (a torch index on another port, an older Airflow version) whatever the argument is now.
+    Build arguments reach RUN lines only (their values are in those layers' cache keys); NIGHTSHIFT_GIT_COMMIT,
+    the one exception, is checked and set again by scripts/images.py after each build."""
+    for dockerfile in ALL_DOCKERFILES:
+        args: set[str] = set()
+        for kw, text in _instructions(dockerfile):
+            if kw == "ARG":
+                args.add(text.split("=", 1)[0])
+            elif kw == "ENV":
+                for pair in text.split():
+                    key, _, value = pair.partition("=")
+                    used = set(re.findall(r"\$\{?(\w+)", value)) & args
+                    assert not used or key == "NIGHTSHIFT_GIT_COMMIT", f"{dockerfile}: ENV {pair}"
 
 
 ALL_DOCKERFILES = DOCKERFILES + LOCAL_BASES
@@ -329,7 +346,7 @@ def test_the_nccl_check_fails_a_cuda_build_without_nccl(tmp_path: Path, operatio
 def test_trainer_cuda_toolkit_matches_the_cuda_of_the_torch_wheel() -> None:
     text = (TRAINER / "Dockerfile").read_text()
     cuda = re.search(r"^ARG CUDA_VERSION=(\d+)\.(\d+)\.\d+$", text, re.M)
-    wheel = re.search(r"TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu(\d+)", text)
+    wheel = re.search(r"TORCH_INDEX_DEFAULT=https://download\.pytorch\.org/whl/cu(\d+)", text)
     assert cuda is not None and wheel is not None
     assert wheel.group(1) == cuda.group(1) + cuda.group(2), (
         f"CUDA {cuda.group(1)}.{cuda.group(2)} toolkit but a cu{wheel.group(1)} torch wheel"
@@ -340,10 +357,10 @@ def test_trainer_versions_match_the_project_pins() -> None:
     text = (TRAINER / "Dockerfile").read_text()
     assert f"ARG TORCH_VERSION={pins['torch']}" in text
     assert f"ARG HOROVOD_VERSION={pins['horovod']}" in text
-    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in text
-    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    assert "TORCH_INDEX_DEFAULT=https://download.pytorch.org/whl/cu" in text
+    assert "TORCH_INDEX_DEFAULT=https://download.pytorch.org/whl/cpu" in text
     assert any(
-        '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in r
+        '--index-url "${TORCH_INDEX_URL:-${TORCH_INDEX_DEFAULT}}" "torch==${TORCH_VERSION}"' in r
         for r in _runs(TRAINER / "Dockerfile")
     )
 
@@ -662,3 +679,20 @@ def test_the_images_commit_counts_untracked_files_and_can_be_given(monkeypatch: 
     (tmp_path / "not-a-checkout").mkdir()
     with pytest.raises(images.ImagesError, match="set NIGHTSHIFT_GIT_COMMIT"):
         images.git_commit()
+
+
+def test_the_local_airflow_base_is_the_airflow_constraints_pins() -> None:
+    text = (ROOT / "images" / "local" / "airflow" / "Dockerfile").read_text()
+    assert re.search(rf"^ENV AIRFLOW_VERSION={re.escape(_pins()['apache-airflow'])} ", text, re.M)
+
+
+def test_the_local_python_base_gets_debians_security_updates() -> None:
+    """debootstrap's sources name bookworm only: without bookworm-security the images would never get Debian's
+    security fixes (the official python image has both)."""
+    base = ROOT / "images" / "local" / "python"
+    sources = (base / "debian.sources").read_text()
+    assert "Suites: bookworm-security" in sources and "bookworm-updates" in sources
+    runs = " ".join(_runs(base / "Dockerfile"))
+    assert "rm -f /etc/apt/sources.list" in runs and "apt-get upgrade -y" in runs
+    assert "COPY images/local/python/debian.sources /etc/apt/sources.list.d/debian.sources" in \
+        (base / "Dockerfile").read_text()
