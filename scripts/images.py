@@ -246,7 +246,12 @@ def build(dockerfile: str, tag: str, args: dict[str, str], *, secret: Path | Non
         raise ImagesError(f"building {tag} from {dockerfile} failed (exit {result.returncode}; podman's output above)")
     commit = args.get("NIGHTSHIFT_GIT_COMMIT")
     if commit is not None and image_env(tag).get("NIGHTSHIFT_GIT_COMMIT") != commit:
-        restamp(tag, commit)
+        try:
+            restamp(tag, commit)
+        except ImagesError:
+            # The tag is on an image that carries another commit: no image may claim code it does not hold.
+            run(podman("untag", tag), capture_output=True)
+            raise
     log(f"built {tag} in {time.monotonic() - started:.0f} s")
 
 

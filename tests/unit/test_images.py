@@ -696,3 +696,27 @@ def test_the_local_python_base_gets_debians_security_updates() -> None:
     assert "rm -f /etc/apt/sources.list" in runs and "apt-get upgrade -y" in runs
     assert "COPY images/local/python/debian.sources /etc/apt/sources.list.d/debian.sources" in \
         (base / "Dockerfile").read_text()
+
+
+def test_an_image_whose_commit_could_not_be_set_loses_its_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """podman reused a layer of an earlier commit and setting the new one failed: the tag must not stay on an
+    image that claims code it does not carry."""
+    import subprocess
+
+    images = _images_script()
+    asked: list[list[str]] = []
+
+    def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        asked.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def restamp(tag: str, commit: str) -> None:
+        raise images.ImagesError(f"could not set NIGHTSHIFT_GIT_COMMIT={commit} on {tag}")
+
+    monkeypatch.setattr(images, "run", run)
+    monkeypatch.setattr(images, "image_env", lambda tag: {"NIGHTSHIFT_GIT_COMMIT": "old"})
+    monkeypatch.setattr(images, "restamp", restamp)
+    with pytest.raises(images.ImagesError, match="could not set NIGHTSHIFT_GIT_COMMIT=new"):
+        images.build("images/serving/Dockerfile", "localhost/nightshift/serving:x", {"NIGHTSHIFT_GIT_COMMIT": "new"},
+                     secret=None)
+    assert asked[-1][-2:] == ["untag", "localhost/nightshift/serving:x"]
