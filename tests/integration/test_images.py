@@ -112,7 +112,26 @@ def test_each_image_runs_as_non_root_and_carries_the_commit(built: str, image: s
 
 
 def test_the_ca_bundle_is_no_layer_of_any_image(built: str) -> None:
+    """The build secret (this machine's CA bundle, IMAGES.ca_bundle()) is in no image: no file of any image's
+    filesystem has its bytes, wherever it was put, and no secret mount is left."""
+    import hashlib
+
+    bundle = IMAGES.ca_bundle()
+    assert bundle.is_file()
+    data = bundle.read_bytes()
     for tag in TAGS.values():
+        mounted = subprocess.run(["podman", "--runtime", "runc", "image", "mount", tag], capture_output=True,
+                                 text=True, env=ENV, timeout=120, check=False)
+        assert mounted.returncode == 0, mounted.stderr
+        try:
+            found = subprocess.run(["find", mounted.stdout.strip(), "-xdev", "-type", "f", "-size", f"{len(data)}c"],
+                                   capture_output=True, text=True, timeout=300, check=True).stdout.split("\n")
+            same = [f for f in found if f and hashlib.sha256(Path(f).read_bytes()).digest() ==
+                    hashlib.sha256(data).digest()]
+            assert same == [], f"{tag} holds the build's CA bundle: {same}"
+        finally:
+            subprocess.run(["podman", "--runtime", "runc", "image", "unmount", tag], capture_output=True, env=ENV,
+                           timeout=120, check=False)
         result = _run(tag, "ls", "/run/secrets", entrypoint="")
         assert "pip-ca" not in result.stdout, tag
 
