@@ -195,8 +195,9 @@ def torch_index(version: str) -> Iterator[str | None]:
         server = ThreadingHTTPServer(("127.0.0.1", port), _handler(wheel))
     except OSError as exc:
         raise ImagesError(
-            f"cannot serve the local torch index on 127.0.0.1:{port} ({exc}): set NIGHTSHIFT_TORCH_INDEX_PORT "
-            "to a free port"
+            f"cannot serve the local torch index on 127.0.0.1:{port} ({exc}): if another `make images` runs, let it "
+            "finish and run this again (its layers are then cached); else set NIGHTSHIFT_TORCH_INDEX_PORT to a free "
+            "port (the index URL is part of the cache key of the layers that install torch: they are built again)"
         ) from exc
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
