@@ -32,7 +32,8 @@ from tests.integration.test_images import ENV, IMAGES, ROOT, TAGS, _why_podman_c
 pytestmark = [pytest.mark.images, pytest.mark.timeout(900)]
 
 IMAGE = TAGS["airflow"]
-PORT = 8080
+PORT = 8080  # the container's own loopback (--network none): nothing on this machine's ports
+LIFETIME_S = 1800
 DATA = "/home/airflow/.nightshift/demo-data/digits"  # under NIGHTSHIFT_HOME/demo-data: a default data root
 RUN_TASKS = ("validate_data", "stage_dataset", "check_changes")
 # `dags test` matches task ids with fullmatch: every task but those three is marked successful, not run.
@@ -67,7 +68,8 @@ def _json_output(result: subprocess.CompletedProcess[str]) -> Any:
 
 
 def _logs(container: str) -> str:
-    return (lambda r: (r.stdout + r.stderr)[-4000:])(_podman("logs", container))
+    logs = _podman("logs", container)
+    return (logs.stdout + logs.stderr)[-4000:]
 
 
 HEALTH = f"""
@@ -103,7 +105,10 @@ def container() -> Iterator[str]:
         "run", "--detach", "--rm", "--name", name, "--network", "none",
         "--env", "GX_ANALYTICS_ENABLED=false", "--env", "DVC_NO_ANALYTICS=1", "--env", "DO_NOT_TRACK=true",
         IMAGE, "bash", "-c",
-        f"airflow db migrate >/dev/null && exec airflow api-server --host 127.0.0.1 --port {PORT} --workers 1",
+        # `timeout`: a test run killed before its teardown leaves no API server running for ever (--rm then
+        # removes the container).
+        f"airflow db migrate >/dev/null && exec timeout {LIFETIME_S} airflow api-server --host 127.0.0.1 "
+        f"--port {PORT} --workers 1",
     )
     try:
         assert started.returncode == 0, started.stderr
@@ -224,11 +229,14 @@ def test_dags_test_runs_validate_stage_and_check_changes(container: str) -> None
     assert "fingerprint" in validated  # set only when the GX suite passed on every split
     staged = xcoms["stage_dataset.return_value"]
     assert staged["rows"] > 0 and len(staged["hash"]) >= 8 and staged["source"] == DATA, staged
-    assert xcoms["check_changes.return_value"] == "train"
-    assert xcoms["check_changes.fingerprint"]["dataset_version"] == staged["hash"]
-    assert xcoms["check_changes.fingerprint"]["code_version"] == IMAGES.git_commit()
-    assert states["skip_training"] == "skipped"
-    assert "train.return_value" not in xcoms  # marked successful, never run
+    fingerprint = xcoms["check_changes.fingerprint"]
+    assert fingerprint["dataset_version"] == staged["hash"], fingerprint
+    assert fingerprint["code_version"] == IMAGES.git_commit(), fingerprint  # the image's NIGHTSHIFT_GIT_COMMIT
+    assert xcoms.get("check_changes.previous_run") is None  # the first run: nothing to compare with
+    assert {"lr", "batch_size", "model"} <= set(xcoms["check_changes.training"]), xcoms["check_changes.training"]
+    # The branch: a first run trains (train: marked successful, never run), so skip_training is skipped.
+    assert (states["train"], states["skip_training"]) == ("success", "skipped"), states
+    assert "train.return_value" not in xcoms
 
     files = _answer(_exec(container, "python", "-c", STAGED, json.dumps(staged)))
     assert files["under_workspace"] and {"train.parquet", "validation.parquet", "test.parquet"} <= set(
