@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from nightshift.errors import DataError, UsageError
 from nightshift.plugins import Registry
 from nightshift.tasks import BINARY, MULTICLASS, REGRESSION, check_task
+
+# torch only where a split becomes tensors: the Airflow image has no torch, and its tasks read, validate and stage
+# splits through this module (SPLITS, split_path, read_split_frame).
+if TYPE_CHECKING:
+    import torch
 
 SPLITS = ("train", "validation", "test")
 
@@ -71,6 +75,8 @@ def read_split_frame(data_dir: str | Path, split: str) -> pd.DataFrame:
 @register_dataset("digits")
 def load_digits(data_dir: str | Path, split: str, *, task: str = MULTICLASS, **options: Any) -> Split:
     """The demo: `label` 0–9 and `pixel_0`…`pixel_63` in 0–16, scaled to 0–1 as 1×8×8 images."""
+    import torch
+
     if options:
         raise UsageError(f"dataset 'digits' takes no options, got {sorted(options)}; use dataset 'tabular' "
                          f"for a table of your own")
@@ -125,6 +131,8 @@ def load_tabular(data_dir: str | Path, split: str, *, task: str = MULTICLASS, la
     the standardised value; the served model turns it back). `preprocessing` records all of it, so that
     training, evaluation and serving see the same columns, order and scaling.
     """
+    import torch
+
     check_task(task)
     prep = tabular_preprocessing(data_dir, task=task, label=label, features=features)
     frame = read_split_frame(data_dir, split)
