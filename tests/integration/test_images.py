@@ -37,7 +37,8 @@ ENV = {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(IM
 SBIN_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
 
 
-def _why_podman_cannot_build() -> str | None:
+def _why_podman_cannot_run() -> str | None:
+    """Why podman cannot run containers here (a tool missing, `podman info` failing), or None."""
     missing = [tool for tool in ("podman", "runc") if shutil.which(tool, path=SBIN_PATH) is None]
     if missing:
         return f"{' and '.join(missing)} not installed (`make setup` as root installs podman, buildah, runc)"
@@ -45,6 +46,13 @@ def _why_podman_cannot_build() -> str | None:
                           timeout=120, check=False)
     if info.returncode != 0:
         return f"podman cannot run here: {info.stderr.strip()[-300:]}"
+    return None
+
+
+def _why_podman_cannot_build() -> str | None:
+    why_not = _why_podman_cannot_run()
+    if why_not is not None:
+        return why_not
     has_base = subprocess.run(["podman", "image", "exists", IMAGES.DEBIAN_IMAGE], env=ENV, check=False).returncode
     if has_base != 0 and (os.geteuid() != 0 or shutil.which("debootstrap", path=SBIN_PATH) is None):
         return f"{IMAGES.DEBIAN_IMAGE} is missing and only root with debootstrap can make it"

@@ -548,7 +548,9 @@ def test_serving_image_is_mlserver_with_the_mlflow_runtime_and_torch_of_a_chosen
     assert "import mlflow.pyfunc, mlserver_mlflow, torch" in install
     assert ("COPY", "images/serving/requirements.txt /tmp/serving/requirements.txt") in instructions
     env = " ".join(args for kw, args in instructions if kw == "ENV")
-    assert "MLSERVER_MODEL_IMPLEMENTATION=mlserver_mlflow.MLflowRuntime" in env
+    assert "MLSERVER_MODEL_IMPLEMENTATION=nightshift_mlserver.NightshiftMLflowRuntime" in env
+    assert ("COPY", "images/serving/nightshift_mlserver.py /opt/venv/lib/python3.11/site-packages/"
+                    "nightshift_mlserver.py") in instructions
     assert "MLSERVER_MODEL_URI=/mnt/models" in env and "MLSERVER_HTTP_PORT=8080" in env
     assert ("CMD", '["mlserver", "start", "/mnt/models"]') in instructions
     users = [args for kw, args in instructions if kw == "USER"]
