@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -142,11 +143,18 @@ def backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
                                        f"{home}/model"])
         made = HostsBackend(op)
         made.log = Log()
+        backends.append(made)
         return made
 
+    backends: list[HostsBackend] = []
     make.argvs = argvs  # type: ignore[attr-defined]
     make.home = home  # type: ignore[attr-defined]
-    return make
+    yield make
+    for made in backends:  # a test that failed before its cleanup() leaves no scratch directory in /tmp
+        if made.process is not None and made.process.poll() is None:
+            made.cancel()
+        if made._tmp is not None:
+            shutil.rmtree(made._tmp, ignore_errors=True)
 
 
 def logged(backend: HostsBackend, prefix: str) -> Any:
