@@ -188,6 +188,9 @@ def test_the_container_serves_champion_with_the_in_process_pyfuncs_predictions(
     assert (np.asarray(predicted["data"]) == champion["labels"]).mean() > 0.5
 
 
+SENTINEL = "s3cr3t-" + uuid.uuid4().hex  # a bearer token that must appear in no answer and no log line
+
+
 def test_malformed_requests_get_a_4xx(served: dict[str, Any], champion: dict[str, Any]) -> None:
     rows = champion["features"].head(3)
     body = _v2_body(rows)
@@ -199,9 +202,22 @@ def test_malformed_requests_get_a_4xx(served: dict[str, Any], champion: dict[str
         "a column missing": requests.post(url, json={**body, "inputs": body["inputs"][1:]}, timeout=60),
         "a pixel out of range": requests.post(url, json={**body, "inputs": [
             {**body["inputs"][0], "data": [99.0] * len(rows)}, *body["inputs"][1:]]}, timeout=60),
+        # Refused while MLServer decodes the request, before the model runs (both were 500).
+        "a shape its data does not fill": requests.post(url, json={**body, "inputs": [
+            {**body["inputs"][0], "shape": [len(rows) + 2, 1]}, *body["inputs"][1:]]}, timeout=60),
+        "text for a number": requests.post(url, json={**body, "inputs": [
+            {**body["inputs"][0], "datatype": "BYTES", "data": ["x"] * len(rows)}, *body["inputs"][1:]]},
+            timeout=60),
+        # MLflow's schema message quotes the request, with every HTTP header MLServer keeps in it.
+        "an unknown content type, with a token": requests.post(
+            url, json={**body, "parameters": {"content_type": "nope"}}, timeout=60,
+            headers={"Authorization": f"Bearer {SENTINEL}"}),
     }
     for case, response in cases.items():
         assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
+        assert SENTINEL not in response.text, case
+    logs = _podman("logs", served["container"])
+    assert SENTINEL not in logs.stdout + logs.stderr
     assert "must lie in [0, 16]" in cases["a pixel out of range"].text
     # Refused by the model (Nightshift's check) and by MLflow's schema enforcement: MLServer's MLflow runtime
     # answered both 500 until the image's runtime (images/serving/nightshift_mlserver.py) made them 400.
