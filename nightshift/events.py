@@ -42,7 +42,7 @@ DEFAULT_RETENTION = 10_000
 URL_ENV = "NIGHTSHIFT_EVENTS_REDIS_URL"
 STREAM_ENV = "NIGHTSHIFT_EVENTS_STREAM"
 RETENTION_ENV = "NIGHTSHIFT_EVENTS_RETENTION"
-# The files a data source must hold (nightshift.datasets.SPLITS, which imports torch; a test keeps them equal).
+# The files a data source must hold (nightshift.datasets.SPLITS, whose module imports pandas; a test keeps them equal).
 SPLIT_FILES = ("train.parquet", "validation.parquet", "test.parquet")
 CONNECT_TIMEOUT_S = 5.0
 
