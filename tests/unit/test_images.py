@@ -659,16 +659,10 @@ def test_the_images_commit_counts_untracked_files_and_can_be_given(monkeypatch: 
                                                                    tmp_path: Path) -> None:
     """An untracked module under nightshift/ is copied into the images: it must change the commit they carry
     (git diff HEAD alone missed it). A source tree without git names its commit through NIGHTSHIFT_GIT_COMMIT."""
-    import subprocess
+    from tests.git_checkout import git_checkout
 
     images = _images_script()
-    repo = tmp_path / "repo"
-    (repo / "nightshift").mkdir(parents=True)
-    (repo / "nightshift" / "a.py").write_text("a = 1\n")
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
-           "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
-    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
-        subprocess.run(["git", "-C", str(repo), *args], check=True, env=env, capture_output=True)
+    repo = git_checkout(tmp_path / "repo")
     monkeypatch.delenv("NIGHTSHIFT_GIT_COMMIT", raising=False)
     monkeypatch.setattr(images, "ROOT", repo)
     head = images.git_commit()

@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from nightshift import ledger
 from nightshift.errors import CodeVersionUnknown
+from tests.git_checkout import git_checkout
 
 
 def test_records_round_trip_newest_last_and_a_torn_line_is_skipped(nightshift_home: Path) -> None:
@@ -29,17 +28,6 @@ def test_the_registry_tags_a_version_with_the_ledgers_code_version(monkeypatch: 
     monkeypatch.setenv("NIGHTSHIFT_GIT_COMMIT", "abc1234")
     assert ledger.code_version() == "abc1234"
     assert registry.code_version is ledger.code_version  # one answer, not two that can disagree
-
-
-def git_checkout(path: Path) -> Path:
-    """A git checkout laid out as the project is, with `nightshift/` committed."""
-    (path / "nightshift").mkdir(parents=True)
-    (path / "nightshift" / "__init__.py").write_text("x = 1\n")
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
-           "PATH": os.environ["PATH"], "HOME": str(path)}
-    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
-        subprocess.run(["git", "-C", str(path), *args], check=True, env=env, capture_output=True)
-    return path
 
 
 def test_code_version_never_answers_unknown(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -5,9 +5,7 @@ code_version, safe_name. Each test failed on the first version of the fix."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -21,6 +19,7 @@ import torch
 from nightshift import ledger
 from nightshift.train.checkpoint import CheckpointStore
 from nightshift.train.config import TrainConfig, data_digest
+from tests.git_checkout import git_checkout
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -33,16 +32,6 @@ def _copy_data(src: Path, dst: Path, train_fraction: tuple[int, int] = (1, 1)) -
         frame = pd.read_parquet(src / f"{split}.parquet")
         (frame.iloc[: len(frame) * num // den] if split == "train" else frame).to_parquet(dst / f"{split}.parquet")
     return dst
-
-
-def _git_checkout(path: Path) -> Path:
-    (path / "nightshift").mkdir(parents=True)
-    (path / "nightshift" / "__init__.py").write_text("x = 1\n")
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
-           "PATH": os.environ["PATH"], "HOME": str(path)}
-    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
-        subprocess.run(["git", "-C", str(path), *args], check=True, env=env, capture_output=True)
-    return path
 
 
 def _steps() -> Any:
@@ -63,7 +52,7 @@ def test_check_changes_with_a_pinned_bundle_version_needs_no_local_git(monkeypat
     git fails (dubious ownership, a broken HEAD, no git binary) check_changes now raises CodeVersionUnknown on
     every try although the code version it is about to record needs no git at all."""
     monkeypatch.delenv("NIGHTSHIFT_GIT_COMMIT", raising=False)
-    root = _git_checkout(tmp_path / "repo")
+    root = git_checkout(tmp_path / "repo")
     (root / ".git" / "HEAD").write_text("ref: refs/heads/gone\n")  # the worker's checkout: git fails there
     monkeypatch.setattr(ledger, "_repo_root", lambda: root)
 
