@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -104,6 +104,9 @@ class Site:
         return subprocess.Popen([NIGHTSHIFT, "run-mpijob", str(manifest), "--volume", f"{CLAIM}={self.home}",
                                  "--timeout", str(timeout - 60), *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env())
+
+
+SiteT = TypeVar("SiteT", bound=Site)
 
 
 def launcher(job: dict[str, Any]) -> dict[str, Any]:
@@ -205,16 +208,21 @@ def wait_for(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[s
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
-    root = tmp_path_factory.mktemp("run-mpijob")
+def make_site(tmp_path_factory: pytest.TempPathFactory, name: str, kind: type[SiteT]) -> SiteT:
+    """A claim directory, an MLflow store folder and the demo data, under a fresh temporary folder."""
+    root = tmp_path_factory.mktemp(name)
     (root / "home").mkdir()
     (root / "mlflow").mkdir()
     data = root / "demo-data"
     done = subprocess.run([NIGHTSHIFT, "demo-data", str(data)], capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr
-    return Site(home=root / "home", mlflow=root / "mlflow", data=data)
+    return kind(home=root / "home", mlflow=root / "mlflow", data=data)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
+    return make_site(tmp_path_factory, "run-mpijob", Site)
 
 
 @pytest.fixture(scope="module")

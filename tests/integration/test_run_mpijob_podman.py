@@ -22,17 +22,18 @@ from nightshift.mpijob_local import podman
 from tests.integration.horovod_helpers import processes_mentioning
 from tests.integration.test_run_mpijob import (
     CONF,
-    NIGHTSHIFT,
     THREADS,
     Site,
     assert_bitwise_equal,
     finish,
     host_links,
+    make_site,
     trainer_arg,
     wait_for,
     without_mlflow,
 )
 from tests.integration.test_run_mpijob import _missing as _missing_host
+from tests.integration.test_run_mpijob import assert_nothing_left as assert_nothing_left_by_host_runs
 
 IMAGE = "localhost/nightshift/trainer:cpu"
 SETTINGS = podman.PodmanSettings.from_environment()
@@ -79,25 +80,16 @@ def containers_of(pid: int) -> list[str]:
 
 
 def assert_nothing_left(pid: int, links_before: set[str]) -> None:
-    """No container, namespace, link, mount or temporary directory of the run-mpijob with this pid."""
+    """No container or claim view of the run-mpijob with this pid, and nothing the host runtime's runs may leave
+    either (namespace, link, process, temporary directory)."""
     assert containers_of(pid) == []
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    assert f"nsmj{pid}-" not in namespaces, namespaces
-    assert host_links() <= links_before, host_links() - links_before
     assert f"nightshift-mpijob-{pid}-" not in Path("/proc/self/mountinfo").read_text()
-    assert not list(Path("/tmp").glob(f"nightshift-mpijob-{pid}-*"))
+    assert_nothing_left_by_host_runs(pid, links_before)
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> ImageSite:
-    root = tmp_path_factory.mktemp("run-mpijob-podman")
-    (root / "home").mkdir()
-    (root / "mlflow").mkdir()
-    data = root / "demo-data"
-    done = subprocess.run([NIGHTSHIFT, "demo-data", str(data)], capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr
-    return ImageSite(home=root / "home", mlflow=root / "mlflow", data=data)
+    return make_site(tmp_path_factory, "run-mpijob-podman", ImageSite)
 
 
 @pytest.fixture(scope="module")
