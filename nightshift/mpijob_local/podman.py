@@ -447,9 +447,11 @@ def missing(settings: PodmanSettings, images: Sequence[str]) -> list[str]:
     return lacking
 
 
-def list_containers(settings: PodmanSettings) -> list[str]:
-    done = run_podman(settings, "ps", "-a", "--filter", f"name=^{CONTAINER_PREFIX}", "--format", "{{.Names}}")
-    return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
+def list_containers(settings: PodmanSettings, timeout: float = 120) -> list[str] | None:
+    """The names of run-mpijob's containers here; None when podman could not list them."""
+    done = run_podman(settings, "ps", "-a", "--filter", f"name=^{CONTAINER_PREFIX}", "--format", "{{.Names}}",
+                      timeout=timeout)
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else None
 
 
 def remove_containers(settings: PodmanSettings, names: Sequence[str]) -> list[str]:
@@ -457,11 +459,10 @@ def remove_containers(settings: PodmanSettings, names: Sequence[str]) -> list[st
     if not names:
         return []
     done = run_podman(settings, "rm", "-f", "--ignore", "--time", str(STOP_GRACE_S), *names, timeout=60)
-    listed = run_podman(settings, "ps", "-a", "--filter", f"name=^{CONTAINER_PREFIX}", "--format", "{{.Names}}",
-                        timeout=30)
-    if listed.returncode != 0:  # cannot tell: none is known to be gone unless rm said so
+    listed = list_containers(settings, timeout=30)
+    if listed is None:  # cannot tell: none is known to be gone unless rm said so
         return [] if done.returncode == 0 else list(names)
-    present = {line.strip() for line in listed.stdout.splitlines()}
+    present = set(listed)
     return [name for name in names if name in present]
 
 
@@ -470,7 +471,7 @@ def remove_stale_containers(settings: PodmanSettings, alive: Callable[[int], boo
     if shutil.which("podman") is None:
         return []
     stale = []
-    for name in list_containers(settings):
+    for name in list_containers(settings) or []:
         match = _CONTAINER_NAME.match(name)
         if match and not alive(int(match.group(1))):
             stale.append(name)
