@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlflow-experiment", default=None, help="log the run to this MLflow experiment")
     parser.add_argument("--mlflow-run-name", default=None)
     parser.add_argument("--tag", dest="tags", type=_tag, action="append", default=[], help="KEY=VALUE MLflow tag")
+    parser.add_argument("--elastic", action="store_true",
+                        help="Horovod elastic training (under horovodrun --min-np/--max-np/--host-discovery-script): "
+                             "a lost host rolls back to the last in-memory commit and training goes on with the ranks "
+                             "left, an added host receives the state (nightshift.train.elastic)")
+    parser.add_argument("--commit-every", type=int, default=d.commit_every,
+                        help=f"elastic: steps between in-memory commits, the point a lost host rolls back to "
+                             f"({d.commit_every})")
     parser.add_argument("--search-storage", default=None,
                         help="model search: the Optuna storage URL of the trial to report to (no password in it)")
     parser.add_argument("--search-study", default=None, help="model search: the study's name")
@@ -82,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         code_version=args.code_version, mlflow_experiment=args.mlflow_experiment,
         mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
         search_storage=args.search_storage, search_study=args.search_study, search_trial=args.search_trial,
+        elastic=args.elastic, commit_every=args.commit_every,
     )
 
 
@@ -113,12 +121,18 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
 
     from nightshift.train.trainer import Trainer
 
+    trainer_class = Trainer
+    if config.elastic:
+        from nightshift.train.elastic import ElasticTrainer, require_elastic_launcher
+
+        require_elastic_launcher()
+        trainer_class = ElasticTrainer
     hvd.init()
     if on_epoch is None and config.search_trial is not None:
         from nightshift.search.reporter import TrialReporter
 
         on_epoch = TrialReporter.for_config(config)
-    summary = Trainer(config, train, validation, hvd, on_epoch=on_epoch).fit()
+    summary = trainer_class(config, train, validation, hvd, on_epoch=on_epoch).fit()
     if summary and config.mlflow_experiment:
         from nightshift.tracking import configure, log_training_run
 

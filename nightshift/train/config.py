@@ -67,10 +67,14 @@ class TrainConfig:
     search_storage: str | None = None
     search_study: str | None = None
     search_trial: int | None = None
+    # Horovod elastic training (nightshift.train.elastic): the world size may change while training; the state
+    # is committed in memory every `commit_every` steps and a lost host rolls back to the last commit.
+    elastic: bool = False
+    commit_every: int = 10
 
     def __post_init__(self) -> None:
         self.data, self.out, self.checkpoint_dir = Path(self.data), Path(self.out), Path(self.checkpoint_dir)
-        for name in ("epochs", "batch_size", "checkpoint_every", "keep_checkpoints", "log_every"):
+        for name in ("epochs", "batch_size", "checkpoint_every", "keep_checkpoints", "log_every", "commit_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 flag = "--" + name.replace("_", "-")
@@ -96,6 +100,8 @@ class TrainConfig:
             missing = ", ".join(flag for flag, v in search.items() if v is None)
             raise UsageError(f"reporting to a search trial needs --search-storage, --search-study and "
                              f"--search-trial together; missing {missing}")
+        if not isinstance(self.elastic, bool):
+            raise UsageError(f"elastic must be true or false, got {self.elastic!r}")
         if self.search_trial is not None and (not isinstance(self.search_trial, int) or self.search_trial < 0):
             raise UsageError(f"--search-trial must be a trial number >= 0, got {self.search_trial!r}")
 
@@ -118,7 +124,9 @@ class TrainConfig:
             raise ValueError(f"the resume key needs the resolved device type, got {device!r}")
         key = {name: getattr(self, name) for name in RESUME_FIELDS}
         key["device"] = device
-        key["world_size"] = world_size
+        # An elastic run's checkpoints do not depend on the world size (its samples and learning rate per step
+        # follow the size of the moment), and never fit a fixed-size run, nor the other way round.
+        key["world_size"] = "elastic" if self.elastic else world_size
         return json.loads(json.dumps(key))
 
     def threads_per_process(self, local_size: int) -> int:

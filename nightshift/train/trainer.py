@@ -103,8 +103,7 @@ class Trainer:
         # val_rmse is reported in the target's units: the regression loss is on the standardised target.
         self.target_std = float((train.preprocessing or {}).get("target_std", 1.0))
 
-        # Collective: a rank that cannot use the device it was asked for fails every rank, here.
-        self.device = select_device(config.device, hvd)
+        self.device = self._select_device(config.device, hvd)
         configure_determinism(self.device)
         torch.set_num_threads(config.threads_per_process(hvd.local_size()))
         seed_everything(config.seed)  # seeds every GPU's generator too
@@ -136,6 +135,10 @@ class Trainer:
         self.epoch_loss = [0.0, 0]  # sum and count of rank 0's batch losses in the current epoch
         self.resumed_from: int | None = None
         self.checkpoint_seconds = 0.0  # time the training loop spent blocked on checkpointing
+
+    def _select_device(self, requested: str, hvd: Any) -> torch.device:
+        """Collective: a rank that cannot use the device it was asked for fails every rank, here."""
+        return select_device(requested, hvd)
 
     def _build_model(self) -> nn.Module:
         factory = MODELS.get(self.config.model)

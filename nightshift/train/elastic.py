@@ -1,0 +1,337 @@
+"""Horovod elastic training: lose a host and keep training, add one and train faster, with no restart.
+
+Run under an elastic `horovodrun` (`--min-np/--max-np --host-discovery-script`, Gloo), the trainer keeps its
+state (model, optimizer, loss scaler, the position in the epoch's sample order, epoch and step, the running
+epoch loss) in a `hvd.elastic.TorchState`, committed in memory every `commit_every` steps, besides the on-disk
+checkpoints of the fixed-size trainer. When a host is lost, the ranks left catch Horovod's error, roll back to
+the last commit and go on at the new world size; when a host is added, the state is broadcast to it at the
+next commit and training goes on with more ranks. Every rank logs each reset.
+
+Samples. An epoch's order is a pure function of the seed and the epoch (a permutation of the training split,
+as `DistributedSampler` draws it). A step takes the next `batch_size * world_size` samples of that order (fewer
+at the end of the epoch) and gives each rank a contiguous share, as equal as can be (`step_shares`), so
+whatever the world size does between steps, every sample of an epoch is trained on exactly once per epoch:
+after a rollback the samples since the commit are trained again, from the committed position. Each rank's
+loss is its shares' summed loss scaled by `world_size / samples in the step`, so Horovod's averaging
+allreduce yields the mean gradient over the step's samples exactly, however unevenly they were shared (and a
+rank with no sample in the last step of an epoch contributes zero).
+
+Learning rate. The linear scaling rule, as the fixed-size trainer and Horovod's examples: the step's learning
+rate is `lr x world size of the moment` times the cosine schedule at the fraction of the run's samples done
+(`lr_factor`). The schedule is counted in samples, not steps, because the steps per epoch change with the
+world size. So a step of three ranks (3 x batch_size samples) takes a step three times the base size, and a
+step of two ranks twice: per sample the rate is the same whatever the world size.
+
+Randomness. At every (re-)entry each rank seeds Python, NumPy and torch from (seed, committed step, rank):
+a function of the state, so there is no RNG state to carry, and ranks never share a stream.
+
+On-disk checkpoints (rank 0, every `checkpoint_every` steps) hold the same state; their resume key says
+"elastic" for the world size, so a retry of an elastic job resumes from them at any size, and neither kind of
+run ever resumes the other's checkpoints. An elastic run is not bit-for-bit reproducible across failures: the
+world size changes which samples meet in a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from nightshift.errors import CheckpointMismatch, UsageError
+from nightshift.train.checkpoint import FORMAT
+from nightshift.train.device import CudaView, autocast, choose_device
+from nightshift.train.trainer import Trainer, rng_state, set_rng_state
+
+log = logging.getLogger("nightshift.train")
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The sample order of `epoch`: `DistributedSampler`'s shuffle (a permutation seeded by seed + epoch)."""
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=generator)
+
+
+def step_shares(remaining: int, batch_size: int, world_size: int) -> list[int]:
+    """How many of the epoch's next samples each rank trains on in one step: `batch_size` each, or, when fewer
+    than `batch_size * world_size` are left, the rest split as evenly as can be (lower ranks take one more)."""
+    if world_size < 1 or batch_size < 1 or remaining < 0:
+        raise ValueError(f"no shares for remaining={remaining}, batch_size={batch_size}, world_size={world_size}")
+    total = min(remaining, batch_size * world_size)
+    base, extra = divmod(total, world_size)
+    return [base + (1 if rank < extra else 0) for rank in range(world_size)]
+
+
+def rank_indices(order: torch.Tensor, processed: int, shares: list[int], rank: int) -> torch.Tensor:
+    """This rank's samples of the step that starts at position `processed` of the epoch's `order`."""
+    start = processed + sum(shares[:rank])
+    return order[start:start + shares[rank]]
+
+
+def lr_factor(samples_done: int, total_samples: int) -> float:
+    """The cosine schedule (to zero at the end of the run) at the fraction of the run's samples done."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(samples_done, total_samples) / total_samples))
+
+
+def require_elastic_launcher() -> None:
+    """--elastic needs the elastic driver of horovodrun, which is what sets HOROVOD_ELASTIC=1 in the ranks."""
+    if os.environ.get("HOROVOD_ELASTIC") != "1":
+        raise UsageError("--elastic needs an elastic horovodrun: run it as `horovodrun --gloo -np N --min-np MIN "
+                         "--max-np MAX --host-discovery-script SCRIPT ...` (or leave out --elastic)")
+
+
+def _seed_rank(seed: int, step: int, rank: int) -> None:
+    value = (seed * 1_000_003 + step * 7_919 + rank) % (2**32)
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)
+
+
+class ElasticTrainer(Trainer):
+    """The data-parallel trainer in Horovod's elastic mode (module docstring). `fit()` as `Trainer.fit()`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.n_train = len(self.train_split)
+        self.total_samples = self.n_train * self.config.epochs
+        self.resets = 0
+        self.entries = 0  # entries into the elastic function (1 + the resets this process went through)
+        self.sizes: list[int] = [self.size]  # the world sizes this process trained at, in order
+        self._order_epoch = -1
+        self._order = torch.empty(0, dtype=torch.long)
+
+    def _select_device(self, requested: str, hvd: Any) -> torch.device:
+        """This rank's own choice, with no collective: a process that joins a running elastic job must not
+        call one outside Horovod's elastic function, where the others wait in the state's sync."""
+        import socket
+
+        device = torch.device(choose_device(requested, rank=hvd.rank(), local_rank=hvd.local_rank(),
+                                            host=socket.gethostname(), cuda=CudaView.probe(bool(hvd.cuda_built()))))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _new_state(self) -> Any:
+        import horovod.torch as hvd_torch
+
+        state = hvd_torch.elastic.TorchState(
+            model=self.model, optimizer=self.optimizer, epoch=0, processed=0, samples_done=0, step=0,
+            epoch_loss=(0.0, 0), scaler=self.scaler.state_dict(), disk_checked=False)
+        state.register_reset_callbacks([lambda: self._on_reset(state)])
+        return state
+
+    def _on_reset(self, state: Any) -> None:
+        """After Horovod re-formed the job (a host lost or added): who we are now; logged on every rank."""
+        before = (self.rank, self.size)
+        self.rank, self.size = self.hvd.rank(), self.hvd.size()
+        self.is_chief = self.rank == 0
+        self.resets += 1
+        self.sizes.append(self.size)
+        torch.set_num_threads(self.config.threads_per_process(self.hvd.local_size()))
+        log.info("elastic reset %d: now rank %d of %d (was rank %d of %d); going on from the last commit: "
+                 "epoch %d, sample %d/%d of the epoch, step %d", self.resets, self.rank, self.size, before[0],
+                 before[1], state.epoch + 1, state.processed, self.n_train, state.step)
+
+    def _enter(self, state: Any) -> None:
+        """On every (re-)entry, after Horovod synced or rolled back the state: take up its position."""
+        if self.entries == 0 and state.disk_checked:
+            log.info("joined the running elastic job as rank %d of %d at step %d (epoch %d, sample %d/%d)",
+                     self.rank, self.size, state.step, state.epoch + 1, state.processed, self.n_train)
+        self.entries += 1
+        self.step = int(state.step)
+        self.epoch_loss = [float(state.epoch_loss[0]), int(state.epoch_loss[1])]
+        if self.scaler.is_enabled() and state.scaler:
+            self.scaler.load_state_dict(state.scaler)
+        _seed_rank(self.config.seed, self.step, self.rank)
+        if self.is_chief and state.disk_checked:
+            self._forget_metrics_after(self.step)
+
+    def _commit(self, state: Any, epoch: int, processed: int, samples_done: int) -> None:
+        state.epoch, state.processed, state.samples_done, state.step = epoch, processed, samples_done, self.step
+        state.epoch_loss = (self.epoch_loss[0], self.epoch_loss[1])
+        state.scaler = self.scaler.state_dict()
+        state.commit()  # may raise HostsUpdatedInterrupt: Horovod then re-forms the job and calls _train again
+
+    # -- checkpoints on disk -----------------------------------------------------------------
+
+    def _disk_state(self, epoch: int, processed: int, samples_done: int) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "step": self.step,
+            "epoch": epoch,
+            "resume_key": self.config.resume_key(self.size, self.device.type),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": {},
+            "scaler": self.scaler.state_dict(),
+            "rng": [rng_state(self.device)],
+            "threads": [torch.get_num_threads()],
+            "elastic": {"epoch": epoch, "processed": processed, "samples_done": samples_done,
+                        "world_size": self.size},
+            "epoch_loss": list(self.epoch_loss),
+        }
+
+    def _resume_from_disk(self, state: Any) -> None:
+        """Once per job, inside the elastic function (a collective): rank 0's newest matching checkpoint."""
+        verdict = self.hvd.broadcast_object(self._find_checkpoint() if self.is_chief else None, root_rank=0,
+                                            name="nightshift.elastic.resume")
+        if "error" in verdict:
+            raise CheckpointMismatch(verdict["error"])
+        if "state" in verdict:
+            saved = verdict["state"]
+            where = saved.get("elastic")
+            if not isinstance(where, dict):
+                raise CheckpointMismatch(f"{verdict['path']} was written by an elastic run but holds no elastic "
+                                         f"position; move it away or use a new --checkpoint-dir")
+            try:
+                self.model.load_state_dict(saved["model"], strict=True)
+                self.optimizer.load_state_dict(saved["optimizer"])
+                if self.scaler.is_enabled():
+                    self.scaler.load_state_dict(saved.get("scaler", {}))
+            except (RuntimeError, ValueError, KeyError) as err:
+                raise CheckpointMismatch(f"{verdict['path']} does not fit model {self.config.model!r}: {err}") from err
+            set_rng_state(saved["rng"][0], self.device)
+            self.step = int(saved["step"])
+            self.epoch_loss = [float(saved["epoch_loss"][0]), int(saved["epoch_loss"][1])]
+            self.resumed_from = self.step
+            state.epoch_loss = (self.epoch_loss[0], self.epoch_loss[1])
+            state.epoch, state.processed = int(where["epoch"]), int(where["processed"])
+            state.samples_done, state.step = int(where["samples_done"]), self.step
+            if self.is_chief:
+                log.info("resumed from checkpoint %s at step %d (epoch %d, sample %d/%d of the epoch)",
+                         verdict["path"], self.step, state.epoch + 1, state.processed, self.n_train)
+        elif self.is_chief and "set_aside" not in verdict:
+            log.info("no checkpoint in %s: starting from step 0", self.config.checkpoint_dir)
+        if self.is_chief:
+            self._truncate_metrics()
+        state.disk_checked = True
+
+    def _forget_metrics_after(self, step: int) -> None:
+        """Metric lines past the step we go on from will be redone (a rollback): drop them."""
+        import json
+
+        if not self.metrics_path.exists():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    # -- training ----------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        state = self._new_state()
+        started = time.perf_counter()
+        self.steps_run = 0
+        if self.is_chief:
+            log.info("elastic training on %s x %d ranks (for now): precision %s, commit every %d steps, "
+                     "checkpoint every %d", self.device, self.size, self.config.precision, self.config.commit_every,
+                     self.config.checkpoint_every)
+        epoch_metrics = self.hvd.elastic.run(self._train)(state)
+        waited = time.perf_counter()
+        self.writer.wait()
+        self.checkpoint_seconds += time.perf_counter() - waited
+        self.total_steps = self.step
+        if not epoch_metrics and self.is_chief:
+            epoch_metrics = self.evaluate(self.validation_split)
+        summary = self._finish(epoch_metrics, self.steps_run, time.perf_counter() - started)
+        if summary:
+            summary["elastic"] = {"resets": self.resets, "world_sizes": self.sizes,
+                                  "commit_every": self.config.commit_every}
+        return summary
+
+    def _order_of(self, epoch: int) -> torch.Tensor:
+        if epoch != self._order_epoch:
+            self._order = epoch_order(self.n_train, self.config.seed, epoch).to(self.device)
+            self._order_epoch = epoch
+        return self._order
+
+    def _train(self, state: Any) -> dict[str, float]:
+        config = self.config
+        self._enter(state)
+        if not state.disk_checked:
+            self._resume_from_disk(state)
+            self._commit(state, int(state.epoch), int(state.processed), int(state.samples_done))
+        epoch, processed, samples_done = int(state.epoch), int(state.processed), int(state.samples_done)
+        epoch_metrics: dict[str, float] = {}
+        window_start, window_steps, window_loss, window_samples = time.perf_counter(), 0, 0.0, 0
+        self.model.train()
+        while samples_done < self.total_samples:
+            order = self._order_of(epoch)
+            shares = step_shares(self.n_train - processed, config.batch_size, self.size)
+            in_step = sum(shares)
+            index = rank_indices(order, processed, shares, self.rank)
+            # A rank with no sample in the epoch's last step still takes part in the allreduce: it runs one
+            # sample with weight 0 (a model may not accept an empty batch), so it adds zero to the gradient.
+            weight = self.size / in_step if len(index) else 0.0
+            if not len(index):
+                index = order[:1]
+            x, y = self.train_split.features[index], self.train_split.labels[index]
+            lr = config.lr * self.size * lr_factor(samples_done, self.total_samples)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.zero_grad()
+            with autocast(self.device, config.precision):
+                summed = self.loss(self.model(x), y, reduction="sum")
+            self._backward_and_step(summed * weight)
+            self.step += 1
+            self.steps_run += 1
+            processed += in_step
+            samples_done += in_step
+            if shares[self.rank]:
+                loss_value = float(summed.detach()) / shares[self.rank]
+                self.epoch_loss[0] += loss_value
+                self.epoch_loss[1] += 1
+                window_loss += loss_value
+            window_steps += 1
+            window_samples += in_step
+            if self.is_chief and self.step % config.log_every == 0:
+                now = time.perf_counter()
+                rate = window_samples / max(now - window_start, 1e-9)
+                eta = timedelta(seconds=round((self.total_samples - samples_done) / max(rate, 1e-9)))
+                log.info("epoch %d/%d step %d sample %d/%d loss %.4f lr %.5f ranks %d samples/s %.0f eta %s",
+                         epoch + 1, config.epochs, self.step, processed, self.n_train,
+                         window_loss / max(window_steps, 1), lr, self.size, rate, eta)
+                self._record({"event": "step", "step": self.step, "epoch": epoch + 1, "loss": window_loss /
+                              max(window_steps, 1), "lr": lr, "samples_per_sec": rate, "world_size": self.size})
+                window_start, window_steps, window_loss, window_samples = now, 0, 0.0, 0
+            stop = False
+            epoch_done = processed >= self.n_train
+            if epoch_done:
+                epoch_metrics = self._end_epoch(epoch)
+                stop = self._hook_says_stop(epoch + 1, epoch_metrics)
+                epoch, processed = epoch + 1, 0
+            finished = samples_done >= self.total_samples or stop
+            if self.step % config.checkpoint_every == 0 or finished:
+                self._save_elastic_checkpoint(epoch, processed, samples_done)
+            if stop:
+                break
+            if not finished and (self.step % config.commit_every == 0 or epoch_done):
+                self._commit(state, epoch, processed, samples_done)
+        return epoch_metrics
+
+    def _hook_says_stop(self, epoch: int, metrics: dict[str, float]) -> bool:
+        # The parent never stops after the last epoch (step == total_steps); steps are not known ahead here.
+        self.total_steps = self.step if epoch >= self.config.epochs else sys.maxsize
+        return super()._hook_says_stop(epoch, metrics)
+
+    def _save_elastic_checkpoint(self, epoch: int, processed: int, samples_done: int) -> None:
+        if not self.is_chief:
+            return
+        started = time.perf_counter()
+        self.writer.submit(self._disk_state(epoch, processed, samples_done))
+        self.checkpoint_seconds += time.perf_counter() - started

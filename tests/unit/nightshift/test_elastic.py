@@ -1,0 +1,100 @@
+"""The elastic trainer's arithmetic: which samples each rank trains on as the world size changes, the
+learning rate, the resume key, and the refusal to run outside an elastic horovodrun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nightshift.errors import UsageError
+from nightshift.train.config import TrainConfig
+from nightshift.train.elastic import (
+    epoch_order,
+    lr_factor,
+    rank_indices,
+    require_elastic_launcher,
+    step_shares,
+)
+
+
+def run_epoch(n: int, batch: int, sizes: list[int], rollbacks: dict[int, int]) -> list[int]:
+    """The samples trained on in one epoch, as the elastic trainer walks it: `sizes[k]` is the world size of
+    step k (the last size repeats), and `rollbacks` maps a step to the step of the commit it rolls back to
+    (a host lost there). Returns the committed history: samples of steps that were rolled back are dropped,
+    as their gradient steps were undone."""
+    order = epoch_order(n, seed=3, epoch=2)
+    steps: list[list[int]] = []  # per step, every rank's samples
+    processed, k, tries = 0, 0, 0
+    while processed < n:
+        if k in rollbacks and tries < len(rollbacks):
+            tries += 1
+            back = rollbacks.pop(k)
+            processed -= sum(len(s) for s in steps[back:])
+            del steps[back:]
+            k = back
+        size = sizes[min(k, len(sizes) - 1)]
+        shares = step_shares(n - processed, batch, size)
+        taken = [rank_indices(order, processed, shares, r).tolist() for r in range(size)]
+        assert [len(t) for t in taken] == shares
+        steps.append([i for t in taken for i in t])
+        processed += sum(shares)
+        k += 1
+    return [i for step in steps for i in step]
+
+
+@pytest.mark.parametrize("sizes, rollbacks", [
+    ([3], {}),  # undisturbed
+    ([3, 3, 3, 2, 2, 2, 2, 3], {}),  # a host lost at step 3, back at step 7
+    ([3, 3, 3, 3, 2], {4: 2}),  # lost at step 4: roll back to the commit of step 2, go on with 2 ranks
+    ([1, 4, 2, 5, 3, 1, 2], {5: 3}),
+])
+def test_an_epoch_trains_on_every_sample_once_whatever_the_world_size_does(sizes: list[int],
+                                                                          rollbacks: dict[int, int]) -> None:
+    n = 101  # not a multiple of any batch: the last step is uneven
+    seen = run_epoch(n, batch=8, sizes=sizes, rollbacks=dict(rollbacks))
+    assert sorted(seen) == list(range(n))
+    assert seen == epoch_order(n, seed=3, epoch=2).tolist(), "the epoch's order is kept across size changes"
+
+
+def test_step_shares_split_the_last_step_evenly_and_never_exceed_a_batch() -> None:
+    assert step_shares(100, 8, 3) == [8, 8, 8]
+    assert step_shares(10, 8, 3) == [4, 3, 3]
+    assert step_shares(2, 8, 3) == [1, 1, 0]  # a rank may sit the epoch's last step out (weight 0)
+    assert step_shares(0, 8, 2) == [0, 0]
+    with pytest.raises(ValueError):
+        step_shares(5, 8, 0)
+
+
+def test_the_epoch_order_is_the_distributed_samplers_shuffle() -> None:
+    sampler = torch.utils.data.distributed.DistributedSampler(range(50), num_replicas=1, rank=0, shuffle=True,
+                                                              seed=4)  # type: ignore[arg-type]
+    sampler.set_epoch(3)
+    assert epoch_order(50, seed=4, epoch=3).tolist() == list(sampler)
+
+
+def test_the_cosine_schedule_is_counted_in_samples() -> None:
+    assert lr_factor(0, 1000) == 1.0
+    assert lr_factor(500, 1000) == pytest.approx(0.5)
+    assert lr_factor(1000, 1000) == pytest.approx(0.0)
+    assert lr_factor(1200, 1000) == pytest.approx(0.0)
+
+
+def test_elastic_outside_an_elastic_horovodrun_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+    with pytest.raises(UsageError, match="--elastic needs an elastic horovodrun"):
+        require_elastic_launcher()
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    require_elastic_launcher()
+
+
+def test_elastic_checkpoints_fit_any_world_size_and_never_a_fixed_size_run(tmp_path: Path) -> None:
+    fixed = TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path)
+    elastic = TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=True)
+    assert elastic.resume_key(3, "cpu") == elastic.resume_key(2, "cpu")
+    assert elastic.resume_key(3, "cpu")["world_size"] == "elastic"
+    assert fixed.resume_key(3, "cpu")["world_size"] == 3
+    assert elastic.train_key(3, "cpu") != fixed.train_key(3, "cpu")
+    with pytest.raises(UsageError, match="--commit-every must be a positive integer"):
+        TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=True, commit_every=0)
