@@ -248,11 +248,10 @@ class ElasticTrainer(Trainer):
         self.total_steps = self.step
         if not epoch_metrics and self.is_chief:
             epoch_metrics = self.evaluate(self.validation_split)
-        summary = self._finish(epoch_metrics, self.steps_run, time.perf_counter() - started)
-        if summary:
-            summary["elastic"] = {"resets": self.resets, "world_sizes": self.sizes,
-                                  "commit_every": self.config.commit_every}
-        return summary
+        return self._finish(epoch_metrics, self.steps_run, time.perf_counter() - started)
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"elastic": {"resets": self.resets, "world_sizes": self.sizes, "commit_every": self.config.commit_every}}
 
     def _order_of(self, epoch: int) -> torch.Tensor:
         if epoch != self._order_epoch:

@@ -382,6 +382,10 @@ class Trainer:
             self.scaler.step(self.optimizer)
         self.scaler.update()
 
+    def summary_extra(self) -> dict[str, Any]:
+        """More entries for metrics.json (a subclass's)."""
+        return {}
+
     def _hook_says_stop(self, epoch: int, metrics: dict[str, float]) -> bool:
         """Ask `on_epoch` (rank 0) whether to stop after `epoch`; every rank gets the same answer."""
         if self.on_epoch is None:
@@ -438,6 +442,7 @@ class Trainer:
         }
         if self.stopped_at_epoch is not None:  # stopped early by the per-epoch hook
             summary["stopped_at_epoch"] = self.stopped_at_epoch
+        summary.update(self.summary_extra())
         save_trained_model(self.config.out, self.model, model_name=self.config.model,
                            model_kwargs=self.model_kwargs, dataset=self.config.dataset,
                            params=self.config.params(), task=self.config.task, preprocessing=self.preprocessing,
