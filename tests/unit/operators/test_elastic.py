@@ -77,6 +77,15 @@ def test_the_operator_builds_the_elastic_mpijob_and_ignores_num_workers(cluster_
     assert op.job.num_workers == 4 and op.job.elastic_range() == (2, 4)
 
 
+def test_the_builder_takes_the_elastic_range_from_the_job_config() -> None:
+    from operators.horovod_config import ClusterConfig, ExecutionConfig, mpijob_config
+
+    job = JobConfig(command=TRAIN, num_workers="2", image="i", elastic={"min_workers": "2", "max_workers": "5"})
+    config = mpijob_config(job.settled(), ClusterConfig().settled(), ExecutionConfig(deferrable=False).settled(),
+                           command=TRAIN, namespace="ns", queue_name=None, volumes=[], volume_mounts=[], env={})
+    assert (config.min_workers, config.num_workers) == (2, 5)
+
+
 @pytest.mark.parametrize("off", [None, {"min_workers": None, "max_workers": None},
                                  {"min_workers": "None", "max_workers": "None"},  # Params left empty, rendered
                                  {"min_workers": "", "max_workers": " "}])
