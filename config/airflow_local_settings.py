@@ -9,6 +9,8 @@ DAG's and the task's Param defaults, overridden by the run's conf as Airflow doe
 the count fields (for a mapped task, its `partial()` arguments) and sets `pool_slots` by the formula the
 operator uses for plain ints (`operators.counts.pool_slots`: the total `gpus`, else `workers x
 gpus_per_worker`, at least 1), parsing each count as the operator does (`operators.counts.parse_count`).
+An elastic task (its `elastic` field's `max_workers` resolves to a number) takes `max_workers` in place of
+`workers`: the job starts with that many.
 
 A run asking for more slots than its pool has would never be scheduled: Airflow leaves the task instance
 `scheduled` (the UI lists "Pool Slots Available" among the dependencies blocking it, the scheduler logs a
@@ -75,6 +77,9 @@ def _size_pool_slots(ti: TaskInstance, dag_run: DagRun | None) -> None:
         params = effective_params(task, run)
         counts = {name: resolve_count(field_value(task, name, optional=name == "gpus"), params, name, minimum)
                   for name, minimum in COUNT_MINIMUMS.items()}
+        most = elastic_max_workers(task, params)
+        if most is not None:
+            counts["num_workers"] = most
     except Unresolved as err:
         log.warning("gpu pool policy: %s keeps %s pool slot(s): %s", _describe(ti), ti.pool_slots, err)
         return
@@ -165,6 +170,25 @@ def resolve_count(value: Any, params: Mapping[str, Any], name: str, minimum: int
     if number is None:
         raise Unresolved(f"{name} is {raw!r}, not an integer >= {minimum} (the task will fail at execute)")
     return number
+
+
+def elastic_max_workers(task: Any, params: Mapping[str, Any]) -> int | None:
+    """An elastic task's `max_workers` (JobConfig.elastic: an int or ``{{ params.NAME }}``); None when the task is
+    not elastic (no `elastic`, or its max_workers is empty: a Param left null)."""
+    elastic = getattr(task, "elastic", None)
+    partial_kwargs = getattr(task, "partial_kwargs", None)
+    if elastic is None and isinstance(partial_kwargs, Mapping):
+        elastic = partial_kwargs.get("elastic")
+    if not isinstance(elastic, Mapping) or elastic.get("max_workers") is None:
+        return None
+    from operators.counts import param_name
+
+    value = elastic["max_workers"]
+    if (key := param_name(value)) is not None:
+        value = params.get(key)
+    if value is None or (isinstance(value, str) and value.strip() in {"", "None"}):
+        return None
+    return resolve_count(value, params, "max_workers", 1)
 
 
 def _fail_oversized(ti: TaskInstance, run: DagRun, counts: dict[str, int], slots: int, total: int) -> None:

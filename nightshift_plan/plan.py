@@ -119,7 +119,10 @@ def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None)
     context = {"params": params, "run_id": run_id, "dag": dag, "ti": ti, "task_instance": ti, "task": task}
     task.render_template_fields(context)  # type: ignore[arg-type]
     try:
-        return [kind(task).render(task.identity_from(context))]
+        backend = kind(task)
+        task.settle()
+        task.check_elastic(backend)  # as execute refuses before submitting: elastic with Kueue, say
+        return [backend.render(task.identity_from(context))]
     except InvalidJobConfig as err:
         raise PlanError(f"{TRAIN_TASK}: {err}") from err
 

@@ -216,6 +216,25 @@ class HorovodKubernetesOperator(BaseOperator):
                 f"{cq_name} (LocalQueue {queue}) can admit at most {limit}: ask for at most {limit} GPUs"
             )
 
+    def check_elastic(self, backend: TrainingBackend | type[TrainingBackend]) -> None:
+        """Refuse, before anything is submitted, an elastic job (settled `elastic`) that `backend` cannot run: a
+        backend that cannot resize a job (`supports_elastic`), or a Kueue queue on one that creates the MPIJob
+        (Kueue admits the job's full size, max_workers, as one unit and does not resize it)."""
+        elastic = self.job.elastic_range()
+        if elastic is None:
+            return
+        if not backend.supports_elastic:
+            from operators.backends import elastic_backends
+
+            raise InvalidJobConfig(
+                f"backend={backend.name} cannot run elastic training (min_workers={elastic[0]}, max_workers="
+                f"{elastic[1]}): use a backend that can ({', '.join(elastic_backends())}), or clear min_workers "
+                f"and max_workers for a fixed-size job")
+        if backend.renders_mpijob and (queue := self.resolve_queue()):
+            from operators.mpijob_spec import elastic_kueue_problem
+
+            raise InvalidJobConfig(elastic_kueue_problem(*elastic, queue))
+
     def resolve_backend(self) -> str:
         """The backend this run uses; "auto" looks for the Kubernetes connection."""
         if self.cluster.backend != "auto":
@@ -342,6 +361,7 @@ class HorovodKubernetesOperator(BaseOperator):
         identity = self.identity_from(context)
         self.settle()
         backend = self._backend = self.make_backend(self.resolve_backend())
+        self.check_elastic(backend)
         result = backend.submit(identity, context)  # a deferrable backend's defers here
         self._follow(backend, result, lambda: backend.wait(result, context))
         return self.collect_results(context, result)

@@ -25,6 +25,7 @@ from operators.mpijob_spec import (
     DEFAULT_NETWORK_INTERFACES,
     DEFAULT_SSH_AUTH_MOUNT_PATH,
     DEFAULT_WORKER_COMMAND,
+    MAX_WORKERS,
     MPIJobConfig,
 )
 
@@ -42,7 +43,21 @@ def meta(*, templated: bool = False, settle: Settle | None = None, renderer: str
 
 
 def is_template(value: object) -> bool:
+    """A Jinja template, or a mapping holding one (e.g. `elastic`'s ``{"max_workers": "{{ params.max_workers }}"}``)."""
+    if isinstance(value, Mapping):
+        return any(is_template(item) for item in value.values())
     return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+def template_source(template: object) -> str:
+    """What a person changes when a rendered `template` is wrong: the run's Param(s) it reads, else the template."""
+    if isinstance(template, Mapping):
+        params = [name for item in template.values() if (name := param_name(item))]
+        if params:
+            return f"the run's Param{'s' if len(params) > 1 else ''} {', '.join(repr(p) for p in params)}"
+    elif (param := param_name(template)) is not None:
+        return f"the run's Param {param!r}"
+    return f"the template {template!r}"
 
 
 # --- conversions of rendered values -------------------------------------------------------------------
@@ -139,6 +154,43 @@ def number(minimum: float) -> Settle:
     return check
 
 
+ELASTIC_KEYS = ("min_workers", "max_workers")
+_EMPTY = (None, "", "None", "null")
+
+
+def an_elastic(name: str, value: object) -> dict[str, int] | None:
+    """Elastic training's range: None (a fixed-size job), or ``{"min_workers": MIN, "max_workers": MAX}`` with
+    1 <= MIN <= MAX <= 256, each an int or its rendered template; both empty ("None": Params left empty) is None."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) - set(ELASTIC_KEYS):
+        raise InvalidJobConfig(f"{name} must be None or {{'min_workers': MIN, 'max_workers': MAX}}, got {value!r}")
+    given = {key: (item.strip() if isinstance(item, str) else item) for key, item in value.items()}
+    empty = [key for key in ELASTIC_KEYS if given.get(key) in _EMPTY]
+    if len(empty) == len(ELASTIC_KEYS):
+        return None
+    if empty:
+        (missing,), (other,) = empty, [key for key in ELASTIC_KEYS if key not in empty]
+        raise InvalidJobConfig(f"elastic training needs both min_workers and max_workers, and {missing} is empty "
+                               f"({other}={given[other]!r}): set {missing}, or clear {other} for a fixed-size job")
+    counts: dict[str, int] = {}
+    for key in ELASTIC_KEYS:
+        number = parse_count(given[key], -(10**18))
+        if number is None:
+            raise InvalidJobConfig(f"{key} must be an integer, got {given[key]!r}")
+        counts[key] = number
+    low, high = counts["min_workers"], counts["max_workers"]
+    if low < 1:
+        raise InvalidJobConfig(f"min_workers must be at least 1, got {low}: the fewest workers elastic training "
+                               f"goes on with (clear min_workers and max_workers for a fixed-size job)")
+    if high > MAX_WORKERS:
+        raise InvalidJobConfig(f"max_workers must be at most {MAX_WORKERS}, got {high}")
+    if low > high:
+        raise InvalidJobConfig(f"min_workers ({low}) is more than max_workers ({high}): set min_workers at most "
+                               f"max_workers")
+    return counts
+
+
 def boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InvalidJobConfig(f"{name} must be True or False, got {value!r}")
@@ -158,9 +210,15 @@ class _Settings:
     """Checks plain values on construction; `settled()` converts every field after rendering."""
 
     def __post_init__(self) -> None:
+        plain = {}
         for name, settle, value in self._settles():
             if not is_template(value):
-                settle(name, value)
+                plain[name] = settle(name, value)
+        self._check_together(plain)
+
+    def _check_together(self, values: Mapping[str, Any]) -> None:
+        """Check settings against each other; `values`: the settled ones (a template's is absent until it is)."""
+        return None
 
     def _settles(self) -> Iterator[tuple[str, Settle, Any]]:
         for f in fields(self):  # type: ignore[arg-type]
@@ -182,10 +240,13 @@ class _Settings:
             except InvalidJobConfig as err:
                 if name not in rendered or not is_template(value):
                     raise
-                param = param_name(value)
-                source = f"the run's Param {param!r}" if param else f"the template {value!r}"
-                raise InvalidJobConfig(f"{err} (rendered from {source})") from err
-        return dataclasses.replace(self, **{**rendered, **values})  # type: ignore[type-var]
+                raise InvalidJobConfig(f"{err} (rendered from {template_source(value)})") from err
+        self._check_together(values)
+        return dataclasses.replace(self, **{**rendered, **values, **self._derived(values)})  # type: ignore[type-var]
+
+    def _derived(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Fields a settled config takes from others (`values`: every field settled)."""
+        return {}
 
 
 _S = TypeVar("_S", bound=_Settings)
@@ -213,6 +274,17 @@ class JobConfig(_Settings):
         (never the try number, so a retry resumes). `checkpoint_root` defaults to NIGHTSHIFT_HOME's
         checkpoints directory (on Kubernetes, the shared volume that holds it).
     :param cpu_request: ... and the other resources: each worker container's requests and limits.
+    :param elastic: None (default): a fixed-size job of `num_workers`. Or ``{"min_workers": MIN, "max_workers":
+        MAX}`` (each an int or a template such as ``"{{ params.max_workers }}"``; both rendered empty is None):
+        Horovod elastic training. The job starts with MAX workers (MPIJob worker replicas; `gpu` pool slots
+        MAX x `gpus_per_worker`); when workers are lost it goes on with the ranks left, down to MIN, and takes
+        a worker back when it returns, without restarting the job. The launcher runs horovodrun's elastic
+        driver over the MPI Operator's `/etc/mpi/discover_hosts.sh` and the command gets `--elastic`
+        (`mpijob_spec.launcher_command`). `num_workers` is ignored: the job has MAX workers. Refused before
+        anything is submitted: MIN < 1, MIN > MAX, MAX > 256, `gpus` (a total; give `gpus_per_worker`), a
+        backend that cannot resize a job (`TrainingBackend.supports_elastic`: kubernetes, hosts, and local on
+        this one machine), and a Kueue queue: Kueue admits a job's full size (MAX) as one unit and does not
+        resize it as workers come and go, so an elastic job runs without Kueue (`kueue_queue=""`).
     """
 
     command: str | Sequence[str] = field(metadata=meta(templated=True, renderer="py"))
@@ -227,14 +299,38 @@ class JobConfig(_Settings):
     cpu_limit: str | None = field(default=None, metadata=meta(templated=True))
     memory_request: str | None = field(default=None, metadata=meta(templated=True))
     memory_limit: str | None = field(default=None, metadata=meta(templated=True))
+    elastic: Mapping[str, int | str | None] | None = field(
+        default=None, metadata=meta(templated=True, settle=an_elastic, renderer="json"))
 
     def pool_slots(self) -> int | None:
-        """The `gpu` pool slots this job takes (`operators.counts.pool_slots`); None while a count is a template
-        (known per run: the cluster policy sizes it from the run's params)."""
+        """The `gpu` pool slots this job takes (`operators.counts.pool_slots`; an elastic job's `max_workers`
+        workers); None while a count is a template (known per run: the cluster policy sizes it from the run's
+        params)."""
         given = {name: getattr(self, name) for name in COUNT_MINIMUMS}
-        if any(is_template(value) for value in given.values()):
+        if any(is_template(value) for value in (*given.values(), self.elastic)):
             return None
-        return pool_slots(**{name: to_count(name, value, COUNT_MINIMUMS[name]) for name, value in given.items()})
+        counts = {name: to_count(name, value, COUNT_MINIMUMS[name]) for name, value in given.items()}
+        elastic = an_elastic("elastic", self.elastic)
+        if elastic is not None:
+            counts["num_workers"] = elastic["max_workers"]
+        return pool_slots(**counts)
+
+    def elastic_range(self) -> tuple[int, int] | None:
+        """(min_workers, max_workers) of a settled elastic job; None for a fixed-size one."""
+        elastic = an_elastic("elastic", self.elastic)
+        return None if elastic is None else (elastic["min_workers"], elastic["max_workers"])
+
+    def _check_together(self, values: Mapping[str, Any]) -> None:
+        elastic, gpus = values.get("elastic"), values.get("gpus")
+        if elastic is not None and gpus:
+            raise InvalidJobConfig(f"gpus={gpus} (a total, packed into workers) cannot be combined with elastic "
+                                   f"training (min_workers/max_workers): set gpus_per_worker and max_workers "
+                                   f"instead, and gpus to 0")
+
+    def _derived(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        # An elastic job has max_workers workers, whatever num_workers says (it is ignored).
+        elastic = values.get("elastic")
+        return {} if elastic is None else {"num_workers": elastic["max_workers"]}
 
 
 @dataclass(frozen=True)
@@ -357,10 +453,12 @@ def mpijob_config(job: JobConfig, cluster: ClusterConfig, execution: ExecutionCo
     namespace, queue, volumes, mounts and env are the operator's, worked out at execute (the checkpoint
     directory, the connection's namespace, NIGHTSHIFT_KUEUE_QUEUE, the shared volume and its env).
     """
+    elastic = job.elastic_range()
     return MPIJobConfig(
         image=job.image,
         command=list(command),
-        num_workers=_settled_int(job, "num_workers"),
+        num_workers=_settled_int(job, "num_workers") if elastic is None else elastic[1],
+        min_workers=None if elastic is None else elastic[0],
         gpus_per_worker=_settled_int(job, "gpus_per_worker"),
         namespace=namespace,
         cpu_request=job.cpu_request,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from operators.errors import HorovodRunFailed, HorovodRunTimeout, InvalidJobConfig
-from operators.mpijob_spec import check_no_credentials
+from operators.mpijob_spec import ELASTIC_COOLDOWN_RANGE, check_no_credentials, with_elastic_flag
 
 log = logging.getLogger(__name__)
 
@@ -89,22 +89,37 @@ def find_horovodrun() -> str:
     return found
 
 
-def horovodrun_argv(num_processes: int, command: Sequence[str], *, horovodrun: str | None = None) -> list[str]:
-    """The local launch command; a bare `python` in `command` becomes this interpreter."""
+def horovodrun_argv(num_processes: int, command: Sequence[str], *, horovodrun: str | None = None,
+                    min_processes: int | None = None, discovery_script: str | None = None) -> list[str]:
+    """The local launch command; a bare `python` in `command` becomes this interpreter.
+
+    Elastic (`min_processes` and `discovery_script`, a script printing `localhost:<num_processes>`): horovodrun's
+    elastic driver on this one host, `min_processes` to `num_processes` ranks, the host re-admitted after a
+    cooldown when a rank failed (`mpijob_spec.ELASTIC_COOLDOWN_RANGE`), and the command gets `--elastic`. The
+    loopback is named as the ranks' interface: without one, the elastic driver waits for a second host to find
+    the hosts' common interfaces, and here there is none.
+    """
     if num_processes < 1:
         raise InvalidJobConfig(f"num_workers must be >= 1, got {num_processes}")
     args = list(command)
     if args and args[0] in {"python", "python3"}:
         args[0] = sys.executable
-    return [
-        horovodrun or find_horovodrun(),
-        "-np",
-        str(num_processes),
-        "-H",
-        f"localhost:{num_processes}",
-        "--gloo",
-        *args,
-    ]
+    if min_processes is None or discovery_script is None:
+        return [horovodrun or find_horovodrun(), "-np", str(num_processes), "-H", f"localhost:{num_processes}",
+                "--gloo", *args]
+    low, high = ELASTIC_COOLDOWN_RANGE
+    return [horovodrun or find_horovodrun(), "-np", str(num_processes), "--min-np", str(min_processes),
+            "--max-np", str(num_processes), "--host-discovery-script", discovery_script,
+            "--blacklist-cooldown-range", str(low), str(high), "--network-interfaces", "lo", "--gloo",
+            *with_elastic_flag(args)]
+
+
+def write_discovery_script(directory: str | Path, num_processes: int) -> Path:
+    """An elastic job's host discovery script for this machine alone: it prints `localhost:<num_processes>`."""
+    script = Path(directory) / "discover_hosts.sh"
+    script.write_text(f"#!/bin/sh\necho localhost:{int(num_processes)}\n")
+    script.chmod(0o700)
+    return script
 
 
 def local_gpu_count() -> int:
@@ -161,8 +176,11 @@ class LocalHorovodLauncher:
         horovodrun: str | None = None,
         logger: logging.Logger | Any = None,
         tail_lines: int = TAIL_LINES,
+        min_processes: int | None = None,
+        discovery_script: str | None = None,
     ) -> None:
-        self.argv = horovodrun_argv(num_processes, command, horovodrun=horovodrun)
+        self.argv = horovodrun_argv(num_processes, command, horovodrun=horovodrun, min_processes=min_processes,
+                                    discovery_script=discovery_script)
         self.env = child_environment(os.environ, env)
         self.cwd = cwd
         self.timeout = timeout

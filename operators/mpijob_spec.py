@@ -57,6 +57,14 @@ DEFAULT_LAUNCHER_RESOURCES: Mapping[str, Mapping[str, str]] = {
 }
 # Where the MPI Operator mounts the hostfile it writes for the launcher (`<worker-fqdn> slots=N` lines).
 MPI_HOSTFILE = "/etc/mpi/hostfile"
+# Beside it, the script Horovod's elastic driver runs to learn the hosts: one `echo <worker-fqdn>` per worker pod
+# that is running (no slots: horovodrun's `--slots-per-host` gives them), kept current by the MPI Operator.
+MPI_DISCOVER_HOSTS = "/etc/mpi/discover_hosts.sh"
+# An elastic job's host whose rank failed is blacklisted; without a cooldown it is never re-admitted, even when
+# the discovery script lists it again. With (LO, HI) it is tried again after LO*2 + rand*LO s, growing up to HI.
+ELASTIC_COOLDOWN_RANGE = (2, 120)
+# The trainer's flag for its elastic mode (state committed in memory, rolled back and re-broadcast on a reset).
+ELASTIC_FLAG = "--elastic"
 # The pods' interface the ranks and horovodrun's driver talk over. Left to itself, horovodrun with a single
 # worker host counts that host's loopback as a common interface and, about half the time (set order), puts
 # its rendezvous on 127.0.0.1, which the remote rank cannot reach ("HTTP GET request failed too many
@@ -126,6 +134,9 @@ class MPIJobConfig:
     network_interfaces: str | None = DEFAULT_NETWORK_INTERFACES
     queue_name: str | None = None
     priority_class: str | None = None
+    # Elastic training: the fewest workers the job goes on with (None: a fixed-size job). `num_workers` is then
+    # the most: the MPIJob has that many worker replicas and horovodrun grows and shrinks between the two.
+    min_workers: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image.strip():
@@ -133,6 +144,11 @@ class MPIJobConfig:
         if not self.command or not all(isinstance(part, str) for part in self.command):
             raise InvalidJobConfig(f"command must be a non-empty list of strings, got {self.command!r}")
         _check_int("num_workers", self.num_workers, minimum=1)
+        if self.min_workers is not None:
+            _check_int("min_workers", self.min_workers, minimum=1)
+            if self.min_workers > self.num_workers:
+                raise InvalidJobConfig(f"min_workers ({self.min_workers}) is more than max_workers "
+                                       f"({self.num_workers}): set min_workers at most max_workers")
         _check_int("gpus_per_worker", self.gpus_per_worker, minimum=0)
         _check_int("backoff_limit", self.backoff_limit, minimum=0)
         if self.ttl_seconds_after_finished is not None:
@@ -166,6 +182,12 @@ class MPIJobConfig:
                 raise InvalidJobConfig(f"env name {key!r} is not a valid environment variable name")
             if not isinstance(value, str):
                 raise InvalidJobConfig(f"env {key} must be a string, got {type(value).__name__}")
+        if self.min_workers is not None and self.queue_name:
+            raise InvalidJobConfig(elastic_kueue_problem(self.min_workers, self.num_workers, self.queue_name))
+        if self.min_workers is not None and not self.network_interfaces:
+            raise InvalidJobConfig("elastic training needs network_interfaces (e.g. 'eth0'): without it horovodrun's "
+                                   "elastic driver waits for two worker hosts to find their common interfaces, "
+                                   "and never starts with one; set network_interfaces to the pods' interface")
 
     @property
     def slots_per_worker(self) -> int:
@@ -175,6 +197,18 @@ class MPIJobConfig:
     @property
     def total_processes(self) -> int:
         return self.num_workers * self.slots_per_worker
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None
+
+
+def elastic_kueue_problem(min_workers: int, max_workers: int, queue: str) -> str:
+    """Why an elastic job is not put in a Kueue queue, and what to do (one line)."""
+    return (f"elastic training (min_workers={min_workers}, max_workers={max_workers}) cannot wait in Kueue queue "
+            f"{queue!r}: Kueue admits the job's full size (max_workers) as one unit and does not resize it as "
+            f"workers come and go; set kueue_queue to \"\" (the Param 'queue' empty) or clear min_workers and "
+            f"max_workers for a fixed-size job")
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
@@ -315,11 +349,41 @@ def launcher_command(config: MPIJobConfig) -> list[str]:
     operator's `host slots=N` hostfile, reaches the workers over ssh with the image's client configuration
     (port, identity: `images/trainer/ssh_config`), and passes the launcher's environment to every rank
     itself, so the container env (MLFLOW_TRACKING_URI, NIGHTSHIFT_HOME, ...) needs no forwarding list.
+
+    An elastic job (`min_workers` set) runs horovodrun's elastic driver instead: it learns the hosts from the
+    operator's `discover_hosts.sh` (the running worker pods, S slots each), starts with all of them, goes on
+    with at least `min_workers` when hosts are lost, re-admits a host after a cooldown, and the entrypoint gets
+    `--elastic` (the trainer's elastic mode) unless it passes it:
+
+        horovodrun --gloo -np MAX*S --min-np MIN*S --max-np MAX*S --slots-per-host S
+            --host-discovery-script /etc/mpi/discover_hosts.sh --blacklist-cooldown-range 2 120
+            [--network-interfaces ...] <command> --elastic
     """
-    argv = ["horovodrun", "--gloo", "-np", str(config.total_processes), "--hostfile", MPI_HOSTFILE]
+    if config.min_workers is None:
+        argv = ["horovodrun", "--gloo", "-np", str(config.total_processes), "--hostfile", MPI_HOSTFILE]
+    else:
+        argv = elastic_horovodrun_options(config.min_workers, config.num_workers, config.slots_per_worker,
+                                          MPI_DISCOVER_HOSTS)
     if config.network_interfaces:
         argv += ["--network-interfaces", config.network_interfaces]
-    return [*argv, *config.command]
+    command = list(config.command)
+    return [*argv, *(with_elastic_flag(command) if config.min_workers is not None else command)]
+
+
+def elastic_horovodrun_options(min_workers: int, max_workers: int, slots: int, discovery_script: str,
+                               *, horovodrun: str = "horovodrun") -> list[str]:
+    """horovodrun and its elastic options for `min_workers`..`max_workers` hosts of `slots` ranks each, the hosts
+    listed by `discovery_script` (one `host` or `host:slots` a line)."""
+    low, high = ELASTIC_COOLDOWN_RANGE
+    return [horovodrun, "--gloo", "-np", str(max_workers * slots), "--min-np", str(min_workers * slots),
+            "--max-np", str(max_workers * slots), "--slots-per-host", str(slots),
+            "--host-discovery-script", discovery_script, "--blacklist-cooldown-range", str(low), str(high)]
+
+
+def with_elastic_flag(command: Sequence[str]) -> list[str]:
+    """The trainer command with `--elastic` appended unless it passes it."""
+    args = list(command)
+    return args if ELASTIC_FLAG in args else [*args, ELASTIC_FLAG]
 
 
 def _env_list(env: Mapping[str, str]) -> list[dict[str, str]]:

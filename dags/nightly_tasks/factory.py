@@ -200,7 +200,17 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                                           '{"channels": 32}. Empty: taken from the best model search (with its '
                                           "model), else the declaration's."),
         "workers": Param(training.workers, type="integer", minimum=1, maximum=256, title="Workers",
-                         description="Horovod workers (MPIJob worker pods, or local processes)."),
+                         description="Horovod workers (MPIJob worker pods, or local processes). Ignored when "
+                                     "max_workers is set (elastic training has max_workers workers)."),
+        # Elastic training (JobConfig.elastic): both empty is a fixed-size job of `workers`; both set, horovodrun's
+        # elastic driver keeps training when workers are lost (down to min_workers) and takes them back.
+        "min_workers": Param(None, type=["null", "integer"], minimum=1, maximum=256, title="Elastic: fewest workers",
+                             description="Elastic training: the fewest workers the job goes on with when workers "
+                                         "are lost (with max_workers). Empty: not elastic."),
+        "max_workers": Param(None, type=["null", "integer"], minimum=1, maximum=256, title="Elastic: most workers",
+                             description="Elastic training: the workers the job starts with and takes back when "
+                                         "they return (with min_workers; replaces workers). Not with a Kueue "
+                                         "queue (leave queue empty). Empty: not elastic."),
         "gpus_per_worker": Param(training.gpus_per_worker, type="integer", minimum=0, maximum=16,
                                  title="GPUs per worker", description="GPUs per worker; 0 trains on CPU."),
         "gpus": Param(0, type="integer", minimum=0, maximum=4096, title="GPUs in total",
@@ -300,7 +310,9 @@ defaults; the MLflow tag `nightshift.training_defaults` and the lineage record s
 | `batch_size` | batch size per worker; empty: best.json's, else 32 |
 | `momentum` | SGD momentum; empty: best.json's, else 0.9 |
 | `model_kwargs` | the model's arguments (a JSON object); empty: best.json's (with its model), else the declaration's |
-| `workers` | Horovod workers: pods of the MPIJob, or local processes |
+| `workers` | Horovod workers: pods of the MPIJob, or local processes (ignored when `max_workers` is set) |
+| `min_workers` | elastic training: the fewest workers it goes on with while workers are lost; empty: not elastic |
+| `max_workers` | elastic training: the workers it starts with and takes back; not with a `queue`; empty: not elastic |
 | `gpus_per_worker` | GPUs each worker asks for (0 = CPU); also the MPI slots per worker |
 | `gpus` | total GPUs, packed into the fewest equal workers of at most one node (0: workers x GPUs per worker) |
 | `queue` | Kueue LocalQueue for the MPIJob (default: declared, else `NIGHTSHIFT_KUEUE_QUEUE`; empty: no Kueue) |
@@ -432,6 +444,7 @@ def build_dag(pipeline: Pipeline) -> DAG:
                 gpus="{{ params.gpus }}",
                 image=trainer_image(),
                 command=train_command(pipeline),
+                elastic={"min_workers": "{{ params.min_workers }}", "max_workers": "{{ params.max_workers }}"},
             ),
             cluster=ClusterConfig(
                 backend="{{ params.backend }}",

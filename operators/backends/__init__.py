@@ -73,6 +73,19 @@ def check_backend(name: object) -> str:
     return name.strip()
 
 
+def elastic_backends() -> tuple[str, ...]:
+    """The backends that run elastic jobs (`TrainingBackend.supports_elastic`), sorted; imports each backend's
+    module (a plugin whose module fails to import is left out)."""
+    names = []
+    for name in backend_names():
+        try:
+            if backend_class(name).supports_elastic:
+                names.append(name)
+        except Exception:  # a broken plugin: named by its own error where it is chosen
+            continue
+    return tuple(names)
+
+
 def backend_class(name: str) -> type[TrainingBackend]:
     """The TrainingBackend class registered as `name` (imports its module)."""
     from operators.backends.base import TrainingBackend
@@ -91,4 +104,4 @@ def backend_class(name: str) -> type[TrainingBackend]:
 
 
 __all__ = ["AUTO", "BACKENDS", "ENTRY_POINT_GROUP", "UnknownBackend", "backend_choices", "backend_class",
-           "backend_names", "check_backend", "register_backend"]
+           "backend_names", "check_backend", "elastic_backends", "register_backend"]

@@ -38,6 +38,10 @@ class TrainingBackend(ABC):
     # Whether a run on this backend creates the MPIJob `operator.build_manifest` renders (what `nightshift plan`
     # prints and validates); False: it creates no Kubernetes object.
     renders_mpijob: ClassVar[bool] = False
+    # Whether this backend runs elastic jobs (`JobConfig.elastic`: horovodrun's elastic driver, which goes on
+    # when hosts are lost and takes them back). The operator refuses an elastic job, before submitting, on a
+    # backend that does not say so: a plugin backend must declare it (True) and run the elastic launcher.
+    supports_elastic: ClassVar[bool] = False
 
     def __init__(self, operator: HorovodKubernetesOperator) -> None:
         self.operator = operator

@@ -152,6 +152,7 @@ class HostsBackend(TrainingBackend):
 
     name: ClassVar[str] = "hosts"
     renders_mpijob: ClassVar[bool] = True
+    supports_elastic: ClassVar[bool] = True  # run-mpijob keeps /etc/mpi/discover_hosts.sh current
 
     def __init__(self, operator: Any) -> None:
         super().__init__(operator)

@@ -35,6 +35,7 @@ class KubernetesBackend(TrainingBackend):
 
     name = "kubernetes"
     renders_mpijob = True
+    supports_elastic = True  # the MPI Operator keeps /etc/mpi/discover_hosts.sh current
 
     def __init__(self, operator: Any) -> None:
         super().__init__(operator)

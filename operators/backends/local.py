@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -18,16 +20,24 @@ if TYPE_CHECKING:
 
 
 class LocalBackend(TrainingBackend):
-    """`num_workers x gpus_per_worker` ranks of horovodrun here; `gpus` makes this machine the one node."""
+    """`num_workers x gpus_per_worker` ranks of horovodrun here; `gpus` makes this machine the one node.
+
+    Elastic jobs run on this one host: horovodrun's elastic driver with `min_workers` to `max_workers` (x
+    `gpus_per_worker`) ranks, its host discovery script a temporary file printing `localhost:<ranks>` (removed
+    when the try ends). No host comes or goes here; a rank that fails gets this host blacklisted, and it is
+    taken back after the cooldown, the ranks resuming from the last commit.
+    """
 
     name = "local"
+    supports_elastic = True
 
     def __init__(self, operator: HorovodKubernetesOperator) -> None:
         super().__init__(operator)
         self.launcher: LocalHorovodLauncher | None = None
+        self._tmp: Path | None = None  # an elastic job's discovery script's folder
 
     def submit(self, identity: TaskIdentity, context: Mapping[str, Any]) -> dict[str, Any]:
-        from operators.local_launcher import LocalHorovodLauncher, check_local_capacity
+        from operators.local_launcher import LocalHorovodLauncher, check_local_capacity, write_discovery_script
 
         op = self.operator
         if op.job.gpus:  # this machine is the one node: one worker with all the GPUs asked for
@@ -39,21 +49,43 @@ class LocalBackend(TrainingBackend):
         command = with_checkpoint_dir(split_command(job.command), checkpoint_dir)
         self.log.info("Training with %d rank(s) here (%d worker(s) x %d GPU(s)); checkpoints of this task "
                       "(every try): %s", ranks, job.num_workers, job.gpus_per_worker, checkpoint_dir)
-        self.launcher = LocalHorovodLauncher(
-            ranks,
-            command,
-            env=dict(job.env or {}),
-            timeout=op.execution.timeout,
-            logger=self.log,
-        )
-        if op._killed:  # on_kill ran before there was a process to kill
-            raise TaskInterrupted("starting horovodrun: the task was killed (on_kill); nothing was started")
-        self.launcher.start()
-        if op._killed:  # on_kill ran while horovodrun started: its kill may have come before the process
-            self.launcher.kill()
-            raise TaskInterrupted("starting horovodrun: the task was killed (on_kill); its ranks were stopped")
-        return {"backend": self.name, "checkpoint_dir": checkpoint_dir, "num_workers": job.num_workers,
-                "gpus_per_worker": job.gpus_per_worker}
+        elastic = job.elastic_range()
+        try:
+            discovery, fewest = None, None
+            if elastic is not None:  # num_workers is max_workers (settled)
+                fewest = elastic[0] * max(int(job.gpus_per_worker), 1)
+                self._tmp = Path(tempfile.mkdtemp(prefix="nightshift-elastic-"))
+                discovery = str(write_discovery_script(self._tmp, ranks))
+                self.log.info("Elastic: %d to %d rank(s) on this host (host discovery: %s)", fewest, ranks,
+                              discovery)
+            self.launcher = LocalHorovodLauncher(
+                ranks,
+                command,
+                env=dict(job.env or {}),
+                timeout=op.execution.timeout,
+                logger=self.log,
+                min_processes=fewest,
+                discovery_script=discovery,
+            )
+            if op._killed:  # on_kill ran before there was a process to kill
+                raise TaskInterrupted("starting horovodrun: the task was killed (on_kill); nothing was started")
+            self.launcher.start()
+            if op._killed:  # on_kill ran while horovodrun started: its kill may have come before the process
+                self.launcher.kill()
+                raise TaskInterrupted("starting horovodrun: the task was killed (on_kill); its ranks were stopped")
+        except BaseException:
+            self._remove_tmp()  # execute() cleans up only after a submit that returned
+            raise
+        result: dict[str, Any] = {"backend": self.name, "checkpoint_dir": checkpoint_dir,
+                                  "num_workers": job.num_workers, "gpus_per_worker": job.gpus_per_worker}
+        if elastic is not None:
+            result["min_workers"] = elastic[0]
+        return result
+
+    def _remove_tmp(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def wait(self, result: dict[str, Any], context: Mapping[str, Any]) -> None:
         assert self.launcher is not None, "submit starts the launcher"
@@ -69,3 +101,4 @@ class LocalBackend(TrainingBackend):
         if process is not None and process.poll() is None:
             assert self.launcher is not None
             self.launcher.kill()
+        self._remove_tmp()

@@ -30,7 +30,8 @@ EDGES = {
 }
 PARAM_DEFAULTS = {
     "data_source": None, "epochs": 5, "learning_rate": None, "batch_size": None, "momentum": None,
-    "model_kwargs": None, "workers": 2, "gpus_per_worker": 0, "gpus": 0, "queue": None, "priority": None,
+    "model_kwargs": None, "workers": 2, "min_workers": None, "max_workers": None, "gpus_per_worker": 0, "gpus": 0,
+    "queue": None, "priority": None,
     "queue_timeout": 7200, "backend": "local", "min_improvement": 0.001, "require_approval": False, "force": False,
     "deploy_target": "local",
 }

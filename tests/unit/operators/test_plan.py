@@ -105,6 +105,40 @@ def test_a_queue_without_a_priority_plans_a_job_with_no_priority_label(
     assert job["spec"]["runPolicy"]["suspend"] is True
 
 
+def test_an_elastic_run_plans_max_workers_replicas_and_the_elastic_launcher(
+        validate_mpijob: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = plan_here({"backend": "kubernetes", "min_workers": 1, "max_workers": 3, "workers": 2,
+                                "queue": ""}, monkeypatch, capsys)
+    assert code == 0, err
+    (job,) = yaml.safe_load_all(out)
+    validate_mpijob(job)
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 3  # max_workers; `workers` is ignored
+    command = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:14] == ["horovodrun", "--gloo", "-np", "3", "--min-np", "1", "--max-np", "3", "--slots-per-host",
+                            "1", "--host-discovery-script", "/etc/mpi/discover_hosts.sh", "--blacklist-cooldown-range",
+                            "2"]
+    assert command[command.index("nightshift.train") - 2] == "python" and command[-1] == "--elastic"
+    assert "suspend" not in job["spec"]["runPolicy"] and "kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(("conf", "message"), [
+    ({"min_workers": 3, "max_workers": 2}, "train: min_workers (3) is more than max_workers (2): set min_workers at "
+                                           "most max_workers (rendered from the run's Params 'min_workers', "
+                                           "'max_workers')"),
+    ({"max_workers": 2}, "train: elastic training needs both min_workers and max_workers, and min_workers is empty"),
+    ({"min_workers": 0, "max_workers": 2}, "Invalid input for param min_workers: 0 is less than the minimum of 1"),
+    ({"min_workers": 1, "max_workers": 2, "queue": "nightly"},
+     "train: elastic training (min_workers=1, max_workers=2) cannot wait in Kueue queue 'nightly': Kueue admits the "
+     "job's full size (max_workers) as one unit"),
+])
+def test_a_bad_elastic_conf_is_refused_naming_the_setting(conf: dict[str, Any], message: str,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = plan_here({"backend": "kubernetes", **conf}, monkeypatch, capsys)
+    assert code == 2 and message in err, err
+    assert out == ""
+
+
 def test_the_local_backend_creates_no_kubernetes_object(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = plan_here({"workers": 2}, monkeypatch, capsys)

@@ -262,3 +262,22 @@ def test_a_task_already_running_is_not_failed(policy: ModuleType, pool_of: Any) 
     ti.state = "running"
     policy.task_instance_mutation_hook(ti, run({"workers": 4, "gpus_per_worker": 4}))
     assert ti.state == "running"
+
+
+@pytest.mark.parametrize(("conf", "slots"), [
+    ({"min_workers": 1, "max_workers": 4, "gpus_per_worker": 2}, 8),  # max_workers x gpus_per_worker
+    ({"gpus_per_worker": 2}, 4),  # both Params empty: not elastic, workers x gpus_per_worker
+    ({"max_workers": 3, "workers": 1}, 3),  # elastic has max_workers workers, whatever `workers` says
+])
+def test_an_elastic_run_takes_max_workers_slots(policy: ModuleType, pool_of: Any, conf: dict[str, Any],
+                                                 slots: int) -> None:
+    from airflow.sdk import Param
+
+    def build(dag: Any) -> None:
+        dag.params["min_workers"] = Param(None, type=["null", "integer"])
+        dag.params["max_workers"] = Param(None, type=["null", "integer"])
+        horovod(elastic={"min_workers": "{{ params.min_workers }}", "max_workers": "{{ params.max_workers }}"})
+
+    ti = task_instance(serialized_dag(build))
+    policy.task_instance_mutation_hook(ti, run(conf))
+    assert ti.pool_slots == slots
