@@ -1,5 +1,5 @@
 """`nightshift run-mpijob MANIFEST [--volume CLAIM=DIR]... [--runtime host|podman] [--link-rate R] [--link-delay MS]
-[--timeout S]`."""
+[--timeout S] [--chaos SCRIPT]`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--runtime", choices=("host", "podman"), default="host",
                         help="host (default): each pod runs its command from this machine's disk; podman: each "
                              "pod is a container of its template's image inside its emulated host")
+    parser.add_argument("--chaos", metavar="SCRIPT",
+                        help="worker failures at set times from the launcher's start, e.g. 'kill worker-1 at 30s; "
+                             "restore worker-1 at 60s' (actions: kill, restore, down, up; pods: worker-N or the "
+                             "pod's name; --runtime host only)")
     parser.add_argument("--containers-conf", metavar="PATH",
                         help="containers.conf for podman (default: $NIGHTSHIFT_CONTAINERS_CONF, $CONTAINERS_CONF, "
                              "else the repository's images/podman/containers.conf)")
@@ -86,6 +90,6 @@ def _run(args: argparse.Namespace) -> int:
     options = RunOptions(claims=dict(args.volumes),
                          link=LinkShape(rate=args.link_rate, delay_ms=args.link_delay, loss_pct=args.link_loss),
                          timeout_s=args.timeout, services=tuple(args.services), ready_timeout_s=args.ready_timeout,
-                         runtime=args.runtime,
+                         runtime=args.runtime, chaos=args.chaos,
                          podman=PodmanSettings.from_environment(args.containers_conf, args.oci_runtime))
     return run_mpijob(_load(args.manifest), options)

@@ -2,7 +2,9 @@
 
 - the SSH Secret (`id_rsa`, `id_rsa.pub`, `authorized_keys`: a fresh ECDSA P-521 key in PEM, as the
   operator generates) mounted at the job's `sshAuthMountPath`;
-- `/etc/mpi/hostfile` and `/etc/mpi/discover_hosts.sh` (the operator's ConfigMap, launcher only);
+- `/etc/mpi/hostfile` and `/etc/mpi/discover_hosts.sh` (the operator's ConfigMap, launcher only; the
+  launcher mounts their directory, so a `discover_hosts.sh` replaced by a rename (`replace_text`) is what it
+  reads next, as a ConfigMap update reaches a pod);
 - the sshd and ssh client configurations of `images/trainer` (`sshd_config`, `ssh_config`), adapted to
   pods that run as root here: `PermitRootLogin prohibit-password` where the image says `no` (it runs
   sshd as `mpiuser`), the Secret's absolute paths, no PID file;
@@ -89,6 +91,16 @@ def write_mpi_config(directory: Path, hostfile: str, discover_hosts: str) -> Pat
     (directory / "hostfile").chmod(0o444)
     (directory / "discover_hosts.sh").chmod(0o555)
     return directory
+
+
+def replace_text(path: Path, text: str, mode: int) -> None:
+    """Replace `path` at once: a temporary file beside it, then a rename, so a reader sees the old content or
+    the new, never half of it. (Seen through a mount of its directory; a file-level bind mount would keep
+    showing the old inode.)"""
+    temporary = path.with_name(f".{path.name}.new")
+    temporary.write_text(text)
+    os.chmod(temporary, mode)
+    os.replace(temporary, path)
 
 
 def write_text(path: Path, text: str, mode: int = 0o644) -> Path:

@@ -10,7 +10,8 @@ out, or `ManifestNotSupported` naming the field that cannot be honoured here. Th
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -115,9 +116,32 @@ class LocalJob:
                 lines.append(f"{host}:{self.slots_per_worker}\n")
         return "".join(lines)
 
-    def discover_hosts(self) -> str:
-        """`/etc/mpi/discover_hosts.sh` once every worker is running (Horovod elastic reads it)."""
-        return "#!/bin/sh\n" + "".join(f"echo {self.fqdn(w)}\n" for w in self.workers)
+    def discover_hosts(self, running: Iterable[str] | None = None) -> str:
+        """`/etc/mpi/discover_hosts.sh` as the operator writes it: one `echo <fqdn>` per worker pod that is
+        running (`running`: pod names; None: every worker), sorted by pod name, no slots."""
+        names = {w.name for w in self.workers} if running is None else set(running)
+        workers = sorted((w for w in self.workers if w.name in names), key=lambda w: w.name)
+        return "#!/bin/sh\n" + "".join(f"echo {self.fqdn(w)}\n" for w in workers)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the launcher runs an elastic horovodrun (see `is_elastic_launcher`)."""
+        return is_elastic_launcher(self.launcher.argv)
+
+
+def is_elastic_launcher(argv: Sequence[str]) -> bool:
+    """The rule for an elastic job: a word of the launcher's command (or of a shell command string in it, as
+    in `sh -c "..."`) is `horovodrun` (any directory), and a later word is `--host-discovery-script` (or
+    `--host-discovery-script=...`). Such a job's workers may come and go: a lost worker does not fail it."""
+    words: list[str] = []
+    for arg in argv:
+        try:
+            words += shlex.split(arg) if any(c.isspace() for c in arg) else [arg]
+        except ValueError:  # unbalanced quotes: not a shell command string
+            words.append(arg)
+    starts = [i for i, word in enumerate(words) if PurePosixPath(word).name == "horovodrun"]
+    return bool(starts) and any(word == "--host-discovery-script" or word.startswith("--host-discovery-script=")
+                                for word in words[starts[0] + 1:])
 
 
 def _get(obj: Mapping[str, Any], key: str, kind: type, where: str, default: Any = None) -> Any:

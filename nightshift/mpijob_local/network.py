@@ -22,6 +22,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from nightshift.mpijob_local.errors import HostNotSuitable, ManifestNotSupported
 
@@ -156,7 +157,7 @@ def kill_namespaces(namespaces: Iterable[str], *, grace_s: float = 3.0, deadline
         elapsed = time.monotonic() - start
         if elapsed > deadline_s:
             return [f"{name}: pids {pids}" for name, pids in alive.items()]
-        if elapsed > grace_s:
+        if elapsed >= grace_s:
             sig = signal.SIGKILL
         for pids in alive.values():
             for pid in pids:
@@ -223,6 +224,10 @@ class Network:
             parent = ["parent", "1:1", "handle", "10:"] if shape.rate else ["root", "handle", "10:"]
             _tc(self.switch, "qdisc", "add", "dev", veth, *parent, *netem)
 
+    def set_link(self, slot: int, up: bool) -> None:
+        """Take the switch side of the pod's veth down or bring it up (a cable pulled, plugged back)."""
+        _ip("-n", self.switch, "link", "set", host_veth(slot), "up" if up else "down")
+
     def link_state(self, namespace: str, slot: int) -> str:
         """"up", or which end is down: "down (switch side)" / "down (pod side)"."""
         switch = _ip("-n", self.switch, "-o", "link", "show", host_veth(slot), check=False).stdout
@@ -247,6 +252,23 @@ class Network:
 def _is_up(line: str) -> bool:
     flags = re.search(r"<([^>]*)>", line)
     return flags is not None and "UP" in flags.group(1).split(",") and "state DOWN" not in line
+
+
+def listening(pid: int, port: int) -> bool:
+    """Whether a TCP socket listens on `port` in the network namespace of process `pid` (its
+    /proc/PID/net/tcp and tcp6): the host accepts connections there, found without connecting (a probe
+    connection every second would put a line in sshd's log each time)."""
+    local = f":{port:04X}"
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[1].endswith(local) and fields[3] == "0A":  # 0A: LISTEN
+                return True
+    return False
 
 
 def pid_alive(pid: int) -> bool:

@@ -4,7 +4,18 @@ Order of events, as on a cluster with `launcherCreationPolicy: WaitForWorkersRea
 (`--service`), then the workers (sshd) start; once every one accepts TCP connections the launcher starts;
 the job ends with the launcher, whose exit status is the job's. A worker whose main process dies is a
 failed pod: its remaining processes are killed (the kubelet would tear the container down) and the job
-fails, naming it. With `--runtime podman` each pod is a container of its image inside its emulated host
+fails, naming it.
+
+Elastic jobs (the launcher runs `horovodrun ... --host-discovery-script ...`, see
+`manifest.is_elastic_launcher`): as the MPI Operator does, `/etc/mpi/discover_hosts.sh` lists only the worker
+pods that are running, sorted by pod name, and is rewritten (atomically: a rename in the directory the
+launcher mounts) whenever that set changes; each change is said on stderr. Running: the pod's main process is
+alive, an sshd worker's port listens in its emulated host, and `--chaos` has not taken its link down. A worker
+that dies does not fail an elastic job: it is dropped from the script and the launcher's exit decides (Horovod
+goes on with the hosts left while at least `--min-np` slots remain). `--chaos` (see `chaos.py`) kills,
+restores, and takes down or up the link of workers at set times from the launcher's start; a restored worker
+runs again in the same emulated host, and is listed again once its port listens. Chaos runs with
+`--runtime host` only. With `--runtime podman` each pod is a container of its image inside its emulated host
 (see `podman.py`); services stay processes of this machine. Whatever happens (success, failure, timeout,
 SIGINT/SIGTERM) every container, process, namespace, link and temporary file of the run is removed before
 `run_mpijob` returns.
@@ -33,13 +44,15 @@ from types import FrameType
 from typing import Any, TextIO
 
 from nightshift.mpijob_local import files, network, podman
+from nightshift.mpijob_local.chaos import ChaosEvent, parse_chaos
 from nightshift.mpijob_local.errors import HostNotSuitable, ManifestNotSupported, MPIJobFailed, PodStartFailed
-from nightshift.mpijob_local.manifest import CONFIG_MOUNT_PATH, LocalJob, PodSpec, parse_job
+from nightshift.mpijob_local.manifest import CONFIG_MOUNT_PATH, DISCOVER_HOSTS, LocalJob, PodSpec, parse_job
 
 POD_INIT = str(Path(__file__).with_name("pod_init.py"))
 TEMP_PREFIX = "nightshift-mpijob-"
 EXIT_TIMEOUT = 124
 LOST_WORKER_GRACE_S = 15.0  # time the launcher gets to fail by itself once a worker pod died
+DISCOVER_EVERY_S = 0.5  # how often an elastic job's running workers are looked at (Horovod reads every 1 s)
 TAIL_LINES = 80
 RUNTIMES = ("host", "podman")
 _ERROR_LINE = re.compile(r"\b[\w.]*(Error|Exception|error)\b:? ")
@@ -92,10 +105,15 @@ class RunOptions:
     ready_timeout_s: float = 120.0
     runtime: str = "host"  # host: the pods' commands run from this machine's disk | podman: their images
     podman: podman.PodmanSettings = field(default_factory=podman.PodmanSettings)
+    chaos: str | None = None  # --chaos: a script of worker failures (chaos.py), checked against the job
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
             raise ManifestNotSupported(f"--runtime {self.runtime!r} must be one of {', '.join(RUNTIMES)}")
+        if self.chaos is not None and self.runtime != "host":
+            raise ManifestNotSupported(f"--chaos works with --runtime host only (not {self.runtime}): a killed "
+                                       f"or restored container is not emulated yet; drop --chaos or use "
+                                       f"--runtime host")
 
 
 @dataclass
@@ -111,6 +129,8 @@ class RunningPod:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     ready_port: int | None = None
     container: bool = False  # a podman container (its exit status is podman run's)
+    net_pid: int | None = None  # a process in the pod's network namespace (to read its listening sockets)
+    restored_at: float | None = None  # when --chaos restored it, until it runs again
 
 
 class _Stopped(Exception):
@@ -208,8 +228,13 @@ def remove_stale_runs(podman_settings: podman.PodmanSettings | None = None) -> l
 class LocalRun:
     """One run of a job: its temporary directory, network, pods; `close()` removes all of them."""
 
-    def __init__(self, job: LocalJob, options: RunOptions, *, out: TextIO, err: TextIO) -> None:
+    def __init__(self, job: LocalJob, options: RunOptions, *, out: TextIO, err: TextIO,
+                 chaos: Sequence[ChaosEvent] = ()) -> None:
         self.job, self.options, self.out, self.err = job, options, out, err
+        self.chaos = deque(chaos)  # events still to come
+        self.listed: set[str] = {w.name for w in job.workers}  # the workers discover_hosts.sh lists
+        self.gone: set[str] = set()  # workers whose death was handled (elastic: until restored)
+        self.links_down: set[str] = set()  # workers whose link --chaos took down
         self.owner = os.getpid()
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{self.owner}-"))
         self.net = network.Network(self.owner)
@@ -275,7 +300,7 @@ class LocalRun:
 
     def pod_spec(self, running: RunningPod, spec: PodSpec | None, service: Service | None) -> dict[str, Any]:
         directory = self.tmp / "pods" / running.name
-        (directory / "scratch").mkdir(parents=True)
+        (directory / "scratch").mkdir(parents=True, exist_ok=True)  # exists for a pod --chaos restores
         hostname = files.write_text(directory / "hostname", f"{running.name}\n")
         mounts: list[dict[str, Any]] = [
             {"source": str(self.hosts), "target": "/etc/hosts", "read_only": True},
@@ -301,7 +326,7 @@ class LocalRun:
             source = mount.source
             if source is None:  # emptyDir: a directory of this pod only
                 source = str(directory / f"empty-{k}")
-                Path(source).mkdir()
+                Path(source).mkdir(exist_ok=True)  # a restored pod finds its emptyDir as it was
             mounts.append({"source": source, "target": mount.target, "read_only": mount.read_only})
         env = files.merged_env(files.image_env(self.python_bin, home, running.name), spec.env)
         if spec.gpus:
@@ -365,6 +390,7 @@ class LocalRun:
                 "private", "--", sys.executable, "-I", POD_INIT, str(spec_file)]
         running.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
+        running.net_pid = running.proc.pid  # `ip netns exec`, `unshare` and pod_init exec the pod's command
         running.pump = threading.Thread(target=self._pump, args=(running,), daemon=True,
                                         name=f"log-{running.name}")
         running.pump.start()
@@ -435,20 +461,39 @@ class LocalRun:
         self.say(f"{len(self.job.workers)} worker(s) ready in {time.monotonic() - started:.1f}s; "
                  f"starting the launcher")
         launcher = by_name[self.job.launcher.name]
+        workers = [by_name[w.name] for w in self.job.workers]
+        if self.job.elastic:
+            self.say(f"elastic job: {DISCOVER_HOSTS} lists the running workers; a lost worker does not fail it")
+            self.refresh_discover_hosts(workers)
         self.start_pod(launcher, spec=self.job.launcher)
         assert launcher.proc is not None
-        workers = [by_name[w.name] for w in self.job.workers]
+        launched = time.monotonic()
         lost_at: float | None = None
         timed_out = False
+        next_look = launched
         while launcher.proc.poll() is None:
             self.check_stop()
             now = time.monotonic()
+            while self.chaos and now - launched >= self.chaos[0].at_s:
+                event = self.chaos.popleft()
+                self.apply_chaos(event, by_name[event.pod], now - launched, workers)
             for worker in workers:
-                if worker.proc is not None and worker.proc.poll() is not None and lost_at is None:
-                    lost_at = now
-                    self.say(f"worker {worker.name} stopped ({_exit_text(worker.proc.returncode, worker.container)}): "
-                             f"the job fails")
+                if worker.proc is None or worker.proc.poll() is None or worker.name in self.gone:
+                    continue
+                self.gone.add(worker.name)
+                how = _exit_text(worker.proc.returncode, worker.container)
+                if self.job.elastic:
+                    self.say(f"worker {worker.name} stopped ({how}): elastic job, it is dropped from "
+                             f"discover_hosts.sh and the launcher's exit decides")
                     network.kill_namespaces([worker.namespace], grace_s=0)
+                    self.refresh_discover_hosts(workers)
+                elif lost_at is None:
+                    lost_at = now
+                    self.say(f"worker {worker.name} stopped ({how}): the job fails")
+                    network.kill_namespaces([worker.namespace], grace_s=0)
+            if self.job.elastic and now >= next_look:
+                next_look = now + DISCOVER_EVERY_S
+                self.refresh_discover_hosts(workers)
             if lost_at is not None and now - lost_at > LOST_WORKER_GRACE_S:
                 network.kill_namespaces([launcher.namespace], grace_s=10)
             elif deadline is not None and now > deadline:
@@ -457,6 +502,9 @@ class LocalRun:
             time.sleep(0.1)
         code = launcher.proc.returncode
         elapsed = time.monotonic() - started
+        if self.chaos:
+            self.say(f"chaos: {len(self.chaos)} event(s) not run, the launcher ended first at "
+                     f"{time.monotonic() - launched:.1f}s: {'; '.join(e.text for e in self.chaos)}")
         if timed_out:
             raise MPIJobFailed(f"MPIJob {self.job.name} did not finish within {min(limits):.0f}s "
                                f"(--timeout / activeDeadlineSeconds); its pods were stopped", EXIT_TIMEOUT)
@@ -467,6 +515,70 @@ class LocalRun:
         what = f"lost {'; '.join(lost)}" if lost else f"first error: {_first_error(launcher.tail)[-300:]}"
         raise MPIJobFailed(f"MPIJob {self.job.name} failed after {elapsed:.1f}s: launcher "
                            f"{_exit_text(code, launcher.container)}; {what}", code if code > 0 else 1)
+
+    # ------------------------------------------------------------------ elastic jobs and --chaos
+    def is_running(self, worker: RunningPod) -> bool:
+        """The pod's main process is alive, an sshd worker's port listens, its link is not taken down."""
+        if worker.proc is None or worker.proc.poll() is not None or worker.name in self.links_down:
+            return False
+        if not worker.ready_port:
+            return True
+        if worker.net_pid is None or not network.pid_alive(worker.net_pid):
+            pids = network.namespace_pids(worker.namespace)
+            worker.net_pid = pids[0] if pids else None
+        return worker.net_pid is not None and network.listening(worker.net_pid, worker.ready_port)
+
+    def refresh_discover_hosts(self, workers: Sequence[RunningPod], event: str | None = None) -> None:
+        """Rewrite discover_hosts.sh when the set of running workers changed, and say so (after `event`, on
+        its line, when one caused it)."""
+        running = {w.name for w in workers if self.is_running(w)}
+        if running == self.listed:
+            if event:
+                self.say(f"{event}; discover_hosts.sh lists {len(running)} worker(s), unchanged")
+            return
+        added, dropped = sorted(running - self.listed), sorted(self.listed - running)
+        self.listed = running
+        files.replace_text(self.mpi_config / "discover_hosts.sh", self.job.discover_hosts(running), 0o555)
+        for worker in workers:
+            if worker.name in added and worker.restored_at is not None:
+                self.say(f"worker {worker.name} runs again, {time.monotonic() - worker.restored_at:.1f}s after "
+                         f"its restore")
+                worker.restored_at = None
+        change = [f"+{n}" for n in added] + [f"-{n}" for n in dropped]
+        self.say(f"{event + '; ' if event else ''}discover_hosts.sh lists {len(running)} worker(s) "
+                 f"({', '.join(change)}): {', '.join(sorted(running)) or 'none'}")
+
+    def apply_chaos(self, event: ChaosEvent, worker: RunningPod, at_s: float, workers: Sequence[RunningPod]) -> None:
+        what = f"chaos at {at_s:.1f}s ({event.text})"
+        if event.action == "kill":
+            pids = network.namespace_pids(worker.namespace)
+            network.kill_namespaces([worker.namespace], grace_s=0)
+            if worker.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    worker.proc.wait(timeout=10)
+            said = f"{what}: killed {worker.name} ({len(pids)} process(es), SIGKILL)"
+            if self.job.elastic:
+                self.gone.add(worker.name)  # said here, not as a worker that stopped by itself
+        elif event.action == "restore":
+            if worker.pump is not None:
+                worker.pump.join(timeout=5)
+            spec = next(w for w in self.job.workers if w.name == worker.name)
+            worker.tail.clear()
+            self.start_pod(worker, spec=spec)
+            worker.restored_at = time.monotonic()
+            self.gone.discard(worker.name)
+            said = (f"{what}: restored {worker.name} in its host {worker.namespace} ({worker.ip}), listed again "
+                    f"once it accepts connections")
+        else:
+            up = event.action == "up"
+            self.net.set_link(worker.slot, up)
+            (self.links_down.discard if up else self.links_down.add)(worker.name)
+            said = f"{what}: link of {worker.name} ({network.host_veth(worker.slot)} in {self.net.switch}) is " \
+                   f"{event.action}"
+        if self.job.elastic:
+            self.refresh_discover_hosts(workers, said)
+        else:  # a killed worker fails the job, naming it, as any lost worker does
+            self.say(said)
 
     def lost_workers(self, workers: Sequence[RunningPod]) -> list[str]:
         """Workers that died, whose link is down, or that the launcher's namespace cannot reach."""
@@ -539,11 +651,12 @@ def run_mpijob(manifest: Mapping[str, Any], options: RunOptions, *, out: TextIO 
     out = out or sys.stdout
     err = err or sys.stderr
     job = parse_job(manifest, claims=options.claims, gpus_available=count_gpus())
+    chaos = parse_chaos(options.chaos, job) if options.chaos is not None else ()
     pod_path = files.image_env(str(Path(sys.executable).parent), "/", "")["PATH"]
     preflight(job, options, pod_path)
     for name in remove_stale_runs(options.podman if options.runtime == "podman" else None):
         err.write(f"run-mpijob: removed {name}, left by a run that did not clean up\n")
-    run = LocalRun(job, options, out=out, err=err)
+    run = LocalRun(job, options, out=out, err=err, chaos=chaos)
     with _stop_on_signals(run):
         try:
             return run.run()
