@@ -70,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit-every", type=int, default=d.commit_every,
                         help=f"elastic: steps between in-memory commits, the point a lost host rolls back to "
                              f"({d.commit_every})")
+    parser.add_argument("--collective-timeout", type=int, default=d.collective_timeout,
+                        help=f"elastic: seconds a rank waits in a collective for a peer before the peer counts as "
+                             f"lost (HOROVOD_GLOO_TIMEOUT_SECONDS unless set; more than rank 0 takes to load a "
+                             f"checkpoint) ({d.collective_timeout})")
     parser.add_argument("--search-storage", default=None,
                         help="model search: the Optuna storage URL of the trial to report to (no password in it)")
     parser.add_argument("--search-study", default=None, help="model search: the study's name")
@@ -89,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         code_version=args.code_version, mlflow_experiment=args.mlflow_experiment,
         mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
         search_storage=args.search_storage, search_study=args.search_study, search_trial=args.search_trial,
-        elastic=args.elastic, commit_every=args.commit_every,
+        elastic=args.elastic, commit_every=args.commit_every, collective_timeout=args.collective_timeout,
     )
 
 
@@ -123,9 +127,10 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
 
     trainer_class = Trainer
     if config.elastic:
-        from nightshift.train.elastic import ElasticTrainer, require_elastic_launcher
+        from nightshift.train.elastic import ElasticTrainer, require_elastic_launcher, set_collective_timeout
 
         require_elastic_launcher()
+        set_collective_timeout(config.collective_timeout)
         trainer_class = ElasticTrainer
     hvd.init()
     if on_epoch is None and config.search_trial is not None:

@@ -46,9 +46,10 @@ import numpy as np
 import torch
 
 from nightshift.errors import CheckpointMismatch, UsageError
+from nightshift.tasks import REGRESSION
 from nightshift.train.checkpoint import FORMAT
 from nightshift.train.device import CudaView, autocast, choose_device
-from nightshift.train.trainer import Trainer, rng_state, set_rng_state
+from nightshift.train.trainer import EVAL_BATCH, Trainer, rng_state, set_rng_state
 
 log = logging.getLogger("nightshift.train")
 
@@ -86,6 +87,16 @@ def require_elastic_launcher() -> None:
     if os.environ.get("HOROVOD_ELASTIC") != "1":
         raise UsageError("--elastic needs an elastic horovodrun: run it as `horovodrun --gloo -np N --min-np MIN "
                          "--max-np MAX --host-discovery-script SCRIPT ...` (or leave out --elastic)")
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """How long a rank waits in a collective for a peer before Horovod calls the job broken (Gloo's
+    HOROVOD_GLOO_TIMEOUT_SECONDS, read by `hvd.init()`): the bound on noticing a lost host when the rank that
+    waits is not the lost one's neighbour (seen here: 30 s, Horovod's default, of the ranks left idling). It
+    must exceed what one rank does while the others wait in a collective; the elastic trainer shares its
+    validation among the ranks and writes checkpoints in the background, so that is rank 0's loading of the
+    checkpoint it resumes from. A value already in the environment (set on the launcher) wins."""
+    os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
 
 
 def _seed_rank(seed: int, step: int, rank: int) -> None:
@@ -322,6 +333,43 @@ class ElasticTrainer(Trainer):
             if not finished and (self.step % config.commit_every == 0 or epoch_done):
                 self._commit(state, epoch, processed, samples_done)
         return epoch_metrics
+
+    def _end_epoch(self, epoch: int) -> dict[str, float]:
+        """Validation shared by every rank (a collective): no rank waits in a collective for longer than its own
+        part of the work, which keeps the collective timeout short (`collective_timeout`)."""
+        metrics = self.evaluate_shared(self.validation_split)
+        if not self.is_chief:
+            self.epoch_loss = [0.0, 0]
+            return {}
+        metrics = {"train_loss": self.epoch_loss[0] / max(self.epoch_loss[1], 1), **metrics}
+        self.epoch_loss = [0.0, 0]
+        log.info("epoch %d/%d done: %s", epoch + 1, self.config.epochs,
+                 " ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
+        self._record({"event": "epoch", "epoch": epoch + 1, "step": self.step, "world_size": self.size, **metrics})
+        return metrics
+
+    def evaluate_shared(self, split: Any) -> dict[str, float]:
+        """`evaluate` over the split cut in `size` contiguous parts, one per rank, summed by an allreduce."""
+        bounds = [len(split) * r // self.size for r in range(self.size + 1)]
+        start, stop = bounds[self.rank], bounds[self.rank + 1]
+        self.model.eval()
+        loss_sum, correct = 0.0, 0
+        with torch.no_grad():
+            for first in range(start, stop, EVAL_BATCH):
+                last = min(first + EVAL_BATCH, stop)
+                output = self.model(split.features[first:last])
+                labels = split.labels[first:last]
+                loss_sum += float(self.loss(output, labels, reduction="sum"))
+                if self.config.task != REGRESSION:
+                    correct += int((output.argmax(dim=1) == labels).sum())
+        self.model.train()
+        totals = self.hvd.allreduce(torch.tensor([loss_sum, float(correct)], dtype=torch.float64),
+                                    op=self.hvd.Sum, name="nightshift.elastic.evaluate")
+        loss_sum, correct = float(totals[0]), round(float(totals[1]))
+        if self.config.task == REGRESSION:
+            return {"val_loss": loss_sum / len(split),
+                    "val_rmse": math.sqrt(loss_sum / len(split)) * self.target_std}
+        return {"val_loss": loss_sum / len(split), "val_accuracy": correct / len(split)}
 
     def _hook_says_stop(self, epoch: int, metrics: dict[str, float]) -> bool:
         # The parent never stops after the last epoch (step == total_steps); steps are not known ahead here.
