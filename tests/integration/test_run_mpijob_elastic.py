@@ -76,7 +76,7 @@ def test_the_trainer_loses_a_worker_host_and_takes_it_back_without_a_restart(
     assert "(restore worker-1 at 21s): restored elastic-worker-1 in its host" in said[1], said
     assert said[-1].endswith("discover_hosts.sh lists 3 worker(s) (+elastic-worker-1): elastic-worker-0, "
                              "elastic-worker-1, elastic-worker-2"), said
-    assert_nothing_left(proc.pid, links_before, "nightshift.train")
+    assert_nothing_left(proc.pid, links_before, str(ckpt))  # the ranks: their command lines name it
 
     # The same training undisturbed (3 ranks of an elastic horovodrun on this machine): as accurate, within
     # half a point.
