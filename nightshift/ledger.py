@@ -183,6 +183,9 @@ def fingerprint(dataset_hash: str, params: dict[str, Any], bundle_version: str |
     pinned to a DAG bundle's commit needs no git here), the training parameters and the declaration's task,
     dataset loader and options (label, features) and model (`declaration_digest`; None when not given)."""
     training = {k: params.get(k) for k in ("epochs", "learning_rate", "batch_size", "workers")}
+    # Elastic training (min/max workers) trains another way (nightshift.train.elastic): counted when set only, so
+    # a fixed-size run's fingerprint stays what it was.
+    training.update({k: params[k] for k in ("min_workers", "max_workers") if params.get(k) is not None})
     return {"dataset_version": dataset_hash, "code_version": code_version(bundle_version), "training": training,
             "declaration": declaration_digest(declaration) if declaration is not None else None}
 

@@ -94,3 +94,17 @@ def test_a_ledger_is_found_by_dag_id_and_never_outside_its_folder(nightshift_hom
         with pytest.raises(DagIdInvalid):
             ledger.append_record(bad, {"run_id": "r3"})
     assert ledger.ledger_path("x" * 250).parent.name == "x" * 250  # Airflow's longest DAG id
+
+
+def test_switching_elastic_training_on_is_a_change_that_trains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: the elastic trainer trains otherwise; a fixed-size run's fingerprint is what it always was."""
+    monkeypatch.setenv("NIGHTSHIFT_GIT_COMMIT", "abc1234")
+    plain = {"epochs": 5, "learning_rate": 0.05, "batch_size": 32, "workers": 2}
+    fixed = ledger.fingerprint("sha256:d", {**plain, "min_workers": None, "max_workers": None})
+    assert fixed["training"] == plain
+    elastic = ledger.fingerprint("sha256:d", {**plain, "min_workers": 1, "max_workers": 2})
+    assert not ledger.unchanged_since(fixed, elastic)
+    assert not ledger.unchanged_since(elastic, ledger.fingerprint("sha256:d", {**plain, "min_workers": 2,
+                                                                               "max_workers": 2}))
+    assert ledger.unchanged_since(elastic, ledger.fingerprint("sha256:d", {**plain, "min_workers": 1,
+                                                                           "max_workers": 2}))
