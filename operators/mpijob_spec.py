@@ -497,7 +497,10 @@ def build_mpijob(config: MPIJobConfig, identity: TaskIdentity, *, name: str | No
                 },
                 "Worker": {
                     "replicas": config.num_workers,
-                    "restartPolicy": "Never",
+                    # Elastic: a worker whose container fails (OOM, a crashed sshd) is restarted in its pod by the
+                    # kubelet and listed in discover_hosts.sh again once Running; the MPI Operator recreates
+                    # only worker pods that are gone, so with Never a failed one would never come back.
+                    "restartPolicy": "OnFailure" if config.elastic else "Never",
                     "template": {"metadata": pod_metadata(), "spec": _pod_spec(config, worker_container)},
                 },
             },

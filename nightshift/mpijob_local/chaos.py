@@ -94,6 +94,10 @@ def parse_chaos(script: str, job: LocalJob) -> tuple[ChaosEvent, ...]:
         if events and at_s < events[-1].at_s:
             raise ManifestNotSupported(f"{where}: at {at_s:g}s comes before the event above it "
                                        f"({events[-1].at_s:g}s); list the events in time order")
+        if action in UNDOES and not job.elastic:
+            raise ManifestNotSupported(f"{where}: '{action}' only fits an elastic job (its launcher runs horovodrun "
+                                       f"with --host-discovery-script): a job that is not elastic fails when a "
+                                       f"worker is lost, and the error names it; drop the '{action}' events")
         if action in UNDOES:
             before = UNDOES[action]
             if pod not in undone[before]:

@@ -254,10 +254,23 @@ def _is_up(line: str) -> bool:
     return flags is not None and "UP" in flags.group(1).split(",") and "state DOWN" not in line
 
 
-def listening(pid: int, port: int) -> bool:
+def same_network_namespace(pid: int, namespace_path: str) -> bool:
+    """Whether process `pid` is in the network namespace at `namespace_path` (e.g. /run/netns/NAME)."""
+    try:
+        mine, theirs = os.stat(f"/proc/{pid}/ns/net"), os.stat(namespace_path)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+
+def listening(pid: int, port: int, namespace_path: str | None = None) -> bool:
     """Whether a TCP socket listens on `port` in the network namespace of process `pid` (its
     /proc/PID/net/tcp and tcp6): the host accepts connections there, found without connecting (a probe
-    connection every second would put a line in sshd's log each time)."""
+    connection every second would put a line in sshd's log each time). With `namespace_path`, False while
+    `pid` is not in that namespace yet (a pod's process before `ip netns exec` entered it sees this
+    machine's own sockets, where an sshd of the machine may listen on the same port)."""
+    if namespace_path is not None and not same_network_namespace(pid, namespace_path):
+        return False
     local = f":{port:04X}"
     for table in ("tcp", "tcp6"):
         try:

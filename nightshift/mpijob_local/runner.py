@@ -526,7 +526,8 @@ class LocalRun:
         if worker.net_pid is None or not network.pid_alive(worker.net_pid):
             pids = network.namespace_pids(worker.namespace)
             worker.net_pid = pids[0] if pids else None
-        return worker.net_pid is not None and network.listening(worker.net_pid, worker.ready_port)
+        return worker.net_pid is not None and network.listening(worker.net_pid, worker.ready_port,
+                                                                 f"/run/netns/{worker.namespace}")
 
     def refresh_discover_hosts(self, workers: Sequence[RunningPod], event: str | None = None) -> None:
         """Rewrite discover_hosts.sh when the set of running workers changed, and say so (after `event`, on

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -19,13 +20,34 @@ if TYPE_CHECKING:
     from operators.mpijob_spec import TaskIdentity
 
 
+DISCOVERY_PREFIX = "nightshift-elastic-"
+
+
+def remove_stale_discovery_folders() -> list[str]:
+    """Discovery-script folders of elastic tries whose task process is gone (killed outright: no clean-up ran)."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{DISCOVERY_PREFIX}*-*"):
+        owner = path.name[len(DISCOVERY_PREFIX):].split("-", 1)[0]
+        if not owner.isdigit() or not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+        except PermissionError:
+            continue  # another user's live process
+    return removed
+
+
 class LocalBackend(TrainingBackend):
     """`num_workers x gpus_per_worker` ranks of horovodrun here; `gpus` makes this machine the one node.
 
     Elastic jobs run on this one host: horovodrun's elastic driver with `min_workers` to `max_workers` (x
     `gpus_per_worker`) ranks, its host discovery script a temporary file printing `localhost:<ranks>` (removed
-    when the try ends). No host comes or goes here; a rank that fails gets this host blacklisted, and it is
-    taken back after the cooldown, the ranks resuming from the last commit.
+    when the try ends; one left by a task process that was killed outright is removed by the next elastic try
+    here). No host comes or goes here: a rank that fails gets the only host blacklisted, which fails the job
+    (horovodrun stops when every host is), and the task's next try resumes from the checkpoint on disk.
     """
 
     name = "local"
@@ -54,7 +76,8 @@ class LocalBackend(TrainingBackend):
             discovery, fewest = None, None
             if elastic is not None:  # num_workers is max_workers (settled)
                 fewest = elastic[0] * max(int(job.gpus_per_worker), 1)
-                self._tmp = Path(tempfile.mkdtemp(prefix="nightshift-elastic-"))
+                remove_stale_discovery_folders()
+                self._tmp = Path(tempfile.mkdtemp(prefix=f"{DISCOVERY_PREFIX}{os.getpid()}-"))
                 discovery = str(write_discovery_script(self._tmp, ranks))
                 self.log.info("Elastic: %d to %d rank(s) on this host (host discovery: %s)", fewest, ranks,
                               discovery)

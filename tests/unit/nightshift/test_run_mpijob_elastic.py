@@ -97,6 +97,28 @@ def test_listening_reads_the_sockets_of_a_processs_network_namespace() -> None:
     assert not network.listening(2**22 + 7, 22)  # no such process
 
 
+def test_a_process_not_yet_in_the_pods_network_namespace_is_not_taken_for_the_pod() -> None:
+    """Review finding: a restored pod's first process is `ip netns exec` until it enters the namespace; read
+    before that, /proc/PID/net/tcp is this machine's, where a machine's own sshd may listen on 22."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    other = subprocess.Popen(["unshare", "--net", "sleep", "30"])
+    try:
+        deadline = 50
+        while deadline and network.same_network_namespace(other.pid, "/proc/self/ns/net"):
+            deadline -= 1  # unshare has not made its namespace yet
+            subprocess.run(["sleep", "0.05"], check=True)
+        assert network.listening(os.getpid(), port, "/proc/self/ns/net")
+        assert not network.listening(os.getpid(), port, f"/proc/{other.pid}/ns/net")
+        assert not network.listening(os.getpid(), port, "/run/netns/no-such-namespace")
+    finally:
+        other.kill()
+        other.wait()
+        server.close()
+
+
 # ---------------------------------------------------------------------------------------------- --chaos
 def test_a_chaos_script_becomes_events_on_full_pod_names() -> None:
     events = parse_chaos("kill worker-1 at 30s; restore toy-worker-1 at 60; down worker-2 at 61.5s;"
@@ -109,6 +131,15 @@ def test_a_chaos_script_becomes_events_on_full_pod_names() -> None:
     # A pod killed and restored may be killed again.
     again = parse_chaos("kill worker-0 at 0s; restore worker-0 at 5s; kill worker-0 at 9s", job())
     assert [e.action for e in again] == ["kill", "restore", "kill"]
+
+
+def test_restore_and_up_are_refused_for_a_job_that_is_not_elastic() -> None:
+    """Review finding: a restore in a job that fails anyway hid which worker was lost from the job's error."""
+    plain = job(launcher=["horovodrun", "--gloo", "-np", "3", "--hostfile", "/etc/mpi/hostfile", "python", "t.py"])
+    assert [e.action for e in parse_chaos("kill worker-1 at 3s; down worker-2 at 4s", plain)] == ["kill", "down"]
+    for script in ("kill worker-1 at 3s; restore worker-1 at 9s", "down worker-1 at 3s; up worker-1 at 9s"):
+        with pytest.raises(ManifestNotSupported, match=r"only fits an elastic job .* drop the '(restore|up)' events"):
+            parse_chaos(script, plain)
 
 
 @pytest.mark.parametrize(("script", "message"), [

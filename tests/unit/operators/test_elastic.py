@@ -4,6 +4,7 @@ and every refusal, made before anything is submitted and naming the setting."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +53,10 @@ def test_an_elastic_mpijob_has_max_workers_replicas_and_runs_the_elastic_driver(
                        "--host-discovery-script", "/etc/mpi/discover_hosts.sh", "--blacklist-cooldown-range", "2",
                        "120", "--network-interfaces", "eth0", *TRAIN, "--elastic"]
     assert "--hostfile" not in command
+    # Review finding: with Never, a worker whose container failed stayed Failed (the operator recreates only
+    # pods that are gone) and never came back to the elastic job.
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["restartPolicy"] == "OnFailure"
+    assert job["spec"]["mpiReplicaSpecs"]["Launcher"]["restartPolicy"] == "Never"
 
 
 def test_the_elastic_flag_is_not_given_twice_and_a_fixed_job_never_gets_it() -> None:
@@ -94,6 +99,7 @@ def test_without_elastic_the_manifest_is_the_fixed_size_one(cluster_env: None, o
     assert operator(num_workers=2, gpus_per_worker=1, elastic=off).build_manifest(IDENTITY) == plain
     assert plain["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"][:6] == [
         "horovodrun", "--gloo", "-np", "2", "--hostfile", "/etc/mpi/hostfile"]
+    assert plain["spec"]["mpiReplicaSpecs"]["Worker"]["restartPolicy"] == "Never"
 
 
 def test_templated_elastic_settles_from_the_rendered_params(cluster_env: None) -> None:
@@ -281,3 +287,23 @@ def test_the_local_backend_runs_an_elastic_job_with_real_horovodrun(tmp_path: Pa
     for rank in (0, 1):
         assert f"elastic rank {rank} of 2: allreduce over 2 ranks, steps 3" in said, said[-3000:]
     assert not list(tmp_path.glob("nightshift-elastic-*"))  # the discovery script was removed
+
+
+def test_a_discovery_folder_left_by_a_killed_task_is_removed_by_the_next_elastic_try(tmp_path: Path,
+                                                                                   monkeypatch: Any) -> None:
+    """Review finding: a task process killed outright (SIGKILL, OOM) never ran its clean-up."""
+    import subprocess
+
+    from operators.backends import local
+
+    monkeypatch.setattr(local.tempfile, "gettempdir", lambda: str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"{local.DISCOVERY_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{local.DISCOVERY_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "nightshift-elastic-notapid-x"
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "discover_hosts.sh").write_text("#!/bin/sh\necho localhost:2\n")
+    assert local.remove_stale_discovery_folders() == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
