@@ -38,7 +38,8 @@ KILL_AT, RESTORE_AT = 30, 60
 # comes back at 60 s.
 TRAIN_ARGS = ["--epochs", "45", "--batch-size", "16", "--lr", "0.02", "--threads", "1", "--seed", "5",
               "--model-kwargs", '{"channels": 64, "hidden": 256}',
-              "--log-every", "40", "--checkpoint-every", "100", "--commit-every", "10", "--device", "cpu"]
+              "--log-every", "40", "--checkpoint-every", "100", "--commit-every", "10", "--device", "cpu",
+              "--collective-timeout", "10"]
 
 
 def trainer_job(name: str, workdir: Path, data: Path, out: Path, ckpt: Path, *, elastic: bool,

@@ -71,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"elastic: steps between in-memory commits, the point a lost host rolls back to "
                              f"({d.commit_every})")
     parser.add_argument("--collective-timeout", type=int, default=d.collective_timeout,
-                        help=f"elastic: seconds a rank waits in a collective for a peer before the peer counts as "
-                             f"lost (HOROVOD_GLOO_TIMEOUT_SECONDS unless set; more than rank 0 takes to load a "
-                             f"checkpoint) ({d.collective_timeout})")
+                        help=f"elastic: seconds a rank waits on a silent peer before the job resets, and that the "
+                             f"ranks wait in hvd.init() for a process joining (HOROVOD_GLOO_TIMEOUT_SECONDS unless "
+                             f"set; more than a process takes to start and import torch) ({d.collective_timeout})")
     parser.add_argument("--search-storage", default=None,
                         help="model search: the Optuna storage URL of the trial to report to (no password in it)")
     parser.add_argument("--search-study", default=None, help="model search: the study's name")
@@ -110,6 +110,13 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
     from nightshift.errors import DataError
     from nightshift.train.config import data_digest
 
+    if config.elastic:
+        # Join first, read the data after: a process Horovod starts for a host that is added or comes back joins
+        # ranks that wait for it in hvd.init()'s rendezvous, and give up (abort, failing the job) after the
+        # collective timeout; reading and hashing a large dataset must not count against it. Once joined, the
+        # others wait for it in the state's sync, which has no timeout.
+        hvd = _join_elastic_job(config)
+
     # The data's content hash, before and after reading it: the resume key and the MLflow run must name the
     # bytes the model was trained on, so files that change while they are read fail the run, not mislabel it.
     before = data_digest(config.data)
@@ -121,18 +128,15 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
         raise DataError(f"the files under --data {config.data} changed while the trainer read them ({before} "
                         f"before, {config.data_version} after); stage the data again and re-run")
 
-    import horovod.torch as hvd
-
     from nightshift.train.trainer import Trainer
 
-    trainer_class = Trainer
+    trainer_class: type[Trainer] = Trainer
     if config.elastic:
-        from nightshift.train.elastic import ElasticTrainer, require_elastic_launcher, set_collective_timeout
+        from nightshift.train.elastic import ElasticTrainer
 
-        require_elastic_launcher()
-        set_collective_timeout(config.collective_timeout)
         trainer_class = ElasticTrainer
-    hvd.init()
+    else:
+        hvd = _join_fixed_job()
     if on_epoch is None and config.search_trial is not None:
         from nightshift.search.reporter import TrialReporter
 
@@ -145,6 +149,24 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
         summary["mlflow_run_id"] = log_training_run(config.out, experiment=config.mlflow_experiment,
                                                     run_name=config.mlflow_run_name, tags=config.tags)
     return summary
+
+
+def _join_fixed_job() -> Any:
+    import horovod.torch as hvd
+
+    hvd.init()
+    return hvd
+
+
+def _join_elastic_job(config: TrainConfig) -> Any:
+    import horovod.torch as hvd
+
+    from nightshift.train.elastic import require_elastic_launcher, set_collective_timeout
+
+    require_elastic_launcher()
+    set_collective_timeout(config.collective_timeout)
+    hvd.init()
+    return hvd
 
 
 def configure_logging() -> None:

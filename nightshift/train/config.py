@@ -71,7 +71,7 @@ class TrainConfig:
     # is committed in memory every `commit_every` steps and a lost host rolls back to the last commit.
     elastic: bool = False
     commit_every: int = 10
-    collective_timeout: int = 10  # elastic: HOROVOD_GLOO_TIMEOUT_SECONDS unless set (nightshift.train.elastic)
+    collective_timeout: int = 30  # elastic: HOROVOD_GLOO_TIMEOUT_SECONDS unless set (nightshift.train.elastic)
 
     def __post_init__(self) -> None:
         self.data, self.out, self.checkpoint_dir = Path(self.data), Path(self.out), Path(self.checkpoint_dir)

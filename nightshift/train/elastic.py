@@ -49,7 +49,7 @@ from nightshift.errors import CheckpointMismatch, UsageError
 from nightshift.tasks import REGRESSION
 from nightshift.train.checkpoint import FORMAT
 from nightshift.train.device import CudaView, autocast, choose_device
-from nightshift.train.trainer import EVAL_BATCH, Trainer, rng_state, set_rng_state
+from nightshift.train.trainer import EVAL_BATCH, Trainer, rng_state
 
 log = logging.getLogger("nightshift.train")
 
@@ -90,12 +90,16 @@ def require_elastic_launcher() -> None:
 
 
 def set_collective_timeout(seconds: int) -> None:
-    """How long a rank waits in a collective for a peer before Horovod calls the job broken (Gloo's
-    HOROVOD_GLOO_TIMEOUT_SECONDS, read by `hvd.init()`): the bound on noticing a lost host when the rank that
-    waits is not the lost one's neighbour (seen here: 30 s, Horovod's default, of the ranks left idling). It
-    must exceed what one rank does while the others wait in a collective; the elastic trainer shares its
-    validation among the ranks and writes checkpoints in the background, so that is rank 0's loading of the
-    checkpoint it resumes from. A value already in the environment (set on the launcher) wins."""
+    """Gloo's timeout (HOROVOD_GLOO_TIMEOUT_SECONDS, read at every `hvd.init()`, resets included): how long
+    a rank waits on a peer that stopped answering (seen here: the ranks left by a lost host idled the whole
+    timeout before they reset), and also how long `hvd.init()`'s rendezvous waits for every process of the
+    job. That second bound is the one that breaks: when a host is added or comes back, the ranks already
+    training wait in the rendezvous for the process Horovod starts there, and abort (failing the job) if it
+    is not there in time; at the job's start every process must arrive within it too. So the elastic trainer
+    joins before it reads any data (a process's time to the rendezvous is Python and its imports), and the
+    default stays Horovod's 30 s; lower it for faster failover where processes start fast (warm nodes). A
+    rank that is merely slow in Python (evaluating, loading a checkpoint) does not count: Horovod's
+    background thread goes on answering. A value already in the environment (set on the launcher) wins."""
     os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
 
 
@@ -211,8 +215,9 @@ class ElasticTrainer(Trainer):
                     self.scaler.load_state_dict(saved.get("scaler", {}))
             except (RuntimeError, ValueError, KeyError) as err:
                 raise CheckpointMismatch(f"{verdict['path']} does not fit model {self.config.model!r}: {err}") from err
-            set_rng_state(saved["rng"][0], self.device)
             self.step = int(saved["step"])
+            # Each rank its own stream, derived as at every entry (the checkpoint's is rank 0's alone).
+            _seed_rank(self.config.seed, self.step, self.rank)
             self.epoch_loss = [float(saved["epoch_loss"][0]), int(saved["epoch_loss"][1])]
             self.resumed_from = self.step
             state.epoch_loss = (self.epoch_loss[0], self.epoch_loss[1])

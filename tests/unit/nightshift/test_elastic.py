@@ -98,3 +98,63 @@ def test_elastic_checkpoints_fit_any_world_size_and_never_a_fixed_size_run(tmp_p
     assert elastic.train_key(3, "cpu") != fixed.train_key(3, "cpu")
     with pytest.raises(UsageError, match="--commit-every must be a positive integer"):
         TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=True, commit_every=0)
+
+
+class _Joined(Exception):
+    pass
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_an_elastic_process_joins_before_it_reads_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          elastic: bool) -> None:
+    """Review finding: a process started for a host that comes back read and hashed the data before hvd.init();
+    the ranks waiting for it in the rendezvous aborted after the collective timeout, failing the job. A
+    fixed-size run still checks its data before it joins."""
+    from nightshift.train import cli
+    from nightshift.train import config as config_module
+
+    calls: list[str] = []
+
+    def join(*args: object) -> None:
+        calls.append("join")
+        raise _Joined
+
+    def digest(*args: object) -> str:
+        calls.append("data")
+        raise _Joined
+
+    monkeypatch.setattr(cli, "_join_elastic_job", join)
+    monkeypatch.setattr(cli, "_join_fixed_job", join)
+    monkeypatch.setattr(config_module, "data_digest", digest)
+    with pytest.raises(_Joined):
+        cli.run(TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=elastic))
+    assert calls == (["join"] if elastic else ["data"])
+
+
+def test_after_a_disk_resume_each_rank_draws_its_own_random_numbers(tmp_path: Path) -> None:
+    """Review finding: every rank restored rank 0's RNG state from the checkpoint, so all drew one stream (the
+    same dropout masks on every rank)."""
+    from types import SimpleNamespace
+
+    from nightshift.train.elastic import ElasticTrainer
+    from nightshift.train.trainer import rng_state
+
+    model = torch.nn.Linear(2, 2)
+    saved = {"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
+             "rng": [rng_state()], "step": 40, "epoch_loss": [0.5, 4],
+             "elastic": {"epoch": 1, "processed": 32, "samples_done": 160, "world_size": 2}}
+    draws = []
+    for rank in (0, 1):
+        trainer = ElasticTrainer.__new__(ElasticTrainer)
+        trainer.hvd = SimpleNamespace(broadcast_object=lambda obj, **kw: {"state": saved, "path": "ckpt-40"})
+        trainer.is_chief, trainer.rank, trainer.n_train = False, rank, 100
+        trainer.model = torch.nn.Linear(2, 2)
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)
+        trainer.scaler = torch.amp.GradScaler("cpu", enabled=False)
+        trainer.config = TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=True, seed=3)
+        trainer.device = torch.device("cpu")
+        state = SimpleNamespace()
+        trainer._resume_from_disk(state)
+        assert (state.epoch, state.processed, state.samples_done, state.step) == (1, 32, 160, 40)
+        draws.append(torch.rand(4))
+    assert not torch.equal(draws[0], draws[1])
