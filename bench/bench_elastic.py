@@ -6,7 +6,7 @@ hosts, with the launcher command the operator renders (`operators.mpijob_spec.la
   60s"`: Horovod goes on with 2 ranks from the last commit and takes the host back;
 - retry: the fixed-size job; `--chaos "kill worker-1 at 30s"` fails it (as the MPI Operator would fail the
   launcher), and a new job with the same checkpoint directory resumes from the last checkpoint on disk, as the
-  task's next try does (Airflow's retry delay not counted).
+  task's next try does; Airflow's retry delay (the train task's, 60 s by default) is reported beside it.
 Each path also runs undisturbed; time lost = time to finish with the failure − the undisturbed run's time,
 end to end (`run-mpijob` wall time: namespaces, sshd, horovodrun, imports, training). Repetitions alternate the
 order of the runs. Goal: elastic loses at most 1/5 of what the retry path loses. Also reported: final
@@ -154,6 +154,8 @@ def main() -> None:
     print(f"after the runs: load {'/'.join(f'{x:.1f}' for x in os.getloadavg())} (1/5/15 min)")
     lost = {kind: statistics.median(r["lost_s"] for r in results) for kind, results in runs.items()}
     ratio = lost["elastic"] / lost["retry"] if lost["retry"] > 0 else float("inf")
+    delay = retry_delay_s()
+    with_delay = lost["elastic"] / (lost["retry"] + delay)
     print("| path | undisturbed s | with the failure s | lost s (median, min–max) | accuracy Δ points (max |Δ|) |")
     print("|---|---|---|---|---|")
     for kind, results in runs.items():
@@ -163,4 +165,14 @@ def main() -> None:
               f"{statistics.median(r['hit_s'] for r in results):.1f} | {lost[kind]:.1f} "
               f"({min(losses):.1f}–{max(losses):.1f}) | {max(deltas, key=abs):+.2f} |")
     verdict = "met" if ratio <= 0.2 else "MISSED"
-    print(f"elastic loses {ratio:.2f} of what the retry path loses (goal ≤ 0.20: {verdict})")
+    print(f"elastic loses {ratio:.2f} of what the retry path loses between the jobs (goal ≤ 0.20: {verdict})")
+    verdict = "met" if with_delay <= 0.2 else "MISSED"
+    print(f"with the train task's retry delay ({delay:.0f} s, NIGHTSHIFT_TRAIN_RETRY_DELAY_S) that a DAG run waits "
+          f"before its next try: {with_delay:.2f} (goal ≤ 0.20: {verdict})")
+
+
+def retry_delay_s() -> float:
+    """How long `nightly_retrain`'s train task waits before the try that resumes (its first retry)."""
+    from dags.nightly_tasks.factory import train_retry_delay
+
+    return train_retry_delay().total_seconds()
