@@ -62,12 +62,18 @@ def test_the_trainer_loses_a_worker_host_and_takes_it_back_without_a_restart(
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["elastic"]["world_sizes"] == [3, 2, 3], summary
 
-    # Every rank's log shows the reset: the two that went on saw both, the third joined with the state.
-    for rank in (0, 1):
-        lines = [line for line in stdout.splitlines() if f"[{rank}]<stderr>:" in line and "elastic reset" in line]
-        assert f"elastic reset 1: now rank {rank} of 2" in lines[0], lines
-        assert f"elastic reset 2: now rank {rank} of 3 (was rank {rank} of 2)" in lines[1], lines
-    assert "[2]<stderr>:" in stdout and "joined the running elastic job as rank 2 of 3 at step" in stdout
+    # Every rank's log shows the reset: the two that went on saw both (which ranks they were depends on the order
+    # Horovod gave the hosts), the process started for the returning host joined with the state.
+    resets: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        found = re.search(r"\[(\d+)\]<stderr>:.*(elastic reset \d: now rank \d of \d \(was rank \d of \d\))", line)
+        if found:
+            resets.setdefault(found.group(1), []).append(found.group(2))
+    assert len(resets) == 2, resets
+    for seen in resets.values():
+        assert len(seen) == 2 and seen[0].startswith("elastic reset 1: ") and " of 2 (was rank " in seen[0], resets
+        assert seen[1].startswith("elastic reset 2: ") and " of 3 (was rank " in seen[1] and seen[1].endswith(" of 2)")
+    assert stdout.count("joined the running elastic job as rank 2 of 3 at step") == 1
 
     said = [line for line in err.splitlines() if line.startswith(("run-mpijob: chaos at", "run-mpijob: discover"))]
     assert re.search(r"chaos at 1\d\.\ds \(kill worker-1 at 15s\): killed elastic-worker-1 \(\d+ process\(es\), "
