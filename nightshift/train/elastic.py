@@ -198,23 +198,14 @@ class ElasticTrainer(Trainer):
 
     def _resume_from_disk(self, state: Any) -> None:
         """Once per job, inside the elastic function (a collective): rank 0's newest matching checkpoint."""
-        verdict = self.hvd.broadcast_object(self._find_checkpoint() if self.is_chief else None, root_rank=0,
-                                            name="nightshift.elastic.resume")
-        if "error" in verdict:
-            raise CheckpointMismatch(verdict["error"])
+        verdict = self._checkpoint_verdict("nightshift.elastic.resume")
         if "state" in verdict:
             saved = verdict["state"]
             where = saved.get("elastic")
             if not isinstance(where, dict):
                 raise CheckpointMismatch(f"{verdict['path']} was written by an elastic run but holds no elastic "
                                          f"position; move it away or use a new --checkpoint-dir")
-            try:
-                self.model.load_state_dict(saved["model"], strict=True)
-                self.optimizer.load_state_dict(saved["optimizer"])
-                if self.scaler.is_enabled():
-                    self.scaler.load_state_dict(saved.get("scaler", {}))
-            except (RuntimeError, ValueError, KeyError) as err:
-                raise CheckpointMismatch(f"{verdict['path']} does not fit model {self.config.model!r}: {err}") from err
+            self._load_weights(saved, verdict["path"], scheduler=False)
             self.step = int(saved["step"])
             # Each rank its own stream, derived as at every entry (the checkpoint's is rank 0's alone).
             _seed_rank(self.config.seed, self.step, self.rank)

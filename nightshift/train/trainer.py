@@ -216,20 +216,10 @@ class Trainer:
         # its GPU) because the state travels to every rank pickled, and a pickled CUDA tensor would
         # unpickle onto rank 0's GPU everywhere; each rank's load_state_dict then copies the model and
         # optimizer state onto its own device, and the RNG states must be CPU tensors anyway.
-        verdict = self.hvd.broadcast_object(self._find_checkpoint() if self.is_chief else None, root_rank=0,
-                                            name="nightshift.resume")
-        if "error" in verdict:
-            raise CheckpointMismatch(verdict["error"])
+        verdict = self._checkpoint_verdict("nightshift.resume")
         if "state" in verdict:
             state = verdict["state"]
-            try:
-                self.model.load_state_dict(state["model"], strict=True)
-                self.optimizer.load_state_dict(state["optimizer"])
-                self.scheduler.load_state_dict(state["scheduler"])
-                if self.scaler.is_enabled():
-                    self.scaler.load_state_dict(state.get("scaler", {}))
-            except (RuntimeError, ValueError, KeyError) as err:
-                raise CheckpointMismatch(f"{verdict['path']} does not fit model {self.config.model!r}: {err}") from err
+            self._load_weights(state, verdict["path"], scheduler=True)
             set_rng_state(state["rng"][self.rank], self.device)
             self._restore_threads(state.get("threads"))
             self.step = int(state["step"])
@@ -243,6 +233,26 @@ class Trainer:
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.is_chief:
             self._truncate_metrics()
+
+    def _checkpoint_verdict(self, name: str) -> dict[str, Any]:
+        """Rank 0's `_find_checkpoint` on every rank (a collective named `name`); raise its error everywhere."""
+        verdict: dict[str, Any] = self.hvd.broadcast_object(self._find_checkpoint() if self.is_chief else None,
+                                                            root_rank=0, name=name)
+        if "error" in verdict:
+            raise CheckpointMismatch(verdict["error"])
+        return verdict
+
+    def _load_weights(self, state: dict[str, Any], path: str, *, scheduler: bool) -> None:
+        """The model, optimizer (and scheduler) and loss scaler of checkpoint `state` read from `path`."""
+        try:
+            self.model.load_state_dict(state["model"], strict=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            if scheduler:
+                self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler.is_enabled():
+                self.scaler.load_state_dict(state.get("scaler", {}))
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise CheckpointMismatch(f"{path} does not fit model {self.config.model!r}: {err}") from err
 
     def _restore_threads(self, saved: list[int] | None) -> None:
         """Run with the torch thread count this rank had when the checkpoint was written (the CPU
