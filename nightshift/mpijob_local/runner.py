@@ -551,15 +551,15 @@ class LocalRun:
         what = f"chaos at {at_s:.1f}s ({event.text})"
         if event.action == "kill":
             pids = network.namespace_pids(worker.namespace)
-            network.kill_namespaces([worker.namespace], grace_s=0)
-            if worker.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    worker.proc.wait(timeout=10)
+            network.kill_namespaces([worker.namespace], grace_s=0)  # returns once none is left
             said = f"{what}: killed {worker.name} ({len(pids)} process(es), SIGKILL)"
             if worker.container:
-                name = podman.container_name(self.owner, worker.name)
-                ended = worker.proc is not None and worker.proc.poll() is not None
-                said += f"; its container {name} {'exited' if ended else 'has not exited yet'}"
+                # Its container has exited; `podman run --rm` removing it takes seconds more (under load): not
+                # waited for here, the job goes on (a restore waits for it, see remove_dead_container).
+                said += f"; its container {podman.container_name(self.owner, worker.name)} exited"
+            elif worker.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    worker.proc.wait(timeout=10)
             if self.job.elastic:
                 self.gone.add(worker.name)  # said here, not as a worker that stopped by itself
         elif event.action == "restore":
