@@ -58,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--chaos", metavar="SCRIPT",
                         help="worker failures at set times from the launcher's start, e.g. 'kill worker-1 at 30s; "
                              "restore worker-1 at 60s' (actions: kill, restore, down, up; pods: worker-N or the "
-                             "pod's name; --runtime host only)")
+                             "pod's name)")
     parser.add_argument("--containers-conf", metavar="PATH",
                         help="containers.conf for podman (default: $NIGHTSHIFT_CONTAINERS_CONF, $CONTAINERS_CONF, "
                              "else the repository's images/podman/containers.conf)")

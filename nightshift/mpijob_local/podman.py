@@ -266,7 +266,10 @@ def container_name(owner: int, pod: str) -> str:
 
 
 def secret_copy(secret: Path, directory: Path, user: PodUser) -> Path:
-    """The SSH Secret as the pod's user may use it: a directory 0700 and files 0600, all owned by it."""
+    """The SSH Secret as the pod's user may use it: a directory 0700 and files 0600, all owned by it (made
+    afresh: the copy of a container `--chaos` restores replaces the dead one's)."""
+    if directory.exists():
+        shutil.rmtree(directory)
     directory.mkdir(mode=0o700)
     for item in sorted(secret.iterdir()):
         target = directory / item.name
@@ -282,13 +285,16 @@ def plan_container(spec: PodSpec, image: ImageConfig, *, owner: int, namespace: 
                    env: Mapping[str, str], claim_view: Mapping[str, str]) -> ContainerPlan:
     """The container of `spec`: its files are written into `pod_dir` (made here, 0700).
 
-    `claim_view` maps a claim mount's source to the directory to bind instead (its idmapped view)."""
+    A pod that `--chaos` restores gets its plan again, in the `pod_dir` of its dead container: the env file
+    and the Secret's copy are written afresh, its emptyDirs are kept as they were (as the host runtime keeps
+    them). `claim_view` maps a claim mount's source to the directory to bind instead (its idmapped view)."""
     if spec.gpus:
         raise ManifestNotSupported(f"pod {spec.name} asks for {spec.gpus} GPU(s): --runtime podman runs CPU "
                                    f"pods only here; use --runtime host or render it with gpus_per_worker=0")
     user = pod_user(spec, image)
-    pod_dir.mkdir(mode=0o700)
+    pod_dir.mkdir(mode=0o700, exist_ok=True)
     env_file = pod_dir / "env"
+    env_file.unlink(missing_ok=True)
     fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(env_file_text(env, spec.name))
@@ -299,8 +305,9 @@ def plan_container(spec: PodSpec, image: ImageConfig, *, owner: int, namespace: 
     for k, mount in enumerate(spec.mounts):
         if mount.source is None:  # emptyDir: a fresh directory of this pod, its user's
             source = pod_dir / f"empty-{k}"
-            source.mkdir(mode=0o755)
-            os.chown(source, user.uid, user.gid)
+            if not source.is_dir():  # a restored pod finds its emptyDir as it was
+                source.mkdir(mode=0o755)
+                os.chown(source, user.uid, user.gid)
             volumes.append(Volume(str(source), mount.target, mount.read_only))
         else:
             volumes.append(Volume(claim_view.get(mount.source, mount.source), mount.target, mount.read_only))

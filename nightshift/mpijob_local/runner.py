@@ -14,11 +14,12 @@ alive, an sshd worker's port listens in its emulated host, and `--chaos` has not
 that dies does not fail an elastic job: it is dropped from the script and the launcher's exit decides (Horovod
 goes on with the hosts left while at least `--min-np` slots remain). `--chaos` (see `chaos.py`) kills,
 restores, and takes down or up the link of workers at set times from the launcher's start; a restored worker
-runs again in the same emulated host, and is listed again once its port listens. Chaos runs with
-`--runtime host` only. With `--runtime podman` each pod is a container of its image inside its emulated host
-(see `podman.py`); services stay processes of this machine. Whatever happens (success, failure, timeout,
-SIGINT/SIGTERM) every container, process, namespace, link and temporary file of the run is removed before
-`run_mpijob` returns.
+runs again in the same emulated host, and is listed again once its port listens. With `--runtime podman` each
+pod is a container of its image inside its emulated host (see `podman.py`); services stay processes of this
+machine. There a chaos kill ends the pod's container (every process of its host dies), and a restore removes
+the dead container and starts a new one of the pod (same name, host, files and mounts). Whatever happens
+(success, failure, timeout, SIGINT/SIGTERM) every container, process, namespace, link and temporary file of the
+run is removed before `run_mpijob` returns.
 """
 
 from __future__ import annotations
@@ -110,10 +111,6 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
             raise ManifestNotSupported(f"--runtime {self.runtime!r} must be one of {', '.join(RUNTIMES)}")
-        if self.chaos is not None and self.runtime != "host":
-            raise ManifestNotSupported(f"--chaos works with --runtime host only (not {self.runtime}): a killed "
-                                       f"or restored container is not emulated yet; drop --chaos or use "
-                                       f"--runtime host")
 
 
 @dataclass
@@ -369,7 +366,9 @@ class LocalRun:
             hosts=self.hosts, secret=self.secret, ssh_auth_mount_path=self.job.ssh_auth_mount_path,
             mpi_config=self.mpi_config, env=env, claim_view=self.claim_view(spec, user))
         running.ready_port = podman.ready_port(spec, image)
-        self.containers.append(plan.name)
+        running.net_pid = None  # found in its namespace once the container runs (see is_running)
+        if plan.name not in self.containers:  # a restored pod's container has the dead one's name
+            self.containers.append(plan.name)
         running.proc = subprocess.Popen(plan.argv(self.options.podman), stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                         env=self.options.podman.env())
@@ -553,14 +552,22 @@ class LocalRun:
         what = f"chaos at {at_s:.1f}s ({event.text})"
         if event.action == "kill":
             pids = network.namespace_pids(worker.namespace)
-            network.kill_namespaces([worker.namespace], grace_s=0)
-            if worker.proc is not None:
+            network.kill_namespaces([worker.namespace], grace_s=0)  # returns once none is left
+            said = f"{what}: killed {worker.name} ({len(pids)} process(es), SIGKILL)"
+            if worker.container:
+                # Its container has exited; `podman run --rm` removing it takes seconds more (under load): not
+                # waited for here, the job goes on (a restore waits for it, see remove_dead_container).
+                said += f"; its container {podman.container_name(self.owner, worker.name)} exited"
+            elif worker.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     worker.proc.wait(timeout=10)
-            said = f"{what}: killed {worker.name} ({len(pids)} process(es), SIGKILL)"
             if self.job.elastic:
                 self.gone.add(worker.name)  # said here, not as a worker that stopped by itself
         elif event.action == "restore":
+            left = self.remove_dead_container(worker) if worker.container else None
+            if left:
+                self.say(f"{what}: not restored: {left}")
+                return
             if worker.pump is not None:
                 worker.pump.join(timeout=5)
             spec = next(w for w in self.job.workers if w.name == worker.name)
@@ -568,8 +575,9 @@ class LocalRun:
             self.start_pod(worker, spec=spec)
             worker.restored_at = time.monotonic()
             self.gone.discard(worker.name)
-            said = (f"{what}: restored {worker.name} in its host {worker.namespace} ({worker.ip}), listed again "
-                    f"once it accepts connections")
+            new = f" as a new container {podman.container_name(self.owner, worker.name)}" if worker.container else ""
+            said = (f"{what}: restored {worker.name}{new} in its host {worker.namespace} ({worker.ip}), listed "
+                    f"again once it accepts connections")
         else:
             up = event.action == "up"
             self.net.set_link(worker.slot, up)
@@ -580,6 +588,21 @@ class LocalRun:
             self.refresh_discover_hosts(workers, said)
         else:  # a killed worker fails the job, naming it, as any lost worker does
             self.say(said)
+
+    def remove_dead_container(self, worker: RunningPod) -> str | None:
+        """Before a restore: the pod's dead container gone (`podman run --rm` removes it as it ends; a `podman
+        run` still there is stopped), so that its name is free; what could not be removed, else None."""
+        name = podman.container_name(self.owner, worker.name)
+        network.kill_namespaces([worker.namespace], grace_s=0)  # processes a restore must not find in its host
+        if worker.proc is not None and worker.proc.poll() is None:
+            try:
+                worker.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait()
+        if podman.remove_containers(self.options.podman, [name]):
+            return f"its dead container {name} is still there (podman rm -f {name} failed)"
+        return None
 
     def lost_workers(self, workers: Sequence[RunningPod]) -> list[str]:
         """Workers that died, whose link is down, or that the launcher's namespace cannot reach."""

@@ -2,42 +2,61 @@
 
 Each pod is a container of `localhost/nightshift/trainer:cpu` (built by `make images`) inside its emulated host's
 network namespace; MLflow is a `--service` of this machine on the job's network. The same job by the host runtime
-(this machine's venv: the same torch, CPU, the same data) is the yardstick, bit for bit. Needs root, podman and the
-image; skips, saying which, without them.
+(this machine's venv: the same torch, CPU, the same data) is the yardstick, bit for bit. The elastic trainer
+(`bench.bench_elastic.trainer_job`) loses a worker container to `--chaos` and takes a new one back, the launcher's
+container reading each rewrite of discover_hosts.sh. Needs root, podman and the image; skips, saying which, without
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from nightshift.mpijob_local import podman
+from bench.bench_elastic import trainer_job
+from nightshift.mpijob_local import network, podman
+from nightshift.mpijob_local.manifest import DISCOVER_HOSTS
 from tests.integration.horovod_helpers import processes_mentioning
 from tests.integration.test_run_mpijob import (
     CONF,
+    NIGHTSHIFT,
     THREADS,
     Site,
     assert_bitwise_equal,
     finish,
     host_links,
     make_site,
+    namespace_pids,
     trainer_arg,
     wait_for,
     without_mlflow,
 )
 from tests.integration.test_run_mpijob import _missing as _missing_host
 from tests.integration.test_run_mpijob import assert_nothing_left as assert_nothing_left_by_host_runs
+from tests.integration.test_run_mpijob_elastic import TRAIN_ARGS
 
 IMAGE = "localhost/nightshift/trainer:cpu"
 SETTINGS = podman.PodmanSettings.from_environment()
 CONF_1 = {**CONF, "epochs": 1, "batch_size": 16}  # 1 epoch of 40 steps (2 ranks x 16): small
+# The elastic trainer's chaos, seconds from the launcher's start. The kill comes after the ranks' first rendezvous
+# (a host lost before it fails the job): in containers that took 15 s to more than 24 s here under load (podman runs,
+# ssh into the containers, torch imports from the image), 40 s leaves room. The ranks still train when the restored
+# host comes back (46 s + the blacklist cool-down of 4-6 s + a rank's start): 50 epochs, about 65 s at 3 ranks.
+KILL_AT, RESTORE_AT = 40, 46
+ELASTIC_TRAIN_ARGS = ["--epochs", "50", *TRAIN_ARGS[TRAIN_ARGS.index("--epochs") + 2:]]
+CHAOS = f"kill worker-1 at {KILL_AT}s; restore worker-1 at {RESTORE_AT}s"
 
 
 def _missing() -> str | None:
@@ -184,4 +203,66 @@ def test_a_signal_mid_job_removes_every_container(site: ImageSite, links_before:
     code, _, err = finish(proc, timeout=120)
     assert code == 128 + signal.SIGTERM
     assert "MPIJob sleepy stopped by SIGTERM" in err
+    assert_nothing_left(proc.pid, links_before)
+
+
+def launcher_views(pid: int, seen: list[str], done: threading.Event) -> None:
+    """Every new text of /etc/mpi/discover_hosts.sh as the launcher's container reads it (through the root of a
+    process in the launcher's host), until `done`."""
+    namespace = network.namespace_name(pid, "launcher")
+    while not done.is_set():
+        for process in namespace_pids(namespace):
+            with contextlib.suppress(OSError):
+                text = Path(f"/proc/{process}/root{DISCOVER_HOSTS}").read_text()
+                if not seen or seen[-1] != text:
+                    seen.append(text)
+                break
+        time.sleep(0.1)
+
+
+def test_the_elastic_trainer_loses_a_worker_container_and_takes_a_new_one_back(
+        tmp_path: Path, demo_data: Path, links_before: set[str]) -> None:
+    workdir = tmp_path / "bench"  # the claim: the job's data, output and checkpoints, a non-root user's
+    shutil.copytree(demo_data, workdir / "data")
+    out, ckpt = workdir / "out", workdir / "ckpt"
+    for path in (workdir, *workdir.rglob("*")):
+        os.lchown(path, CLAIM_OWNER, CLAIM_OWNER)
+    job = trainer_job("elastic-podman", workdir, workdir / "data", out, ckpt, elastic=True,
+                      train_args=ELASTIC_TRAIN_ARGS)
+    for role in ("Launcher", "Worker"):
+        job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"][0]["image"] = IMAGE
+    manifest = tmp_path / "elastic-podman.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    proc = subprocess.Popen([NIGHTSHIFT, "run-mpijob", str(manifest), "--runtime", "podman", "--timeout", "300",
+                             "--volume", f"bench={workdir}", "--chaos", CHAOS], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=SETTINGS.env())
+    seen: list[str] = []
+    done = threading.Event()
+    watcher = threading.Thread(target=launcher_views, args=(proc.pid, seen, done), daemon=True)
+    watcher.start()
+    try:
+        code, stdout, err = finish(proc, timeout=420)
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+    ranks = [line for line in stdout.splitlines() if "<stderr>:" in line and "step " not in line]
+    assert code == 0, err[-3000:] + "\n".join(ranks[-40:])
+    assert "MPIJob elastic-podman succeeded" in err and "the job fails" not in err
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["elastic"]["world_sizes"] == [3, 2, 3], summary
+    assert (out / "metrics.json").stat().st_uid == CLAIM_OWNER  # written by mpiuser through the claim's view
+
+    said = [line for line in err.splitlines() if line.startswith(("run-mpijob: chaos at", "run-mpijob: discover"))]
+    container = f"{podman.CONTAINER_PREFIX}{proc.pid}-elastic-podman-worker-1"
+    assert re.search(rf"\(kill worker-1 at {KILL_AT}s\): killed elastic-podman-worker-1 \(\d+ process\(es\), "
+                     rf"SIGKILL\); its container {container} exited; discover_hosts.sh lists 2 worker\(s\) "
+                     rf"\(-elastic-podman-worker-1\)", said[0]), said
+    assert f"(restore worker-1 at {RESTORE_AT}s): restored elastic-podman-worker-1 as a new container " \
+           f"{container} in its host" in said[1], said
+    assert said[-1].endswith("discover_hosts.sh lists 3 worker(s) (+elastic-podman-worker-1): "
+                             "elastic-podman-worker-0, elastic-podman-worker-1, elastic-podman-worker-2"), said
+    assert "run-mpijob: worker elastic-podman-worker-1 runs again" in err
+    # The launcher's container read each rewrite (a rename in the directory it binds at /etc/mpi).
+    listed = [sorted(re.findall(r"elastic-podman-worker-(\d)", text)) for text in seen]
+    assert listed == [["0", "1", "2"], ["0", "2"], ["0", "1", "2"]], seen
     assert_nothing_left(proc.pid, links_before)

@@ -182,9 +182,27 @@ def test_a_one_worker_job_names_its_only_pod() -> None:
         parse_chaos("kill worker-1 at 1s", job(workers=1))
 
 
-def test_chaos_is_refused_with_the_podman_runtime() -> None:
-    with pytest.raises(ManifestNotSupported, match=r"^--chaos works with --runtime host only \(not podman\)"):
-        RunOptions(runtime="podman", chaos="kill worker-1 at 1s")
+def test_chaos_is_taken_with_the_podman_runtime_and_checked_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightshift.cli import main
+    from nightshift.mpijob_local import runner
+
+    seen: list[RunOptions] = []
+
+    def stop_at_preflight(job: LocalJob, options: RunOptions, pod_path: str) -> None:
+        seen.append(options)
+        raise ManifestNotSupported("stopped at preflight by the test")
+
+    monkeypatch.setattr(runner, "preflight", stop_at_preflight)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest()))
+    script = "kill worker-1 at 10s; restore worker-1 at 16s"
+    assert main(["run-mpijob", str(path), "--runtime", "podman", "--chaos", script]) == 2
+    assert "stopped at preflight by the test" in capsys.readouterr().err
+    assert [(o.runtime, o.chaos) for o in seen] == [("podman", script)]
+    assert main(["run-mpijob", str(path), "--runtime", "podman", "--chaos", "restore worker-1 at 1s"]) == 2
+    assert "'restore' needs an earlier 'kill worker-1'" in capsys.readouterr().err
+    assert len(seen) == 1  # a bad script never reaches preflight
 
 
 def test_cli_refuses_a_bad_chaos_script_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -139,6 +139,39 @@ def test_podman_run_puts_the_container_in_the_pods_host_with_its_files_and_no_se
         "id_rsa": 0o600, "id_rsa.pub": 0o600, "authorized_keys": 0o600}
 
 
+def test_a_restored_pod_gets_the_same_container_in_its_dead_ones_directory_keeping_its_empty_dirs(
+        tmp_path: Path) -> None:
+    from nightshift.mpijob_local import files
+
+    source = manifest(volumes=[{"name": "scratch", "emptyDir": {}}],
+                      volume_mounts=[{"name": "scratch", "mountPath": "/scratch"}])
+    job = parse_job(source, claims=CLAIMS, gpus_available=0)
+    secret = tmp_path / "ssh"
+    secret.mkdir()
+    (secret / "id_rsa").write_text("key")
+    mpi = files.write_mpi_config(tmp_path / "mpi", "h\n", "#!/bin/sh\n")
+    me = podman.ImageConfig(IMAGE, user=f"{os.getuid()}:{os.getgid()}")
+
+    def plan(spec: Any, env: dict[str, str]) -> podman.ContainerPlan:
+        return podman.plan_container(spec, me, owner=7, namespace="nsmj7-w1", pod_dir=tmp_path / spec.name,
+                                     hosts=tmp_path / "hosts", secret=secret, ssh_auth_mount_path="/home/u/.ssh",
+                                     mpi_config=mpi, env=env, claim_view={})
+
+    first = plan(job.workers[1], {"GEN": "1"})
+    scratch = next(Path(v.source) for v in first.volumes if v.target == "/scratch")
+    (scratch / "kept").write_text("written by the dead container")
+    (tmp_path / job.workers[1].name / "ssh" / "stray").write_text("x")
+    again = plan(job.workers[1], {"GEN": "2"})
+    assert again.argv(podman.PodmanSettings()) == first.argv(podman.PodmanSettings())  # same name, host, mounts
+    assert Path(again.env_file).read_text() == "GEN=2\n"
+    assert stat.S_IMODE(Path(again.env_file).stat().st_mode) == 0o600
+    assert (scratch / "kept").read_text() == "written by the dead container"
+    assert sorted(p.name for p in (tmp_path / job.workers[1].name / "ssh").iterdir()) == ["id_rsa"]
+    # The launcher binds the directory of discover_hosts.sh, not the file: a rename there is what it reads next.
+    (etc_mpi,) = [v for v in plan(job.launcher, {}).volumes if v.target == "/etc/mpi"]
+    assert Path(etc_mpi.source) == mpi and Path(etc_mpi.source).is_dir() and etc_mpi.read_only
+
+
 def test_workers_get_no_mpi_config_and_keep_the_images_entrypoint_when_only_args_are_given(tmp_path: Path) -> None:
     plan, _ = _plan(tmp_path, role="worker", claim_view={})
     argv = plan.argv(podman.PodmanSettings())
