@@ -52,7 +52,8 @@ def run_mpijob(tmp_path: Path, job: dict[str, Any], *extra: str) -> subprocess.P
 def test_the_trainer_loses_a_worker_host_and_takes_it_back_without_a_restart(
         tmp_path: Path, demo_data: Path, links_before: set[str]) -> None:
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    job = trainer_job("elastic", tmp_path, demo_data, out, ckpt, elastic=True, train_args=TRAIN_ARGS)
+    job = trainer_job("elastic", tmp_path, demo_data, out, ckpt, elastic=True, train_args=TRAIN_ARGS,
+                      workers=3)
     proc = run_mpijob(tmp_path, job, "--volume", f"bench={tmp_path}", "--chaos",
                       "kill worker-1 at 15s; restore worker-1 at 21s")
     code, stdout, err = finish(proc, timeout=300)

@@ -228,7 +228,7 @@ def test_the_elastic_trainer_loses_a_worker_container_and_takes_a_new_one_back(
     for path in (workdir, *workdir.rglob("*")):
         os.lchown(path, CLAIM_OWNER, CLAIM_OWNER)
     job = trainer_job("elastic-podman", workdir, workdir / "data", out, ckpt, elastic=True,
-                      train_args=ELASTIC_TRAIN_ARGS)
+                      train_args=ELASTIC_TRAIN_ARGS, workers=3)
     for role in ("Launcher", "Worker"):
         job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"][0]["image"] = IMAGE
     manifest = tmp_path / "elastic-podman.yaml"
