@@ -28,15 +28,15 @@ def remove_stale_discovery_folders() -> list[str]:
     removed = []
     for path in Path(tempfile.gettempdir()).glob(f"{DISCOVERY_PREFIX}*-*"):
         owner = path.name[len(DISCOVERY_PREFIX):].split("-", 1)[0]
-        if not owner.isdigit() or not path.is_dir() or path.is_symlink():
+        if not (owner.isascii() and owner.isdigit()) or not path.is_dir() or path.is_symlink():
             continue
         try:
             os.kill(int(owner), 0)
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
-        except PermissionError:
-            continue  # another user's live process
+        except (PermissionError, OverflowError, ValueError):
+            continue  # another user's live process, or a name that is no process of ours
     return removed
 
 

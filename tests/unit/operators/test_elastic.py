@@ -302,8 +302,12 @@ def test_a_discovery_folder_left_by_a_killed_task_is_removed_by_the_next_elastic
     stale = tmp_path / f"{local.DISCOVERY_PREFIX}{gone.pid}-abc"
     live = tmp_path / f"{local.DISCOVERY_PREFIX}{os.getpid()}-def"
     other = tmp_path / "nightshift-elastic-notapid-x"
-    for folder in (stale, live, other):
+    # Review finding: names anyone can make in /tmp that isdigit() accepts and os.kill() cannot take crashed the
+    # sweep, and every elastic try with it.
+    huge = tmp_path / "nightshift-elastic-2147483648-x"
+    superscript = tmp_path / "nightshift-elastic-\u00b2-x"
+    for folder in (stale, live, other, huge, superscript):
         folder.mkdir()
         (folder / "discover_hosts.sh").write_text("#!/bin/sh\necho localhost:2\n")
     assert local.remove_stale_discovery_folders() == [str(stale)]
-    assert not stale.exists() and live.exists() and other.exists()
+    assert not stale.exists() and live.exists() and other.exists() and huge.exists() and superscript.exists()
