@@ -12,10 +12,10 @@ end to end (`run-mpijob` wall time: namespaces, sshd, horovodrun, imports, train
 order of the runs. Goal: elastic loses at most 1/5 of what the retry path loses. Also reported: final
 validation accuracy of the disturbed run against the undisturbed one (the issue asks ≤ 0.5 points).
 
-Needs root (network namespaces); prints why it skips otherwise. Two workers, not three, because this machine
-has 2 cores: a third rank shares them, and losing one of three ranks made the other two train faster (tried: an
-elastic run with the failure finished 16.8 s before the undisturbed one). With one rank per core, losing a
-host halves the throughput, as it does on a cluster where each host brings its own.
+Needs root, `ip`, `unshare` and sshd (network namespaces); prints why it skips otherwise. Two workers, not
+three, because this machine has 2 cores: a third rank shares them, and losing one of three ranks made the other
+two train faster (tried: an elastic run with the failure finished 16.8 s before the undisturbed one). With one
+rank per core, losing a host halves the throughput, as it does on a cluster where each host brings its own.
 """
 
 from __future__ import annotations
@@ -89,12 +89,6 @@ def _summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "metrics.json").read_text())
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    return None
-
-
 def one_path(kind: str, data: Path, workdir: Path, index: int) -> dict[str, float]:
     """One repetition of one path: its undisturbed and its disturbed run."""
     elastic = kind == "elastic"
@@ -131,9 +125,10 @@ def one_path(kind: str, data: Path, workdir: Path, index: int) -> dict[str, floa
 
 
 def main() -> None:
+    from bench.bench_multihost import _why_not
     from nightshift.data.demo import write_demo_dataset
 
-    reason = _why_not()
+    reason = _why_not()  # root, ip, unshare, ssh and sshd, as the other emulated-host benchmark
     if reason:
         print(f"bench_elastic skipped: {reason}")
         return
