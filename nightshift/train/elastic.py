@@ -223,21 +223,6 @@ class ElasticTrainer(Trainer):
             self._truncate_metrics()
         state.disk_checked = True
 
-    def _forget_metrics_after(self, step: int) -> None:
-        """Metric lines past the step we go on from will be redone (a rollback): drop them."""
-        import json
-
-        if not self.metrics_path.exists():
-            return
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except json.JSONDecodeError:
-                continue
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
-
     # -- training ----------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:

@@ -269,17 +269,25 @@ class Trainer:
     def _truncate_metrics(self) -> None:
         """Forget metric lines written after the checkpoint we resumed from: they will be redone."""
         self.config.out.mkdir(parents=True, exist_ok=True)
-        kept: list[str] = []
-        if self.resumed_from is not None and self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= self.resumed_from:
-                        kept.append(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by the kill
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        if self.resumed_from is None:
+            self.metrics_path.write_text("")
+        else:
+            self._forget_metrics_after(self.resumed_from)
         if self.resumed_from is not None:
             self._record({"event": "resume", "step": self.resumed_from})
+
+    def _forget_metrics_after(self, step: int) -> None:
+        """Drop the metric lines written after `step` (and lines torn by a kill): they will be redone."""
+        if not self.metrics_path.exists():
+            return
+        kept: list[str] = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by the kill
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     def _record(self, entry: dict[str, Any]) -> None:
         with self.metrics_path.open("a") as handle:
