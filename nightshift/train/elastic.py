@@ -46,10 +46,9 @@ import numpy as np
 import torch
 
 from nightshift.errors import CheckpointMismatch, UsageError
-from nightshift.tasks import REGRESSION
 from nightshift.train.checkpoint import FORMAT
 from nightshift.train.device import CudaView, autocast, choose_device
-from nightshift.train.trainer import EVAL_BATCH, Trainer, rng_state
+from nightshift.train.trainer import Trainer, rng_state
 
 log = logging.getLogger("nightshift.train")
 
@@ -332,25 +331,10 @@ class ElasticTrainer(Trainer):
     def evaluate_shared(self, split: Any) -> dict[str, float]:
         """`evaluate` over the split cut in `size` contiguous parts, one per rank, summed by an allreduce."""
         bounds = [len(split) * r // self.size for r in range(self.size + 1)]
-        start, stop = bounds[self.rank], bounds[self.rank + 1]
-        self.model.eval()
-        loss_sum, correct = 0.0, 0
-        with torch.no_grad():
-            for first in range(start, stop, EVAL_BATCH):
-                last = min(first + EVAL_BATCH, stop)
-                output = self.model(split.features[first:last])
-                labels = split.labels[first:last]
-                loss_sum += float(self.loss(output, labels, reduction="sum"))
-                if self.config.task != REGRESSION:
-                    correct += int((output.argmax(dim=1) == labels).sum())
-        self.model.train()
+        loss_sum, correct = self.evaluation_sums(split, bounds[self.rank], bounds[self.rank + 1])
         totals = self.hvd.allreduce(torch.tensor([loss_sum, float(correct)], dtype=torch.float64),
                                     op=self.hvd.Sum, name="nightshift.elastic.evaluate")
-        loss_sum, correct = float(totals[0]), round(float(totals[1]))
-        if self.config.task == REGRESSION:
-            return {"val_loss": loss_sum / len(split),
-                    "val_rmse": math.sqrt(loss_sum / len(split)) * self.target_std}
-        return {"val_loss": loss_sum / len(split), "val_accuracy": correct / len(split)}
+        return self.validation_metrics(float(totals[0]), round(float(totals[1])), len(split))
 
     def _hook_says_stop(self, epoch: int, metrics: dict[str, float]) -> bool:
         # The parent never stops after the last epoch (step == total_steps); steps are not known ahead here.

@@ -305,22 +305,30 @@ class Trainer:
     def evaluate(self, split: Split) -> dict[str, float]:
         """`val_loss` (the training loss) and the task's validation metric: `val_accuracy` for classification,
         `val_rmse` (in the target's own units) for regression."""
+        loss_sum, correct = self.evaluation_sums(split, 0, len(split))
+        return self.validation_metrics(loss_sum, correct, len(split))
+
+    def evaluation_sums(self, split: Split, start: int, stop: int) -> tuple[float, int]:
+        """The summed loss and the correct predictions over rows [start, stop) of `split`."""
         # In fp32 whatever --precision is: these are the metrics of the saved fp32 weights, as the
         # evaluate step will see them.
         self.model.eval()
         loss_sum, correct = 0.0, 0
         with torch.no_grad():
-            for start in range(0, len(split), EVAL_BATCH):
-                x = split.features[start:start + EVAL_BATCH]
-                y = split.labels[start:start + EVAL_BATCH]
+            for first in range(start, stop, EVAL_BATCH):
+                last = min(first + EVAL_BATCH, stop)
+                x, y = split.features[first:last], split.labels[first:last]
                 output = self.model(x)
                 loss_sum += float(self.loss(output, y, reduction="sum"))
                 if self.config.task != REGRESSION:
                     correct += int((output.argmax(dim=1) == y).sum())
         self.model.train()
+        return loss_sum, correct
+
+    def validation_metrics(self, loss_sum: float, correct: int, rows: int) -> dict[str, float]:
         if self.config.task == REGRESSION:
-            return {"val_loss": loss_sum / len(split), "val_rmse": math.sqrt(loss_sum / len(split)) * self.target_std}
-        return {"val_loss": loss_sum / len(split), "val_accuracy": correct / len(split)}
+            return {"val_loss": loss_sum / rows, "val_rmse": math.sqrt(loss_sum / rows) * self.target_std}
+        return {"val_loss": loss_sum / rows, "val_accuracy": correct / rows}
 
     def fit(self) -> dict[str, Any]:
         config = self.config
