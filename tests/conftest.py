@@ -22,7 +22,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Modules that cost minutes (from `--durations=0` of a full run), started first so that with pytest-xdist the
 # longest ones do not start last and leave the other workers idle at the end. The order only matters for speed.
 LONGEST_FIRST = (
-    "tests/integration/test_images.py",  # a cold `make images` compiles Horovod (tens of minutes); cached: seconds
     "tests/integration/test_run_mpijob.py",
     "tests/integration/test_airflow_standalone.py",
     "tests/integration/test_celery_executor.py",
@@ -30,7 +29,6 @@ LONGEST_FIRST = (
     "tests/integration/test_nightly_retrain.py",
     "tests/integration/test_user_pipelines.py",
     "tests/integration/test_hosts_backend.py",
-    "tests/integration/test_run_mpijob_podman.py",
     "tests/integration/test_run_mpijob_elastic.py",
     "tests/integration/test_new_data_event.py",
     "tests/integration/test_stream_scoring.py",
@@ -48,6 +46,15 @@ LONGEST_FIRST = (
     "tests/integration/test_gpu_pool_slots.py",
     "tests/integration/test_operator_local.py",
     "tests/integration/test_kueue_preemption.py",
+)
+# The modules that use the images this run builds (tests/images_build.py: started in the background when the run
+# begins; a cold build compiles Horovod, tens of minutes on 2 cores): queued last, so that the workers run everything
+# else while the build goes on, and only then wait for it.
+NEEDS_IMAGES = (
+    "tests/integration/test_run_mpijob_podman.py",
+    "tests/integration/test_airflow_image.py",
+    "tests/integration/test_serving_image.py",
+    "tests/integration/test_images.py",
 )
 # Modules under tests/unit that start processes (a trainer, a DVC repository, redis-server, PostgreSQL, a child
 # interpreter importing Airflow or MLflow) or cost more than ~2 s, and all of tests/dags (`airflow dags test` and
@@ -84,7 +91,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if where in SLOW_MODULES or where.startswith(SLOW_FOLDERS):
             item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the rest keep their order
+    rank.update({name: len(LONGEST_FIRST) + 1 + i for i, name in enumerate(NEEDS_IMAGES)})
+    items.sort(key=lambda item: rank.get(module(item), len(LONGEST_FIRST)))  # stable: the rest keep their order
+
+
+def _runs_image_tests(config: pytest.Config) -> bool:
+    """Whether this run may collect a module of NEEDS_IMAGES (by its paths and -m), judged before collection."""
+    markexpr = str(config.getoption("markexpr", "") or "")
+    if config.getoption("collectonly", False) or "not integration" in markexpr or "not images" in markexpr:
+        return False
+    for arg in config.args or [str(REPO)]:
+        target = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        for name in NEEDS_IMAGES:
+            wanted = REPO / name
+            if target == wanted or target in wanted.parents:
+                return True
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the process that runs (or distributes) the tests: the id every xdist worker shares
+    (tests/images_build.py), and, when the run includes tests that need the images and podman can build, this run's
+    one image build, started now in the background so that it overlaps the tests that need none."""
+    if hasattr(config, "workerinput"):
+        return
+    from tests import images_build
+
+    images_build.run_id()
+    if _runs_image_tests(config) and images_build.why_podman_cannot_build() is None:
+        images_build.start_in_background()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run is over: a build still going (the run was cut short) is stopped, and the run's folder removed."""
+    if hasattr(config, "workerinput"):
+        return
+    from tests import images_build
+
+    images_build.stop_build()
+    images_build.remove_run_dir()
 
 
 @pytest.fixture(autouse=True)

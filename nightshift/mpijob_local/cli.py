@@ -59,6 +59,10 @@ def add_parser(subparsers: Any) -> None:
                         help="worker failures at set times from the launcher's start, e.g. 'kill worker-1 at 30s; "
                              "restore worker-1 at 60s' (actions: kill, restore, down, up; pods: worker-N or the "
                              "pod's name)")
+    parser.add_argument("--chaos-after", metavar="REGEX",
+                        help="start the --chaos script's clock at the first line of the launcher's log matching "
+                             "REGEX (e.g. the trainer's first step), not at the launcher's start: the failures then "
+                             "follow the job's progress, however slowly it started")
     parser.add_argument("--containers-conf", metavar="PATH",
                         help="containers.conf for podman (default: $NIGHTSHIFT_CONTAINERS_CONF, $CONTAINERS_CONF, "
                              "else the repository's images/podman/containers.conf)")
@@ -90,6 +94,6 @@ def _run(args: argparse.Namespace) -> int:
     options = RunOptions(claims=dict(args.volumes),
                          link=LinkShape(rate=args.link_rate, delay_ms=args.link_delay, loss_pct=args.link_loss),
                          timeout_s=args.timeout, services=tuple(args.services), ready_timeout_s=args.ready_timeout,
-                         runtime=args.runtime, chaos=args.chaos,
+                         runtime=args.runtime, chaos=args.chaos, chaos_after=args.chaos_after,
                          podman=PodmanSettings.from_environment(args.containers_conf, args.oci_runtime))
     return run_mpijob(_load(args.manifest), options)

@@ -107,10 +107,21 @@ class RunOptions:
     runtime: str = "host"  # host: the pods' commands run from this machine's disk | podman: their images
     podman: podman.PodmanSettings = field(default_factory=podman.PodmanSettings)
     chaos: str | None = None  # --chaos: a script of worker failures (chaos.py), checked against the job
+    # --chaos-after: the chaos script's clock starts at the first launcher line matching this pattern (the job
+    # reached a state, say its first step), not at the launcher's start: failures follow the job, not the machine
+    chaos_after: str | None = None
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
             raise ManifestNotSupported(f"--runtime {self.runtime!r} must be one of {', '.join(RUNTIMES)}")
+        if self.chaos_after is not None:
+            if self.chaos is None:
+                raise ManifestNotSupported("--chaos-after starts the clock of a --chaos script: give --chaos too")
+            try:
+                re.compile(self.chaos_after)
+            except re.error as err:
+                raise ManifestNotSupported(f"--chaos-after {self.chaos_after!r} is not a regular expression "
+                                           f"({err}); give a pattern of a launcher log line, e.g. 'step 10'") from err
 
 
 @dataclass
@@ -229,6 +240,8 @@ class LocalRun:
                  chaos: Sequence[ChaosEvent] = ()) -> None:
         self.job, self.options, self.out, self.err = job, options, out, err
         self.chaos = deque(chaos)  # events still to come
+        self.chaos_after = re.compile(options.chaos_after) if options.chaos_after is not None else None
+        self.chaos_clock: float | None = None  # when the chaos script's clock started (--chaos-after: its line)
         self.listed: set[str] = {w.name for w in job.workers}  # the workers discover_hosts.sh lists
         self.gone: set[str] = set()  # workers whose death was handled (elastic: until restored)
         self.links_down: set[str] = set()  # workers whose link --chaos took down
@@ -400,6 +413,11 @@ class LocalRun:
         for raw in iter(running.proc.stdout.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             running.tail.append(line)
+            if (running.role == "launcher" and self.chaos_after is not None and self.chaos_clock is None
+                    and self.chaos_after.search(line)):
+                self.chaos_clock = time.monotonic()
+                self.say(f"chaos: the launcher printed a line matching --chaos-after {self.chaos_after.pattern!r}; "
+                         f"the chaos script's clock starts")
             if not writable:
                 continue  # keep draining: a pod must never block on a full pipe
             with self._write_lock:
@@ -467,15 +485,18 @@ class LocalRun:
         self.start_pod(launcher, spec=self.job.launcher)
         assert launcher.proc is not None
         launched = time.monotonic()
+        if self.chaos_after is None:
+            self.chaos_clock = launched
         lost_at: float | None = None
         timed_out = False
         next_look = launched
         while launcher.proc.poll() is None:
             self.check_stop()
             now = time.monotonic()
-            while self.chaos and now - launched >= self.chaos[0].at_s:
+            clock = self.chaos_clock
+            while self.chaos and clock is not None and now - clock >= self.chaos[0].at_s:
                 event = self.chaos.popleft()
-                self.apply_chaos(event, by_name[event.pod], now - launched, workers)
+                self.apply_chaos(event, by_name[event.pod], now - clock, workers)
             for worker in workers:
                 if worker.proc is None or worker.proc.poll() is None or worker.name in self.gone:
                     continue
@@ -502,8 +523,10 @@ class LocalRun:
         code = launcher.proc.returncode
         elapsed = time.monotonic() - started
         if self.chaos:
-            self.say(f"chaos: {len(self.chaos)} event(s) not run, the launcher ended first at "
-                     f"{time.monotonic() - launched:.1f}s: {'; '.join(e.text for e in self.chaos)}")
+            started_at = ("its clock never started (no launcher line matched --chaos-after)"
+                          if self.chaos_clock is None else f"at {time.monotonic() - self.chaos_clock:.1f}s")
+            self.say(f"chaos: {len(self.chaos)} event(s) not run, the launcher ended first {started_at}: "
+                     f"{'; '.join(e.text for e in self.chaos)}")
         if timed_out:
             raise MPIJobFailed(f"MPIJob {self.job.name} did not finish within {min(limits):.0f}s "
                                f"(--timeout / activeDeadlineSeconds); its pods were stopped", EXIT_TIMEOUT)

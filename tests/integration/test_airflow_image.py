@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.integration.test_images import ENV, IMAGES, ROOT, TAGS, _why_podman_cannot_build
+from tests import images_build
+from tests.integration.test_images import ENV, IMAGES, TAGS
 
-pytestmark = [pytest.mark.images, pytest.mark.timeout(900)]
+# The first test may wait for this run's image build (tests/images_build.py): tens of minutes on a cold machine.
+pytestmark = [pytest.mark.images, pytest.mark.timeout(5400)]
 
 IMAGE = TAGS["airflow"]
 PORT = 8080  # the container's own loopback (--network none): nothing on this machine's ports
@@ -91,14 +92,13 @@ while True:
 @pytest.fixture(scope="module")
 def container() -> Iterator[str]:
     """A running container of the image: database migrated, DAGs serialized, API server answering."""
-    why_not = _why_podman_cannot_build()
+    why_not = images_build.why_podman_cannot_build()
     if why_not is not None:
         pytest.skip(why_not)
-    if _podman("image", "exists", IMAGE).returncode != 0:
-        pytest.skip(f"{IMAGE} is not built: run `make images IMAGES_ARGS=--only airflow` (or `make images`)")
-    build = subprocess.run([sys.executable, str(ROOT / "scripts" / "images.py"), "--only", "airflow"],
-                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=3600, check=False)
-    assert build.returncode == 0, (build.stdout + build.stderr)[-5000:]
+    try:
+        images_build.ensure_images()  # this test run's one build (all three images), waited for
+    except images_build.ImagesBuildFailed as err:
+        pytest.fail(str(err))
 
     name = f"nightshift-airflow-image-test-{uuid.uuid4().hex[:8]}"
     started = _podman(

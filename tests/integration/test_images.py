@@ -1,8 +1,9 @@
 """`make images` on this machine: the three images build with podman (scripts/images.py) and run.
 
-The build is cached by podman's layer cache: the first run on a machine takes tens of minutes (Horovod
-compiles; see images/README.md, "Build and try the images on one machine"), later runs only check the
-cache. Skipped, with the reason, where podman cannot run (`make setup` as root installs it).
+A test run builds the images once (tests/images_build.py: started in the background when the run begins, waited
+for by every test that needs an image). The build is cached by podman's layer cache: the first run on a machine
+takes tens of minutes (Horovod compiles; see images/README.md, "Build and try the images on one machine"), later
+runs only check the cache. Skipped, with the reason, only where podman cannot run (`make setup` as root installs it).
 `pytest -m images` runs only these.
 """
 
@@ -10,16 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests import images_build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,31 +33,7 @@ def _script() -> ModuleType:
 
 
 IMAGES = _script()
-ENV = {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(IMAGES.CONTAINERS_CONF))}
-SBIN_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
-
-
-def _why_podman_cannot_run() -> str | None:
-    """Why podman cannot run containers here (a tool missing, `podman info` failing), or None."""
-    missing = [tool for tool in ("podman", "runc") if shutil.which(tool, path=SBIN_PATH) is None]
-    if missing:
-        return f"{' and '.join(missing)} not installed (`make setup` as root installs podman, buildah, runc)"
-    info = subprocess.run(["podman", "--runtime", "runc", "info"], capture_output=True, text=True, env=ENV,
-                          timeout=120, check=False)
-    if info.returncode != 0:
-        return f"podman cannot run here: {info.stderr.strip()[-300:]}"
-    return None
-
-
-def _why_podman_cannot_build() -> str | None:
-    why_not = _why_podman_cannot_run()
-    if why_not is not None:
-        return why_not
-    has_base = subprocess.run(["podman", "image", "exists", IMAGES.DEBIAN_IMAGE], env=ENV, check=False).returncode
-    if has_base != 0 and (os.geteuid() != 0 or shutil.which("debootstrap", path=SBIN_PATH) is None):
-        return f"{IMAGES.DEBIAN_IMAGE} is missing and only root with debootstrap can make it"
-    return None
-
+ENV = images_build.env()
 
 pytestmark = [
     pytest.mark.images,
@@ -71,15 +47,15 @@ TAGS: dict[str, str] = IMAGES.tags(VERSION)
 
 @pytest.fixture(scope="module")
 def built() -> str:
-    """Runs `scripts/images.py` (what `make images` runs) and returns its output; skips every test of the
-    module, saying why, where podman cannot build (checked here, not at collection: no podman call there)."""
-    why_not = _why_podman_cannot_build()
+    """What `scripts/images.py` (what `make images` runs) printed in this test run's one build, which this waits
+    for (tests/images_build.py); skips every test of the module, saying why, only where podman cannot build."""
+    why_not = images_build.why_podman_cannot_build()
     if why_not is not None:
         pytest.skip(why_not)
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "images.py")], capture_output=True, text=True,
-                            env=ENV, cwd=ROOT, timeout=5300, check=False)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    return result.stdout
+    try:
+        return images_build.ensure_images()
+    except images_build.ImagesBuildFailed as err:
+        pytest.fail(str(err))
 
 
 def _inspect(tag: str) -> dict[str, Any]:

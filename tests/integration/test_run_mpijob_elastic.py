@@ -2,7 +2,8 @@
 
 The launcher runs the elastic horovodrun the operator renders (`--host-discovery-script
 /etc/mpi/discover_hosts.sh --blacklist-cooldown-range 2 120`, `bench.bench_elastic.trainer_job`) over the trainer
-on 3 emulated hosts; `--chaos` kills worker 1's host 15 s after the launcher starts and restores it 6 s later.
+on 3 emulated hosts; `--chaos` kills worker 1's host 5 s after the trainer's first line (`--chaos-after`: once the
+ranks met, however long the machine took to start them) and restores it 6 s later.
 Horovod must see both through discover_hosts.sh (3 ranks, then 2, then 3 again), every rank must log the reset,
 the job must succeed without a restart and end as accurate as an undisturbed run (within half a point). A job
 that is not elastic still fails when chaos kills a worker, naming it. Needs root, `ip`, `unshare` and `sshd`, as
@@ -30,14 +31,16 @@ if MISSING:
     pytestmark.append(pytest.mark.skip(reason=MISSING))
 
 # About 55 s of training at 3 ranks here: still training when the lost host is taken back (the ranks left reset
-# within the collective timeout, 20 s, after the kill at 15 s; the host is listed again at 21 s and taken in after
-# the blacklist cool-down of 4-6 s). The kill comes after the ranks' first rendezvous (a few seconds here, more
-# under load): a host lost before it fails the job (README, "Elastic training"). The timeout is also all the time
-# the process started for the returning host has to reach hvd.init() (Python, torch's import) before the others
-# give up and the job fails: 20 s, not less, for a loaded CI machine.
+# within the collective timeout after the kill; the host is listed again 6 s after the kill and taken in after the
+# blacklist cool-down of 4-6 s). The chaos clock starts at rank 0's first line (CHAOS_AFTER), after the ranks' first
+# rendezvous: a host lost before it fails the job (README, "Elastic training"). The collective timeout is the
+# trainer's default, Horovod's 30 s: it is also all the time the process started for the returning host has to
+# reach hvd.init() (Python, torch's import) before the others give up and the job fails (issue 35: a product
+# limit, not the test's; a shorter test-only value failed on a loaded CI machine).
 TRAIN_ARGS = ["--epochs", "40", "--batch-size", "16", "--lr", "0.02", "--threads", "1", "--seed", "5",
               "--log-every", "40", "--checkpoint-every", "100", "--commit-every", "10", "--device", "cpu",
-              "--collective-timeout", "20"]
+              "--collective-timeout", "30"]
+CHAOS_AFTER = "elastic training on "  # rank 0, once every rank joined (nightshift/train/elastic.py, fit)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_the_trainer_loses_a_worker_host_and_takes_it_back_without_a_restart(
     job = trainer_job("elastic", tmp_path, demo_data, out, ckpt, elastic=True, train_args=TRAIN_ARGS,
                       workers=3)
     proc = run_mpijob(tmp_path, job, "--volume", f"bench={tmp_path}", "--chaos",
-                      "kill worker-1 at 15s; restore worker-1 at 21s")
+                      "kill worker-1 at 5s; restore worker-1 at 11s", "--chaos-after", CHAOS_AFTER)
     code, stdout, err = finish(proc, timeout=300)
     ranks = [line for line in stdout.splitlines() if "<stderr>:" in line and "step " not in line]
     assert code == 0, err[-3000:] + "\n".join(ranks[-40:])
@@ -80,10 +83,11 @@ def test_the_trainer_loses_a_worker_host_and_takes_it_back_without_a_restart(
     assert stdout.count("joined the running elastic job as rank 2 of 3 at step") == 1
 
     said = [line for line in err.splitlines() if line.startswith(("run-mpijob: chaos at", "run-mpijob: discover"))]
-    assert re.search(r"chaos at 1\d\.\ds \(kill worker-1 at 15s\): killed elastic-worker-1 \(\d+ process\(es\), "
+    assert "the chaos script's clock starts" in err
+    assert re.search(r"chaos at 5\.\ds \(kill worker-1 at 5s\): killed elastic-worker-1 \(\d+ process\(es\), "
                      r"SIGKILL\); discover_hosts.sh lists 2 worker\(s\) \(-elastic-worker-1\): elastic-worker-0, "
                      r"elastic-worker-2$", said[0]), said
-    assert "(restore worker-1 at 21s): restored elastic-worker-1 in its host" in said[1], said
+    assert "(restore worker-1 at 11s): restored elastic-worker-1 in its host" in said[1], said
     assert said[-1].endswith("discover_hosts.sh lists 3 worker(s) (+elastic-worker-1): elastic-worker-0, "
                              "elastic-worker-1, elastic-worker-2"), said
     assert_nothing_left(proc.pid, links_before, str(ckpt))  # the ranks: their command lines name it

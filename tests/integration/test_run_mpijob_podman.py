@@ -4,8 +4,8 @@ Each pod is a container of `localhost/nightshift/trainer:cpu` (built by `make im
 network namespace; MLflow is a `--service` of this machine on the job's network. The same job by the host runtime
 (this machine's venv: the same torch, CPU, the same data) is the yardstick, bit for bit. The elastic trainer
 (`bench.bench_elastic.trainer_job`) loses a worker container to `--chaos` and takes a new one back, the launcher's
-container reading each rewrite of discover_hosts.sh. Needs root, podman and the image; skips, saying which, without
-them.
+container reading each rewrite of discover_hosts.sh. Needs root and podman, skips, saying which, without them; the
+image comes from this test run's one build (tests/images_build.py), which the first test waits for.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import yaml
 from bench.bench_elastic import trainer_job
 from nightshift.mpijob_local import network, podman
 from nightshift.mpijob_local.manifest import DISCOVER_HOSTS
+from tests import images_build
 from tests.integration.horovod_helpers import processes_mentioning
 from tests.integration.test_run_mpijob import (
     CONF,
@@ -45,34 +46,51 @@ from tests.integration.test_run_mpijob import (
 )
 from tests.integration.test_run_mpijob import _missing as _missing_host
 from tests.integration.test_run_mpijob import assert_nothing_left as assert_nothing_left_by_host_runs
-from tests.integration.test_run_mpijob_elastic import TRAIN_ARGS
+from tests.integration.test_run_mpijob_elastic import CHAOS_AFTER, TRAIN_ARGS
 
 IMAGE = "localhost/nightshift/trainer:cpu"
 SETTINGS = podman.PodmanSettings.from_environment()
 CONF_1 = {**CONF, "epochs": 1, "batch_size": 16}  # 1 epoch of 40 steps (2 ranks x 16): small
-# The elastic trainer's chaos, seconds from the launcher's start. The kill comes after the ranks' first rendezvous
-# (a host lost before it fails the job): in containers that took 15 s to more than 24 s here under load (podman runs,
-# ssh into the containers, torch imports from the image), 40 s leaves room. The ranks still train when the restored
-# host is taken back: the ranks left reset up to 20 s (the collective timeout) after the kill, Horovod blacklists
-# the lost host then, and takes it back (listed again since 46 s) after the cool-down of 4-6 s and a rank's start,
-# about 70 s from the launcher's start. 100 epochs: about 75 s of training on an idle machine (60 ended first).
-KILL_AT, RESTORE_AT = 40, 46
+# The elastic trainer's chaos, seconds from rank 0's first line (`--chaos-after`: every rank has joined, however long
+# podman runs, ssh into the containers and torch's import took; 15 s to more than 24 s here under load). The ranks
+# still train when the restored host is taken back: the ranks left reset up to the collective timeout after the kill,
+# Horovod blacklists the lost host then, and takes it back (listed again 6 s after the kill) after the cool-down of
+# 4-6 s and a rank's start. 100 epochs: about 75 s of training on an idle machine.
+KILL_AT, RESTORE_AT = 5, 11
 ELASTIC_TRAIN_ARGS = ["--epochs", "100", *TRAIN_ARGS[TRAIN_ARGS.index("--epochs") + 2:]]
 CHAOS = f"kill worker-1 at {KILL_AT}s; restore worker-1 at {RESTORE_AT}s"
 
 
 def _missing() -> str | None:
+    """What this machine lacks for these tests (root, ip, sshd, podman, runc): never the image, which this test
+    run builds (`image`, below)."""
     why = _missing_host()
     if why:
         return why
-    lacking = podman.missing(SETTINGS, [IMAGE])
+    lacking = podman.missing(SETTINGS, [])
+    if not lacking:
+        why = images_build.why_podman_cannot_build()
+        lacking = [why] if why else []
     return f"--runtime podman: {'; '.join(lacking)}" if lacking else None
 
 
 MISSING = _missing()
-pytestmark = [pytest.mark.integration, pytest.mark.images]
+# The first test may wait for this run's image build (tests/images_build.py): tens of minutes on a cold machine.
+pytestmark = [pytest.mark.integration, pytest.mark.images, pytest.mark.timeout(5400)]
 if MISSING:
     pytestmark.append(pytest.mark.skip(reason=MISSING))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def image() -> str:
+    """The trainer image, from this test run's one build (waited for; a failed build fails these tests)."""
+    try:
+        images_build.ensure_images()
+    except images_build.ImagesBuildFailed as err:
+        pytest.fail(str(err))
+    lacking = podman.missing(SETTINGS, [IMAGE])
+    assert not lacking, lacking
+    return IMAGE
 
 
 CLAIM_OWNER = 4242  # not root (refused: see podman.idmapped_bind), not the pods' user: they write through a view
@@ -236,7 +254,8 @@ def test_the_elastic_trainer_loses_a_worker_container_and_takes_a_new_one_back(
     manifest = tmp_path / "elastic-podman.yaml"
     manifest.write_text(yaml.safe_dump(job))
     proc = subprocess.Popen([NIGHTSHIFT, "run-mpijob", str(manifest), "--runtime", "podman", "--timeout", "300",
-                             "--volume", f"bench={workdir}", "--chaos", CHAOS], stdout=subprocess.PIPE,
+                             "--volume", f"bench={workdir}", "--chaos", CHAOS, "--chaos-after", CHAOS_AFTER],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=SETTINGS.env())
     seen: list[str] = []
     done = threading.Event()

@@ -32,9 +32,11 @@ import pytest
 import requests
 import yaml
 
-from tests.integration.test_images import ENV, ROOT, TAGS, _why_podman_cannot_run
+from tests import images_build
+from tests.integration.test_images import ENV, ROOT, TAGS
 
-pytestmark = [pytest.mark.images, pytest.mark.timeout(900)]
+# The first test may wait for this run's image build (tests/images_build.py): tens of minutes on a cold machine.
+pytestmark = [pytest.mark.images, pytest.mark.timeout(5400)]
 
 IMAGE = TAGS["serving"]
 RUNTIME = ROOT / "deploy" / "kserve" / "servingruntime.yaml"
@@ -50,13 +52,15 @@ def _podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    """The serving image `make images` built; skips where podman cannot run or the image is missing."""
-    why_not = _why_podman_cannot_run()
+    """The serving image this test run built (tests/images_build.py: waited for); skips only where podman
+    cannot build."""
+    why_not = images_build.why_podman_cannot_build()
     if why_not is not None:
         pytest.skip(why_not)
-    if _podman("image", "exists", IMAGE).returncode != 0:
-        pytest.skip(f"{IMAGE} is missing: build it with `make images` (or `make images IMAGES_ARGS=\"--only "
-                    f"serving\"`)")
+    try:
+        images_build.ensure_images()
+    except images_build.ImagesBuildFailed as err:
+        pytest.fail(str(err))
     return IMAGE
 
 
