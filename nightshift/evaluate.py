@@ -18,7 +18,16 @@ import numpy as np
 from nightshift import tracking
 from nightshift.datasets import read_split_frame
 from nightshift.errors import EvaluationError, UsageError
-from nightshift.tasks import BINARY, DEFAULT_GATES, MULTICLASS, REGRESSION, check_task, metric, metric_names
+from nightshift.tasks import (
+    BINARY,
+    DEFAULT_GATES,
+    DEFAULT_MIN_IMPROVEMENT,
+    MULTICLASS,
+    REGRESSION,
+    check_task,
+    metric,
+    metric_names,
+)
 
 DEFAULT_MODEL_NAME = "nightshift-digits"
 LABEL_COLUMN = "label"
@@ -36,7 +45,7 @@ class GateConfig:
     """
 
     primary: str = ""
-    min_improvement: float = 0.001
+    min_improvement: float = DEFAULT_MIN_IMPROVEMENT
     guards: dict[str, float] | None = None
     floor: float | None = None
     task: str = MULTICLASS
@@ -64,8 +73,18 @@ class GateConfig:
             raise UsageError(f"floor must be a finite number, got {self.floor}")
 
 
+def rounding(*values: float) -> float:
+    """How far apart two metric computations of the same value can land by float rounding alone: a few ulps of
+    the largest magnitude involved (0.94 - 0.93 is 0.00999999999999990 in binary floating point)."""
+    return 8 * math.ulp(max([1.0, *(abs(v) for v in values)]))
+
+
 def decide(challenger: dict[str, Any], champion: dict[str, Any] | None, config: GateConfig) -> dict[str, Any]:
-    """The gate: {"passed": bool, "reasons": [one sentence per check]} from two metric dicts."""
+    """The gate: {"passed": bool, "reasons": [one sentence per check]} from two metric dicts.
+
+    Every comparison tolerates float rounding (`rounding`): a gain that equals `min_improvement` but for a few ulps
+    meets it, a guard's change likewise. A tie never promotes, whatever `min_improvement` is (0 included): the
+    primary metric must be better than the champion's by more than rounding."""
     reasons: list[str] = []
     passed = True
     primary = metric(config.task, config.primary)
@@ -80,18 +99,26 @@ def decide(challenger: dict[str, Any], champion: dict[str, Any] | None, config: 
         if config.floor is None:
             reasons.append(f"no champion and no floor: {primary.name} {value:.4f} is accepted")
             return {"passed": True, "reasons": reasons}
-        ok = primary.gain(value, config.floor) >= 0
+        ok = primary.gain(value, config.floor) >= -rounding(value, config.floor)
         reasons.append(f"no champion: {primary.name} {value:.4f} {'meets' if ok else 'misses'} the floor "
                        f"{config.floor:.4f}")
         return {"passed": ok, "reasons": reasons}
-    gain = primary.gain(value, float(champion[primary.name]))
-    ok = gain >= config.min_improvement
-    passed &= ok
-    reasons.append(f"{primary.name} {value:.4f} vs champion {float(champion[primary.name]):.4f}: improvement "
-                   f"{gain:+.4f} {'>=' if ok else '<'} min_improvement {config.min_improvement:.4f}")
+    theirs = float(champion[primary.name])
+    gain = primary.gain(value, theirs)
+    slack = rounding(value, theirs, config.min_improvement)
+    if gain <= slack:
+        passed = False
+        reasons.append(f"{primary.name} {value:.4f} vs champion {theirs:.4f}: no improvement ({gain:+.4f}); a tie "
+                       f"never replaces the champion")
+    else:
+        ok = gain >= config.min_improvement - slack
+        passed &= ok
+        reasons.append(f"{primary.name} {value:.4f} vs champion {theirs:.4f}: improvement "
+                       f"{gain:+.4f} {'>=' if ok else '<'} min_improvement {config.min_improvement:.4f}")
     for name, tolerance in sorted((config.guards or {}).items()):
-        gain = metric(config.task, name).gain(float(challenger[name]), float(champion[name]))
-        ok = gain >= -tolerance
+        ours, before = float(challenger[name]), float(champion[name])
+        gain = metric(config.task, name).gain(ours, before)
+        ok = gain >= -tolerance - rounding(ours, before, tolerance)
         passed &= ok
         reasons.append(f"guard {name} {float(challenger[name]):.4f} vs champion "
                        f"{float(champion[name]):.4f}: change {gain:+.4f} "

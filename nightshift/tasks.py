@@ -36,6 +36,9 @@ METRICS: dict[str, tuple[Metric, ...]] = {
 
 # Each task's gate when a declaration or `nightshift evaluate` leaves it out: (primary metric, guard metrics and
 # how far each may regress, floor for a first model (None: none)).
+# How much the primary metric must gain over the champion's when a gate does not say (nightshift evaluate, a
+# declaration without gate.min_improvement).
+DEFAULT_MIN_IMPROVEMENT = 0.001
 DEFAULT_GATES: dict[str, tuple[str, dict[str, float], float | None]] = {
     MULTICLASS: ("accuracy", {"macro_f1": 0.01, "log_loss": 0.05}, 0.8),
     BINARY: ("accuracy", {"f1": 0.01, "log_loss": 0.05}, 0.8),

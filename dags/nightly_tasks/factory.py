@@ -267,6 +267,9 @@ def doc_md(pipeline: Pipeline) -> str:
     """The DAG's docs, from the declaration."""
     gate = pipeline.gate
     guards = ", ".join(f"{name} may lose at most {tol:g}" for name, tol in gate.guards.items()) or "no guards"
+    first = f"reaches {gate.floor:g}" if gate.floor is not None else "no floor, the first model is accepted"
+    gate_text = (f"`{gate.primary}` gains at least `min_improvement` (declared: {gate.min_improvement:g}) over "
+                 f"`@champion`; a tie never promotes (no champion: {first}); {guards}")
     source = f"`{pipeline.source}`" if pipeline.source else "a Pipeline object"
     schedule = pipeline.schedule or "none (manual and UI triggers only)"
     return f"""
@@ -282,7 +285,7 @@ Declared in {source} (schema: `nightshift/pipelines/pipeline.schema.json`; check
 | task | {pipeline.task} |
 | data | loader `{pipeline.dataset.loader}`, label `{pipeline.dataset.label}`, default `{_declared_data(pipeline)}` |
 | suite | `{pipeline.suite}` |
-| gate | `{gate.primary}` gains at least `min_improvement` over `@champion` (none: reaches {gate.floor:g}); {guards} |
+| gate | {gate_text} |
 | deploy | `{pipeline.deploy.target}`{" after a human approval" if pipeline.deploy.require_approval else ""} |
 | MLflow experiment | `{steps.experiment(pipeline)}` |
 

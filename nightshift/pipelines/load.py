@@ -29,7 +29,7 @@ from nightshift.pipelines.spec import (
     TrainingSpec,
     frozen,
 )
-from nightshift.tasks import metric
+from nightshift.tasks import DEFAULT_GATES, DEFAULT_MIN_IMPROVEMENT, metric
 
 SCHEMA_PATH = Path(__file__).with_name("pipeline.schema.json")
 PATTERNS = ("*.yaml", "*.yml")
@@ -266,6 +266,25 @@ def _with_defaults(instance: Any, node: Mapping[str, Any]) -> Any:
 
 # ---- what the schema cannot say ----------------------------------------------------------------------------
 
+def gate_with_task_defaults(task: str, gate: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The gate a declaration really gets: each key it leaves out takes the task's default, as `nightshift
+    evaluate` with nothing given (nightshift.tasks.DEFAULT_GATES, DEFAULT_MIN_IMPROVEMENT): the default guards
+    (only an explicit `guards: {}` declares none), min_improvement 0.001, and the task's floor when the primary
+    metric is the task's default one (a floor of another metric has other units: it must be declared)."""
+    if task not in DEFAULT_GATES:
+        return dict(gate), []  # the schema names the unknown task
+    primary, guards, floor = DEFAULT_GATES[task]
+    full = {"guards": dict(guards), "min_improvement": DEFAULT_MIN_IMPROVEMENT, **gate}
+    problems = []
+    if "floor" not in gate:
+        if floor is not None and gate.get("primary") != primary:
+            problems.append(f"gate.floor: required with primary {gate.get('primary')!r}: the task's default floor "
+                            f"({floor:g}) is for {primary}; give the value {gate.get('primary')!r} must reach "
+                            f"when there is no champion yet")
+        full["floor"] = floor
+    return full, problems
+
+
 def _metric_problems(data: Mapping[str, Any]) -> list[str]:
     task, gate = data["task"], data["gate"]
     problems = []
@@ -275,7 +294,7 @@ def _metric_problems(data: Mapping[str, Any]) -> list[str]:
         except UsageError as err:
             problems.append(f"{key}: {err}")
     for key in ("floor", "min_improvement"):
-        if not math.isfinite(gate[key]):
+        if gate.get(key) is not None and not math.isfinite(gate[key]):
             problems.append(f"gate.{key}: must be a finite number, got {gate[key]}")
     problems.extend(f"gate.guards.{name}: tolerance must be a finite number, got {value}"
                     for name, value in gate["guards"].items() if not math.isfinite(value))
@@ -347,7 +366,8 @@ def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None =
     if problems:
         raise PipelineInvalid(label, problems)
     filled = _with_defaults(data, schema())
-    problems = _metric_problems(filled) + _data_problems(filled)
+    filled["gate"], problems = gate_with_task_defaults(filled["task"], filled["gate"])
+    problems += _metric_problems(filled) + _data_problems(filled)
     suite_path = None
     try:
         suite_path = resolve_suite(filled["suite"], folder)
@@ -368,7 +388,7 @@ def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None =
             features=tuple(dataset["features"]) if dataset["features"] is not None else None,
             options=frozen(dataset["options"])),
         model=ModelSpec(name=filled["model"]["name"], kwargs=frozen(filled["model"]["kwargs"])),
-        gate=GateSpec(primary=gate["primary"], floor=float(gate["floor"]),
+        gate=GateSpec(primary=gate["primary"], floor=None if gate["floor"] is None else float(gate["floor"]),
                       min_improvement=float(gate["min_improvement"]),
                       guards=frozen({k: float(v) for k, v in gate["guards"].items()})),
         suite=filled["suite"],

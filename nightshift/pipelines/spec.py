@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from nightshift.tasks import Metric, metric
+from nightshift.tasks import DEFAULT_MIN_IMPROVEMENT, Metric, metric
 
 SPLIT_NAMES = ("train", "validation", "test")
 GX_PREFIX = "gx:"
@@ -100,11 +100,13 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class GateSpec:
-    """The gate; field names are those of nightshift.evaluate.GateConfig."""
+    """The gate a declaration gets, the task's defaults filled in for what it left out
+    (nightshift.pipelines.load.gate_with_task_defaults); field names are those of nightshift.evaluate.GateConfig.
+    floor None: no floor (a regression task's default)."""
 
     primary: str
-    floor: float
-    min_improvement: float = 0.0
+    floor: float | None
+    min_improvement: float = DEFAULT_MIN_IMPROVEMENT
     guards: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     def config(self) -> dict[str, Any]:

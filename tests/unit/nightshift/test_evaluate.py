@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from nightshift.errors import UsageError
@@ -19,7 +20,33 @@ def test_challenger_must_beat_champion_by_min_improvement() -> None:
     gate = GateConfig(min_improvement=0.01)
     assert decide({**CHAMPION, "accuracy": 0.911}, CHAMPION, gate)["passed"]
     tie = decide(dict(CHAMPION), CHAMPION, gate)
-    assert not tie["passed"] and "< min_improvement 0.0100" in tie["reasons"][0]
+    assert not tie["passed"] and "a tie never replaces the champion" in tie["reasons"][0]
+    short = decide({**CHAMPION, "accuracy": 0.905}, CHAMPION, gate)
+    assert not short["passed"] and "improvement +0.0050 < min_improvement 0.0100" in short["reasons"][0]
+
+
+@pytest.mark.parametrize("min_improvement", [0.0, 1e-12])
+def test_a_tie_never_promotes_even_with_no_min_improvement(min_improvement: float) -> None:
+    gate = GateConfig(min_improvement=min_improvement, guards={})
+    # the same accuracy computed two ways: equal but for rounding
+    champion = {**CHAMPION, "accuracy": float(np.mean([1] * 94 + [0] * 6))}
+    challenger = {**CHAMPION, "accuracy": 0.94}
+    for ours, theirs in ((champion, champion), (challenger, champion), (champion, challenger)):
+        decision = decide(ours, theirs, gate)
+        assert not decision["passed"] and "a tie never replaces the champion" in decision["reasons"][0], decision
+    assert decide({**CHAMPION, "accuracy": 0.95}, champion, gate)["passed"]
+
+
+@pytest.mark.parametrize(("ours", "theirs", "rows", "min_improvement"), [(94, 93, 100, 0.01), (938, 937, 1000, 0.001)])
+def test_a_gain_equal_to_min_improvement_but_for_float_rounding_meets_it(
+        ours: int, theirs: int, rows: int, min_improvement: float) -> None:
+    def accuracy(right: int) -> float:
+        return float(np.mean(np.array([1] * right + [0] * (rows - right))))
+
+    gate = GateConfig(min_improvement=min_improvement, guards={"macro_f1": min_improvement})
+    champion = {**CHAMPION, "accuracy": accuracy(theirs), "macro_f1": accuracy(ours)}
+    decision = decide({**CHAMPION, "accuracy": accuracy(ours), "macro_f1": accuracy(theirs)}, champion, gate)
+    assert decision["passed"], decision  # the guard lost exactly its tolerance: within it too
 
 
 def test_guard_regression_beyond_tolerance_rejects_even_with_a_better_primary() -> None:

@@ -561,3 +561,46 @@ def test_a_declaration_over_a_mebibyte_is_refused_unread(folder: Path) -> None:
     path.write_text(path.read_text() + "#" * (1024 * 1024) + "\n")
     (line,) = problems_of(path)
     assert "over the 1048576 a declaration may have" in line
+
+
+# ---- the gate a declaration gets (issue 34: never weaker than the task's default) ------------------------------
+
+def _gate_only(folder: Path, task: str, gate: dict[str, Any]) -> Path:
+    path = declare(folder, task=task, gate=None)
+    data = yaml.safe_load(path.read_text())
+    data["gate"] = gate
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_a_gate_that_leaves_keys_out_gets_the_tasks_defaults_not_a_weaker_gate(folder: Path) -> None:
+    from nightshift.evaluate import GateConfig, decide
+
+    pipeline = load_pipeline(_gate_only(folder, "binary", {"primary": "accuracy", "floor": 0.8}))
+    _, guards, _ = tasks.DEFAULT_GATES[tasks.BINARY]
+    assert pipeline.gate.config() == {"primary": "accuracy", "floor": 0.8, "guards": guards,
+                                      "min_improvement": tasks.DEFAULT_MIN_IMPROVEMENT}
+    # what the README's user pipeline declared promoted a far worse model on main: equal accuracy, log loss
+    # 0.90 against 0.12, F1 0.70 against 0.95
+    champion = {"accuracy": 0.95, "log_loss": 0.12, "f1": 0.95, "roc_auc": 0.98}
+    worse = {"accuracy": 0.95, "log_loss": 0.90, "f1": 0.70, "roc_auc": 0.90}
+    decision = decide(worse, champion, GateConfig(task=pipeline.task, **pipeline.gate.config()))
+    assert not decision["passed"], decision
+    assert any("beyond tolerance" in reason for reason in decision["reasons"]), decision
+    # no floor either: a classification task's default floor for its default primary metric
+    assert load_pipeline(_gate_only(folder, "binary", {"primary": "accuracy"})).gate.floor == 0.8
+
+
+def test_only_an_explicit_empty_guards_declares_no_guard(folder: Path) -> None:
+    pipeline = load_pipeline(_gate_only(folder, "multiclass", {"primary": "accuracy", "guards": {}}))
+    assert dict(pipeline.gate.guards) == {}
+    assert pipeline.gate.min_improvement == tasks.DEFAULT_MIN_IMPROVEMENT
+
+
+def test_a_regression_gate_needs_no_floor_and_another_primary_needs_one(folder: Path) -> None:
+    regression = load_pipeline(_gate_only(folder, "regression", {"primary": "mae"}))
+    assert regression.gate.floor is None and dict(regression.gate.guards) == {}
+    path = _gate_only(folder, "binary", {"primary": "log_loss"})
+    assert problems_of(path) == (f"{path}: gate.floor: required with primary 'log_loss': the task's default floor "
+                                 f"(0.8) is for accuracy; give the value 'log_loss' must reach when there is no "
+                                 f"champion yet",)
