@@ -108,8 +108,8 @@ def decide(challenger: dict[str, Any], champion: dict[str, Any] | None, config: 
     slack = rounding(value, theirs, config.min_improvement)
     if gain <= slack:
         passed = False
-        reasons.append(f"{primary.name} {value:.4f} vs champion {theirs:.4f}: no improvement ({gain:+.4f}); a tie "
-                       f"never replaces the champion")
+        verdict = "a tie never replaces the champion" if abs(gain) <= slack else "worse than the champion"
+        reasons.append(f"{primary.name} {value:.4f} vs champion {theirs:.4f}: improvement {gain:+.4f}, {verdict}")
     else:
         ok = gain >= config.min_improvement - slack
         passed &= ok
@@ -136,13 +136,55 @@ def _load(model_uri: str) -> Any:
                               f"artifact store") from err
 
 
+def _classifier(model: Any) -> Any:
+    """The served classifier inside a Nightshift pyfunc (nightshift.served_model.TorchTableClassifier), or None
+    for a pyfunc of another kind."""
+    try:
+        python_model = model.unwrap_python_model()
+    except Exception:
+        return None
+    return getattr(python_model, "classifier", None)
+
+
 def _predict(model: Any, frame: Any) -> Any:
-    """The pyfunc's answer for a raw feature table, in server-sized batches."""
+    """The pyfunc's answer for a raw feature table, in server-sized batches. A Nightshift model answers every
+    row whatever its range (`check_range=False`): evaluation never refuses a row for being beyond the training
+    data's range (a heavy tail is data, reported by `outside_training_range`); serving has its own policy."""
     import pandas as pd
 
-    parts = [model.predict(frame.iloc[start:start + tracking.MAX_ROWS])
-             for start in range(0, len(frame), tracking.MAX_ROWS)]
+    classifier = _classifier(model)
+
+    def predict(part: Any) -> Any:
+        if classifier is not None:
+            return classifier.predict(part, check_range=False)
+        return model.predict(part)
+
+    parts = [predict(frame.iloc[start:start + tracking.MAX_ROWS]) for start in range(0, len(frame), tracking.MAX_ROWS)]
     return pd.concat(parts, ignore_index=True)
+
+
+def outside_training_range(model: Any, frame: Any) -> dict[str, Any] | None:
+    """Drift, as a figure: the share of `frame`'s rows with a value outside the range the model saw in training
+    (a tabular model's train-split [min, max]; the demo's domain bounds), per column (those with any) and for
+    rows with any such column. None for a model that records no range."""
+    classifier = _classifier(model)
+    if classifier is None or len(frame) == 0:
+        return None
+    prep = classifier.preprocessing or {}
+    if "min" in prep and "max" in prep:
+        columns = [str(c) for c in prep["features"]]
+        low, high = np.asarray(prep["min"], dtype=np.float64), np.asarray(prep["max"], dtype=np.float64)
+    else:
+        columns = list(classifier.features.columns)
+        low, high = np.asarray(classifier.features.low), np.asarray(classifier.features.high)
+    present = [c for c in columns if c in frame.columns]
+    if len(present) != len(columns):
+        return None
+    values = frame[columns].to_numpy(dtype=np.float64)
+    outside = (values < low) | (values > high)
+    shares = outside.mean(axis=0)
+    return {"rows": float(outside.any(axis=1).mean()),
+            "columns": {c: float(v) for c, v in zip(columns, shares, strict=True) if v > 0}}
 
 
 def predict_proba(model_uri: str, frame: Any) -> np.ndarray:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -29,14 +30,19 @@ from mlflow.pyfunc import PythonModel
 
 from nightshift.errors import DataError, TrackingError
 
+_log = logging.getLogger(__name__)
+
 # Rows one request may carry. A larger batch is a client bug or an abuse; the server answers 400.
 MAX_ROWS = int(os.environ.get("NIGHTSHIFT_SERVING_MAX_ROWS", "4096"))
 PREDICTION_COLUMN = "predicted_label"
 VALUE_COLUMN = "predicted_value"  # what a regression model answers
-# A tabular model refuses feature values farther outside the train split's [min, max] than this many times
-# that range: a unit or column mix-up, not new data. (Refusing anything beyond the observed range would refuse
-# the held-out split's own extremes.)
+# A tabular model's learned bounds: the train split's [min, max] widened by this many times that range. What a
+# value beyond them gets is the serving range policy (RANGE_POLICY_ENV): by default the row is accepted and
+# counted (a heavy tail or drift is new data, which retraining is for), or refused (a unit or column mix-up).
+# Evaluation never refuses a row for its range. Fixed domain bounds (the demo's pixels, 0-16) are always enforced.
 RANGE_MARGIN = 1.0
+RANGE_POLICY_ENV = "NIGHTSHIFT_SERVING_RANGE_POLICY"
+RANGE_POLICIES = ("accept", "refuse")
 # Written beside model.pt/model.json in the logged model: the feature columns and the plugin modules,
 # resolved when the model was logged, so serving depends on no registry or environment variable.
 SERVING_INFO = "serving.json"
@@ -64,7 +70,9 @@ class FeatureSpec:
     """The raw table columns a served model accepts, their valid range and how the trainer scaled them.
 
     `low` and `high` are one bound for every column or a tuple, one per column. `strict`: a column not in
-    `columns` is refused (a tabular model) rather than ignored (the demo).
+    `columns` is refused (a tabular model) rather than ignored (the demo). `learned`: the bounds come from the
+    training data (a tabular model's, widened), so the serving range policy applies to them; else they are the
+    domain's and always enforced.
     """
 
     columns: tuple[str, ...]
@@ -72,6 +80,7 @@ class FeatureSpec:
     low: Bound = -math.inf
     high: Bound = math.inf
     strict: bool = False
+    learned: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """JSON has no infinity: an open bound is null."""
@@ -79,13 +88,17 @@ class FeatureSpec:
                "high": _bound_json(self.high)}
         if self.strict:
             out["strict"] = True
+        if self.learned:
+            out["learned"] = True
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FeatureSpec:
         return cls(columns=tuple(str(c) for c in data["columns"]), scale=float(data.get("scale", 1.0)),
                    low=_bound(data.get("low"), -math.inf), high=_bound(data.get("high"), math.inf),
-                   strict=bool(data.get("strict", False)))
+                   strict=bool(data.get("strict", False)),
+                   # models logged before `learned` existed: only a tabular model (strict) had learned bounds
+                   learned=bool(data.get("learned", data.get("strict", False))))
 
     @classmethod
     def from_preprocessing(cls, prep: dict[str, Any]) -> FeatureSpec:
@@ -93,7 +106,7 @@ class FeatureSpec:
         low, high = np.asarray(prep["min"], dtype=np.float64), np.asarray(prep["max"], dtype=np.float64)
         span = np.where(high > low, high - low, np.maximum(np.abs(high), 1.0)) * RANGE_MARGIN
         return cls(columns=tuple(str(c) for c in prep["features"]), low=tuple((low - span).tolist()),
-                   high=tuple((high + span).tolist()), strict=True)
+                   high=tuple((high + span).tolist()), strict=True, learned=True)
 
 
 def _bound_json(bound: Bound) -> Any:
@@ -151,6 +164,14 @@ def _invalid(message: str) -> Exception:
 _NOT_FINITE = "feature values must be finite numbers"
 
 
+def range_policy() -> str:
+    """The serving range policy (RANGE_POLICY_ENV, default accept); a value it does not know is refused at load."""
+    policy = os.environ.get(RANGE_POLICY_ENV, "").strip().lower() or "accept"
+    if policy not in RANGE_POLICIES:
+        raise TrackingError(f"{RANGE_POLICY_ENV}={policy!r}: use one of {', '.join(RANGE_POLICIES)}")
+    return policy
+
+
 class TorchTableClassifier:
     """Loads `model.pt` + `model.json` and predicts rows of the raw table (classes, or a value for a
     regression task); bad input → 400."""
@@ -175,12 +196,17 @@ class TorchTableClassifier:
         # Class values in output order (the demo's are its indices 0…9), named in the `prob_<class>` columns.
         self.classes: list[Any] = list(prep.get("classes") or range(self.num_classes))
         self.model = load_trained_model(model_dir)  # weights_only load, eval mode
+        # What a value beyond the learned bounds gets (RANGE_POLICY_ENV); those accepted are counted here.
+        self.range_policy = range_policy()
+        self.rows_out_of_range = 0
 
     @property
     def is_regression(self) -> bool:
         return self.task == "regression"
 
-    def validate(self, frame: Any) -> np.ndarray:
+    def validate(self, frame: Any, *, check_range: bool = True) -> np.ndarray:
+        """The feature matrix of a request; 400 for what the model cannot take. `check_range=False`
+        (evaluation): no row is refused for its range, whatever the policy; non-finite values still are."""
         if not isinstance(frame, pd.DataFrame):
             raise _invalid(f"expected a table with columns {self.features.columns[0]}…"
                            f"{self.features.columns[-1]}, got {type(frame).__name__}")
@@ -210,19 +236,33 @@ class TorchTableClassifier:
             values = chosen.to_numpy(dtype=np.float64)
         except (TypeError, ValueError) as err:
             raise _invalid(f"feature columns must be numbers ({err})") from err
-        faults = set(self.invalid_rows(values).values())
+        faults = set(self.invalid_rows(values, check_range=check_range).values())
         if faults:  # a value that is not finite is named first, as it always was
             raise _invalid(_NOT_FINITE if _NOT_FINITE in faults else sorted(faults)[0])
         return values
 
-    def invalid_rows(self, values: np.ndarray) -> dict[int, str]:
+    def invalid_rows(self, values: np.ndarray, *, check_range: bool = True) -> dict[int, str]:
         """Row index → why, for the rows of a numeric matrix (the feature columns in order) that `validate`
         refuses for their values (not finite, out of range); in row order. One vectorised pass: what a stream
-        consumer checks its batches with."""
+        consumer checks its batches with. Rows beyond learned bounds are refused only under the `refuse` policy
+        (and never with `check_range=False`); under `accept` they are counted (`rows_out_of_range`) and logged."""
         low, high = np.asarray(self.features.low), np.asarray(self.features.high)
         finite = np.isfinite(values).all(axis=1)
         inside = (values >= low) & (values <= high)
         in_range = inside.all(axis=1)
+        if self.features.learned and (not check_range or self.range_policy == "accept"):
+            outside = int((finite & ~in_range).sum())
+            if outside and check_range:
+                self.rows_out_of_range += outside
+                columns = [self.features.columns[j] for j in np.flatnonzero((~inside[finite]).any(axis=0))]
+                _log.warning("%d of %d rows have values beyond the training data's range (widened) in %s; "
+                             "accepted (%s=accept); %d so far", outside, len(values), ", ".join(columns[:5]),
+                             RANGE_POLICY_ENV, self.rows_out_of_range)
+            in_range = np.ones_like(in_range)
+            inside = np.ones_like(inside)
+        elif not check_range:
+            in_range = np.ones_like(in_range)
+            inside = np.ones_like(inside)
         if finite.all() and in_range.all():
             return {}
         if low.ndim == 0 and high.ndim == 0:
@@ -274,8 +314,8 @@ class TorchTableClassifier:
     def predict_proba(self, frame: pd.DataFrame) -> np.ndarray:
         return self.proba(self.validate(frame))
 
-    def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
-        values = self.validate(frame)
+    def predict(self, frame: pd.DataFrame, *, check_range: bool = True) -> pd.DataFrame:
+        values = self.validate(frame, check_range=check_range)
         if self.is_regression:
             return pd.DataFrame({VALUE_COLUMN: self.predictions(values)})
         proba = self.proba(values)

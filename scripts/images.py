@@ -19,17 +19,22 @@ other project to PyPI.
 
 Stdlib only (no Airflow imports): runs with any Python >= 3.11.
 
-usage: scripts/images.py [--only trainer,serving,airflow]
+One build at a time on a machine: a second `make images` (another checkout's test run, say) waits for the first
+(a lock file in the temporary directory), then finds its layers cached. SIGTERM stops the podman build under way.
+
+usage: scripts/images.py [--only trainer,serving,airflow] [--cpu-shares N]
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import html
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,10 +57,40 @@ IMAGES = ("trainer", "serving", "airflow")
 # Fixed, so that the TORCH_INDEX_URL build argument (part of podman's cache key) is the same on every run.
 DEFAULT_INDEX_PORT = 18765
 SECRET = "pip-ca"
+# One build at a time on this machine (the torch index's port is fixed, and two builds of the same tags race).
+LOCK_FILE = Path(tempfile.gettempdir()) / "nightshift-images.lock"
+# Extra `podman build` flags for every build (--cpu-shares: the weight of the RUN containers' cgroup).
+BUILD_FLAGS: list[str] = []
 
 
 class ImagesError(RuntimeError):
     """Something the user has to fix; the message says what."""
+
+
+class Stopped(Exception):
+    """SIGTERM arrived: the podman build under way is killed (subprocess.run kills its child on an exception)."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+@contextmanager
+def machine_lock() -> Iterator[None]:
+    """Held for the whole build: another `make images` on this machine waits here, then finds its layers cached."""
+    with LOCK_FILE.open("a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "?"
+            log(f"another image build holds {LOCK_FILE} (pid {holder}): waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
 
 
 def log(message: str) -> None:
@@ -231,7 +266,7 @@ def build(dockerfile: str, tag: str, args: dict[str, str], *, secret: Path | Non
     """`podman build` from the repository root; `secret`: the CA bundle for the RUNs that call pip, if any."""
     cmd = podman(
         # docker format: the OCI format drops SHELL (the Dockerfiles run RUN under bash -o pipefail).
-        "build", "--format", "docker", "--network", "host", "--layers", "-f", dockerfile, "-t", tag,
+        "build", "--format", "docker", "--network", "host", "--layers", "-f", dockerfile, "-t", tag, *BUILD_FLAGS,
     )
     if secret is not None:
         cmd += ["--secret", f"id={SECRET},src={secret}", "--build-arg", f"PIP_CERT=/run/secrets/{SECRET}"]
@@ -303,7 +338,14 @@ def tags(version: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(IMAGES), help="comma-separated subset of: " + ", ".join(IMAGES))
+    parser.add_argument("--cpu-shares", type=int, metavar="N",
+                        help="the CPU weight of the builds' RUN containers (podman build --cpu-shares; default 1024): "
+                             "lower lets other work on the machine go first")
     options = parser.parse_args(argv)
+    if options.cpu_shares is not None:
+        if options.cpu_shares < 2:
+            parser.error(f"--cpu-shares must be >= 2, got {options.cpu_shares}")
+        BUILD_FLAGS[:] = ["--cpu-shares", str(options.cpu_shares)]
     wanted = [name.strip() for name in options.only.split(",") if name.strip()]
     unknown = set(wanted) - set(IMAGES)
     if unknown:
@@ -313,26 +355,38 @@ def main(argv: list[str] | None = None) -> int:
     version, pins = project_pins()
     names = tags(version)
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _build_all(wanted, names, pins, started)
+    except Stopped as stopped:
+        print(f"images: stopped by {stopped} after {time.monotonic() - started:.0f} s", file=sys.stderr)
+        return 128 + signal.SIGTERM
+
+
+def _build_all(wanted: list[str], names: dict[str, str], pins: dict[str, str], started: float) -> int:
+    commit = ""
     try:
         check_tools()
         secret = ca_bundle()
         commit = git_commit()
-        ensure_debian_base()
-        build("images/local/python/Dockerfile", PYTHON_IMAGE, {"DEBIAN_IMAGE": DEBIAN_IMAGE}, secret=None)
-        with torch_index(pins["torch"]) if {"trainer", "serving"} & set(wanted) else nullcontext() as index:
-            torch = {"TORCH_INDEX_URL": index} if index else {}
-            common = {"NIGHTSHIFT_GIT_COMMIT": commit}
-            if "trainer" in wanted:
-                build("images/trainer/Dockerfile", names["trainer"],
-                      {"VARIANT": "cpu", "PYTHON_IMAGE": PYTHON_IMAGE, **torch, **common}, secret=secret)
-            if "serving" in wanted:
-                build("images/serving/Dockerfile", names["serving"],
-                      {"PYTHON_IMAGE": PYTHON_IMAGE, **torch, **common}, secret=secret)
-        if "airflow" in wanted:
-            base = AIRFLOW_BASE_IMAGE.format(airflow=pins["apache-airflow"])
-            build("images/local/airflow/Dockerfile", base,
-                  {"PYTHON_IMAGE": PYTHON_IMAGE}, secret=secret)
-            build("images/airflow/Dockerfile", names["airflow"], {"AIRFLOW_IMAGE": base, **common}, secret=secret)
+        with machine_lock():
+            ensure_debian_base()
+            build("images/local/python/Dockerfile", PYTHON_IMAGE, {"DEBIAN_IMAGE": DEBIAN_IMAGE}, secret=None)
+            with torch_index(pins["torch"]) if {"trainer", "serving"} & set(wanted) else nullcontext() as index:
+                torch = {"TORCH_INDEX_URL": index} if index else {}
+                common = {"NIGHTSHIFT_GIT_COMMIT": commit}
+                if "trainer" in wanted:
+                    build("images/trainer/Dockerfile", names["trainer"],
+                          {"VARIANT": "cpu", "PYTHON_IMAGE": PYTHON_IMAGE, **torch, **common}, secret=secret)
+                if "serving" in wanted:
+                    build("images/serving/Dockerfile", names["serving"],
+                          {"PYTHON_IMAGE": PYTHON_IMAGE, **torch, **common}, secret=secret)
+            if "airflow" in wanted:
+                base = AIRFLOW_BASE_IMAGE.format(airflow=pins["apache-airflow"])
+                build("images/local/airflow/Dockerfile", base,
+                      {"PYTHON_IMAGE": PYTHON_IMAGE}, secret=secret)
+                build("images/airflow/Dockerfile", names["airflow"], {"AIRFLOW_IMAGE": base, **common},
+                      secret=secret)
     except ImagesError as exc:
         print(f"images: error: {exc}", file=sys.stderr)
         return 1

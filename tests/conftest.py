@@ -61,6 +61,7 @@ NEEDS_IMAGES = (
 # DAG parsing in children): `slow`, kept out of `make test-fast`, run by `make test`.
 SLOW_MODULES = frozenset({
     "tests/unit/test_airflow_script.py",
+    "tests/unit/test_images_build.py",
     "tests/unit/test_demo_metadata_db.py",
     "tests/unit/nightshift/test_deploy_kserve.py",
     "tests/unit/nightshift/test_resume_key_faults.py",
@@ -118,8 +119,36 @@ def pytest_configure(config: pytest.Config) -> None:
     from tests import images_build
 
     images_build.run_id()
-    if _runs_image_tests(config) and images_build.why_podman_cannot_build() is None:
+    if _runs_image_tests(config) and _podman_can_build():
         images_build.start_in_background()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """A test marked `images` first waits for this run's image build (tests/images_build.py), outside its own
+    timeout (pytest-timeout's timer starts inside this wrapper): a cold build takes tens of minutes, the test
+    itself keeps the timeout it would have on a machine with the images. The test's fixtures then get the build's
+    result at once (and fail with its output if it failed)."""
+    if (item.get_closest_marker("images") is not None and item.get_closest_marker("skip") is None
+            and _podman_can_build()):
+        from tests import images_build
+
+        try:
+            images_build.ensure_images()
+        except images_build.ImagesBuildFailed:
+            pass  # the test's fixture fails with the build's output
+    yield
+
+
+_podman_verdict: list[str | None] = []
+
+
+def _podman_can_build() -> bool:
+    if not _podman_verdict:
+        from tests import images_build
+
+        _podman_verdict.append(images_build.why_podman_cannot_build())
+    return _podman_verdict[0] is None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -32,9 +32,13 @@ CONTAINERS_CONF = ROOT / "images" / "podman" / "containers.conf"
 SBIN_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
 DEBIAN_IMAGE = "localhost/debian:bookworm"
 # The build gives way to the tests it overlaps (a loaded machine makes timing-sensitive tests slower, not the
-# build's caller): it still takes every idle cycle.
+# build's caller): it still takes every idle cycle. Both are needed: nice ranks the build's own processes within
+# the test run's session (the kernel's autogroup is per session, so the build stays in it), and the RUN steps of
+# `podman build` run in containers of their own cgroup, whose CPU weight is --cpu-shares (default 1024).
 BUILD_NICE = 10
+BUILD_CPU_SHARES = 128
 BUILD_TIMEOUT_S = 5000
+PR_SET_PDEATHSIG = 1
 
 _lock = threading.Lock()
 _building: subprocess.Popen[str] | None = None
@@ -51,8 +55,11 @@ def why_podman_cannot_run() -> str | None:
     missing = [tool for tool in ("podman", "runc") if shutil.which(tool, path=SBIN_PATH) is None]
     if missing:
         return f"{' and '.join(missing)} not installed (`make setup` as root installs podman, buildah, runc)"
-    info = subprocess.run(["podman", "--runtime", "runc", "info"], capture_output=True, text=True, env=env(),
-                          timeout=120, check=False)
+    try:
+        info = subprocess.run(["podman", "--runtime", "runc", "info"], capture_output=True, text=True, env=env(),
+                              timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        return "`podman info` did not answer within 120 s"
     if info.returncode != 0:
         return f"podman cannot run here: {info.stderr.strip()[-300:]}"
     return None
@@ -62,7 +69,11 @@ def why_podman_cannot_build() -> str | None:
     why_not = why_podman_cannot_run()
     if why_not is not None:
         return why_not
-    has_base = subprocess.run(["podman", "image", "exists", DEBIAN_IMAGE], env=env(), check=False).returncode
+    try:
+        has_base = subprocess.run(["podman", "image", "exists", DEBIAN_IMAGE], env=env(), timeout=120,
+                                  check=False).returncode
+    except subprocess.TimeoutExpired:
+        return "`podman image exists` did not answer within 120 s"
     if has_base != 0 and (os.geteuid() != 0 or shutil.which("debootstrap", path=SBIN_PATH) is None):
         return f"{DEBIAN_IMAGE} is missing and only root with debootstrap can make it"
     return None
@@ -101,6 +112,14 @@ def ensure_images() -> str:
     return str(done["output"])
 
 
+def _die_with_parent() -> None:
+    """In the build's process: SIGTERM when the thread that started it ends (the test run's process was killed),
+    which scripts/images.py turns into stopping its podman build."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _build(result: Path) -> None:
     global _building
     started = time.monotonic()
@@ -108,14 +127,20 @@ def _build(result: Path) -> None:
     with log.open("w") as out, _lock:
         if _stopping.is_set():
             raise ImagesBuildFailed("the test run ended before the image build started")
-        _building = subprocess.Popen(
-            [sys.executable, str(ROOT / "scripts" / "images.py")], stdout=out, stderr=subprocess.STDOUT, text=True,
-            env=env(), cwd=ROOT, start_new_session=True, preexec_fn=lambda: os.nice(BUILD_NICE))
+        # A process group of its own (to stop it whole), in the test run's session (see BUILD_NICE).
+        building = _building = subprocess.Popen(
+            ["nice", "-n", str(BUILD_NICE), sys.executable, str(ROOT / "scripts" / "images.py"),
+             "--cpu-shares", str(BUILD_CPU_SHARES)],
+            stdout=out, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT, process_group=0,
+            preexec_fn=_die_with_parent)
     try:
-        code = _building.wait(timeout=BUILD_TIMEOUT_S)
+        code = building.wait(timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        stop_build()
+        _end(building)
         code = -1
+    except BaseException:  # interrupted (Ctrl-C, a signal): no build goes on without its caller
+        _end(building)
+        raise
     finally:
         with _lock:
             _building = None
@@ -135,7 +160,7 @@ def start_in_background() -> threading.Thread:
     def build() -> None:
         try:
             ensure_images()
-        except (ImagesBuildFailed, OSError):
+        except Exception:
             pass  # every test that needs an image fails with the output (or builds again, if this never started)
 
     _background = threading.Thread(target=build, name="nightshift-images-build", daemon=True)
@@ -143,22 +168,30 @@ def start_in_background() -> threading.Thread:
     return _background
 
 
+def _end(building: subprocess.Popen[str]) -> None:
+    """SIGTERM to the build's process group (scripts/images.py stops its podman build), SIGKILL after 60 s."""
+    if building.poll() is not None:
+        return
+    try:
+        os.killpg(building.pid, signal.SIGTERM)
+        building.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(building.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        building.wait()
+
+
 def stop_build() -> None:
-    """Ends a build this process started (the run ended before it did): its whole process group; then waits for
-    the background thread, if any, to have written its result."""
+    """Ends a build this process started (the run ended before it did); then waits for the background thread, if
+    any, to have written its result."""
     with _lock:
         _stopping.set()
         building = _building
-    if building is not None and building.poll() is None:
-        try:
-            os.killpg(building.pid, signal.SIGTERM)
-            building.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(building.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    if _background is not None:
+    if building is not None:
+        _end(building)
+    if _background is not None and _background is not threading.current_thread():
         _background.join(timeout=120)
 
 

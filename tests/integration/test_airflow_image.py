@@ -29,8 +29,7 @@ import pytest
 from tests import images_build
 from tests.integration.test_images import ENV, IMAGES, TAGS
 
-# The first test may wait for this run's image build (tests/images_build.py): tens of minutes on a cold machine.
-pytestmark = [pytest.mark.images, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.images, pytest.mark.timeout(900)]
 
 IMAGE = TAGS["airflow"]
 PORT = 8080  # the container's own loopback (--network none): nothing on this machine's ports

@@ -35,11 +35,7 @@ def _script() -> ModuleType:
 IMAGES = _script()
 ENV = images_build.env()
 
-pytestmark = [
-    pytest.mark.images,
-    # A cold build compiles Horovod and installs three Python environments: tens of minutes on 2 cores.
-    pytest.mark.timeout(5400),
-]
+pytestmark = [pytest.mark.images]
 
 VERSION, _ = IMAGES.project_pins()
 TAGS: dict[str, str] = IMAGES.tags(VERSION)

@@ -75,8 +75,7 @@ def _missing() -> str | None:
 
 
 MISSING = _missing()
-# The first test may wait for this run's image build (tests/images_build.py): tens of minutes on a cold machine.
-pytestmark = [pytest.mark.integration, pytest.mark.images, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.integration, pytest.mark.images]
 if MISSING:
     pytestmark.append(pytest.mark.skip(reason=MISSING))
 

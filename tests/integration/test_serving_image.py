@@ -35,8 +35,7 @@ import yaml
 from tests import images_build
 from tests.integration.test_images import ENV, ROOT, TAGS
 
-# The first test may wait for this run's image build (tests/images_build.py): tens of minutes on a cold machine.
-pytestmark = [pytest.mark.images, pytest.mark.timeout(5400)]
+pytestmark = [pytest.mark.images, pytest.mark.timeout(900)]
 
 IMAGE = TAGS["serving"]
 RUNTIME = ROOT / "deploy" / "kserve" / "servingruntime.yaml"

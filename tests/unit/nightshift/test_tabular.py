@@ -165,8 +165,13 @@ def untrained_output(data: Path, out: Path, task: str, options: dict[str, Any]) 
 
 
 @pytest.fixture(scope="module")
-def served(cancer: Path, tmp_path_factory: pytest.TempPathFactory) -> TorchTableClassifier:
-    return TorchTableClassifier(untrained_output(cancer, tmp_path_factory.mktemp("served"), "binary", CANCER))
+def served_dir(cancer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return untrained_output(cancer, tmp_path_factory.mktemp("served"), "binary", CANCER)
+
+
+@pytest.fixture(scope="module")
+def served(served_dir: Path) -> TorchTableClassifier:
+    return TorchTableClassifier(served_dir)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +204,7 @@ def test_the_served_model_reorders_columns_and_applies_the_train_scaling(served:
     np.testing.assert_allclose(answer[["prob_0", "prob_1"]].to_numpy(), expected, rtol=1e-4, atol=1e-6)
 
 
-def test_serving_ranges_come_from_the_train_split(served: TorchTableClassifier, cancer: Path,
+def test_serving_ranges_come_from_the_train_split(served: TorchTableClassifier, served_dir: Path, cancer: Path,
                                                   test_rows: pd.DataFrame) -> None:
     train = pd.read_parquet(cancer / "train.parquet")
     low, high = train["mean area"].min(), train["mean area"].max()
@@ -208,8 +213,30 @@ def test_serving_ranges_come_from_the_train_split(served: TorchTableClassifier, 
     assert served.features.low[column] == pytest.approx(low - (high - low))
     assert served.features.high[column] == pytest.approx(high + (high - low))
     served.predict(test_rows.assign(**{"mean area": high}))  # the train split's extreme is fine
+    beyond = test_rows.assign(**{"mean area": high + 3 * (high - low)})
+    # issue 34: by default (accept) a value beyond the widened range is data (a heavy tail, drift): answered, counted
+    assert served.range_policy == "accept"
+    before = served.rows_out_of_range
+    assert len(served.predict(beyond)) == len(beyond)
+    assert served.rows_out_of_range == before + len(beyond)
+    # evaluation's path counts nothing and refuses nothing, whatever the policy
+    strict = TorchTableClassifier(served_dir)
+    strict.range_policy = "refuse"
+    assert len(strict.predict(beyond, check_range=False)) == len(beyond) and strict.rows_out_of_range == 0
     with pytest.raises(MlflowException, match=r"feature mean area must lie in \["):
-        served.predict(test_rows.assign(**{"mean area": high + 3 * (high - low)}))
+        strict.predict(beyond)
+
+
+def test_the_serving_range_policy_comes_from_the_environment_and_a_bad_one_is_refused(
+        served_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightshift.errors import TrackingError
+    from nightshift.served_model import RANGE_POLICY_ENV
+
+    monkeypatch.setenv(RANGE_POLICY_ENV, "refuse")
+    assert TorchTableClassifier(served_dir).range_policy == "refuse"
+    monkeypatch.setenv(RANGE_POLICY_ENV, "clip")
+    with pytest.raises(TrackingError, match=r"NIGHTSHIFT_SERVING_RANGE_POLICY='clip': use one of accept, refuse"):
+        TorchTableClassifier(served_dir)
 
 
 def test_a_served_regression_model_answers_the_value_in_the_targets_units(sugar: Path, tmp_path: Path) -> None:
