@@ -126,6 +126,14 @@ def decide(challenger: dict[str, Any], champion: dict[str, Any] | None, config: 
     return {"passed": bool(passed), "reasons": reasons}
 
 
+def _class_names(model: Any) -> list[str] | None:
+    """The class values a Nightshift classifier answers, as text (its `prob_<class>` names); None otherwise."""
+    classifier = _classifier(model)
+    if classifier is None or getattr(classifier, "is_regression", True):
+        return None
+    return [str(c) for c in classifier.classes]
+
+
 def _load(model_uri: str) -> Any:
     import mlflow.pyfunc
 
@@ -203,11 +211,14 @@ def input_columns(model: Any) -> list[str] | None:
     return [str(c) for c in recorded] if recorded else None
 
 
-def incomparable(champion: Any, challenger: Any, *, task: str, label_column: str) -> str | None:
+def incomparable(champion: Any, challenger: Any, *, task: str, label_column: str,
+                 data_columns: Any = None) -> str | None:
     """Why the champion's scores cannot be compared with the challenger's (it was trained for another task or
-    label column, or needs feature columns the challenger's data lacks, as its metadata records), or None when
-    they can. Columns in another order, or columns the data gained, do not count: the champion is scored on
-    its own columns, taken by name. What the champion does not record is not held against it."""
+    label column, or needs feature columns tonight's data lacks, as its metadata records), or None when they can.
+    The champion is scored on its own columns, taken by name, from the data (`data_columns`: the evaluated
+    split's columns; None: the challenger's columns stand for them): a declaration that dropped features, columns
+    in another order or columns the data gained do not count. What the champion does not record is not held
+    against it."""
     def recorded(model: Any) -> dict[str, Any]:
         meta = model.metadata.metadata or {}
         return {"task": meta.get("nightshift.task"), "label column": meta.get("nightshift.label_column"),
@@ -216,19 +227,23 @@ def incomparable(champion: Any, challenger: Any, *, task: str, label_column: str
     theirs, ours = recorded(champion), {**recorded(challenger), "task": task, "label column": label_column}
     differ = [f"{key} {theirs[key]!r}, not {ours[key]!r}" for key in ("task", "label column")
               if theirs[key] is not None and ours[key] is not None and theirs[key] != ours[key]]
-    if theirs["feature columns"] is not None and ours["feature columns"] is not None:
-        missing = [c for c in theirs["feature columns"] if c not in set(ours["feature columns"])]
+    available = [str(c) for c in data_columns] if data_columns is not None else ours["feature columns"]
+    if theirs["feature columns"] is not None and available is not None:
+        missing = [c for c in theirs["feature columns"] if c not in set(available)]
         if missing:
-            differ.append(f"feature columns {missing[:5]}{'…' if len(missing) > 5 else ''} that the "
-                          f"challenger's data lacks")
+            differ.append(f"feature columns {missing[:5]}{'…' if len(missing) > 5 else ''} that tonight's data "
+                          f"lacks")
     return "; ".join(differ) or None
 
 
 def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: str = MULTICLASS,
-          label_column: str = LABEL_COLUMN, model: Any = None) -> dict[str, Any]:
+          label_column: str = LABEL_COLUMN, model: Any = None, classes: list[str] | None = None) -> dict[str, Any]:
     """The metrics of `task` (nightshift.tasks) of one model on one split, through its pyfunc (`model`: the
     pyfunc already loaded from `model_uri`). Classification also gives per-class recall and the confusion
-    matrix (rows: true class, columns: predicted)."""
+    matrix (rows: true class, columns: predicted), over `classes` (class values as text, in order) when given:
+    the classes of both models compared, so that both are scored over the same set (a class this model lacks
+    gets probability 0); else over the model's own. A true label the model does not know is an EvaluationError.
+    `drift` is the share of rows beyond the model's training range (`outside_training_range`)."""
     check_task(task)
     path = f"{data_dir}/{split}.parquet"
     frame = read_split_frame(data_dir, split)
@@ -246,7 +261,7 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
         raise EvaluationError(f"{path} lacks the model's feature columns {missing[:5]}; is this the dataset "
                               f"the model was trained on?")
     out = _predict(model, frame[columns])
-    head = {"model_uri": model_uri, "rows": len(frame)}
+    head = {"model_uri": model_uri, "rows": len(frame), "drift": outside_training_range(model, frame)}
     if task == REGRESSION:
         if tracking.VALUE_COLUMN not in out.columns:
             raise EvaluationError(f"model {model_uri} answers no {tracking.VALUE_COLUMN!r}: it is not a "
@@ -261,17 +276,25 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
     if not prob_columns:
         raise EvaluationError(f"model {model_uri} answers no class probabilities (prob_*): is it a regression "
                               f"model? evaluate it with task regression")
-    names = [str(c)[len("prob_"):] for c in prob_columns]
+    own = [str(c)[len("prob_"):] for c in prob_columns]
+    names = list(classes) if classes is not None else own
+    lacking = [c for c in own if c not in set(names)]
+    if lacking:
+        raise EvaluationError(f"model {model_uri} answers classes {lacking[:5]} outside the compared classes "
+                              f"{names[:10]}")
     index = {name: i for i, name in enumerate(names)}
     truth = frame[label_column].astype(str).to_numpy()
-    unseen = sorted(set(truth) - set(index))
+    unseen = sorted(set(truth) - set(own))
     if unseen:
         raise EvaluationError(f"{path}: label column {label_column!r} holds {unseen[:5]}, classes the model "
-                              f"does not know ({', '.join(names)})")
+                              f"does not know ({', '.join(own)})")
     labels = np.asarray([index[t] for t in truth], dtype=np.int64)
-    metrics = classification_metrics(task, labels, out[prob_columns].to_numpy(np.float64))
+    proba = np.zeros((len(frame), len(names)), dtype=np.float64)
+    for column, name in zip(prob_columns, own, strict=True):
+        proba[:, index[name]] = out[column].to_numpy(np.float64)
+    metrics = classification_metrics(task, labels, proba)
     recall = metrics.pop("recall")
-    return {**head, **metrics, "per_class_recall": dict(zip(names, recall, strict=True))}
+    return {**head, **metrics, "classes": names, "per_class_recall": dict(zip(names, recall, strict=True))}
 
 
 def classification_metrics(task: str, labels: np.ndarray, proba: np.ndarray) -> dict[str, Any]:
@@ -351,8 +374,16 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
 
     The gate's `task` says which metrics are computed. Returns {"passed", "reasons", "run_id", "model_name",
     "split", "challenger": metrics, "champion": metrics + "version" or None, "gate": config,
-    "confusion_matrix_artifact" (None for regression)}. The test metrics (prefixed `<split>_`), the
+    "needs_approval", "confusion_matrix_artifact" (None for regression)}. The test metrics (prefixed
+    `<split>_`), the share of rows beyond the training range (`<split>_rows_outside_train_range`), the
     confusion-matrix PNG (classification) and `evaluation.json` go to the training run.
+
+    A champion is compared only with a challenger that can stand in for it: the same task and label column, its
+    feature columns in tonight's data, every class it knew still known to the challenger; both are then scored on
+    the same split over the same classes. When it cannot be compared or cannot be scored on tonight's data (a
+    class it never saw, a label re-encoded, columns gone), the reasons say exactly why, the floor alone does not
+    decide: `needs_approval` sends the decision to a person (the pipeline's approval step, whatever
+    `require_approval` says), and no such night fails or repeats itself.
     """
     import mlflow
 
@@ -364,19 +395,42 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     challenger_model = _load(model_uri)
     challenger = score(model_uri, data_dir, split, task=task, label_column=label_column, model=challenger_model)
     champion: dict[str, Any] | None = None
-    not_comparable: list[str] = []
+    for_a_person: list[str] = []
     current = champion_uri(model_name)
     if current is not None:
         version, uri = current
         champion_model = _load(uri)
-        why = incomparable(champion_model, challenger_model, task=task, label_column=label_column)
-        if why:  # the declaration changed what the model predicts: the floor decides, as for a first model
-            not_comparable.append(f"champion v{version} is not comparable ({why}): no champion to beat")
-        else:
-            champion = {"version": version, **score(uri, data_dir, split, task=task, label_column=label_column,
-                                                   model=champion_model)}
+        frame = read_split_frame(data_dir, split)
+        why = incomparable(champion_model, challenger_model, task=task, label_column=label_column,
+                           data_columns=frame.columns)
+        known = _class_names(champion_model) if "classes" in challenger and not why else None
+        if known is not None:
+            unseen = sorted(set(frame[label_column].astype(str)) - set(known))
+            dropped = [c for c in known if c not in set(challenger["classes"])]
+            if unseen:
+                for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({label_column!r} "
+                                    f"holds {unseen[:5]}, classes it does not know: it knows {known[:10]}; a new "
+                                    f"class, or labels encoded anew?)")
+            elif dropped:
+                why = (f"the challenger cannot answer class(es) {dropped[:5]} that the champion knew (tonight's "
+                       f"training data has no row of them)")
+        if why:
+            for_a_person.append(f"champion v{version} is not comparable ({why})")
+        if not for_a_person:
+            try:
+                champion = {"version": version, **score(uri, data_dir, split, task=task, label_column=label_column,
+                                                       model=champion_model, classes=challenger.get("classes"))}
+            except EvaluationError as err:
+                for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({err})")
     decision = decide(challenger, champion, gate)
-    decision["reasons"] = [*not_comparable, *decision["reasons"]]
+    needs_approval = bool(for_a_person) and bool(decision["passed"])
+    if for_a_person:
+        decision["reasons"] = [
+            *for_a_person, *decision["reasons"],
+            "the decision goes to a person: approve or reject the new model in the approval step" if needs_approval
+            else "the challenger is rejected on its own; nothing to approve"]
+    decision["needs_approval"] = needs_approval
+    drift = challenger.get("drift") or {}
     classification = task != REGRESSION
     result: dict[str, Any] = {
         **decision, "run_id": run_id, "model_name": model_name, "split": split,
@@ -384,13 +438,17 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
         "confusion_matrix_artifact": f"evaluation/confusion_matrix_{split}.png" if classification else None,
     }
     metrics = {f"{split}_{k}": challenger[k] for k in metric_names(task)}
+    if drift:
+        metrics[f"{split}_rows_outside_train_range"] = drift["rows"]
     if classification:
         metrics.update({f"{split}_recall_class_{k}": v for k, v in challenger["per_class_recall"].items()})
     try:
         with mlflow.start_run(run_id=run_id):
             mlflow.log_metrics(metrics)
             mlflow.set_tags({"nightshift.gate": "passed" if decision["passed"] else "failed",
-                             "nightshift.gate_reasons": " | ".join(decision["reasons"])[:5000]})
+                             "nightshift.gate_reasons": " | ".join(decision["reasons"])[:5000],
+                             "nightshift.needs_approval": str(needs_approval).lower(),
+                             "nightshift.outside_train_range": json.dumps(drift.get("columns", {}))[:5000]})
             with tempfile.TemporaryDirectory() as tmp:
                 if classification:
                     png = confusion_png(challenger["confusion_matrix"],

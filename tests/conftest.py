@@ -64,6 +64,7 @@ SLOW_MODULES = frozenset({
     "tests/unit/test_images_build.py",
     "tests/unit/test_demo_metadata_db.py",
     "tests/unit/nightshift/test_deploy_kserve.py",
+    "tests/unit/nightshift/test_evaluate_tables.py",
     "tests/unit/nightshift/test_resume_key_faults.py",
     "tests/unit/nightshift/test_search.py",
     "tests/unit/nightshift/test_settings.py",

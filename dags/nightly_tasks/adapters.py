@@ -110,9 +110,14 @@ class GXDataGateOperator(GXValidateBatchOperator):
 
 
 class OptionalApprovalOperator(ApprovalOperator):
-    """A human approves the deployment in the UI, only when the run's `require_approval` param is on."""
+    """A human approves the deployment in the UI when the run's `require_approval` param is on, and whatever it
+    says when the evaluation could not compare the new model with the champion (`needs_approval`: the champion
+    cannot be scored on tonight's data, or no longer fits it): then a person decides, not the floor alone."""
 
     def execute(self, context: Context) -> Any:
-        if not context["params"].get("require_approval"):
+        decision = context["ti"].xcom_pull(task_ids="evaluate") or {}
+        if decision.get("needs_approval"):
+            self.log.info("The evaluation could not compare the new model with the champion: a person decides")
+        elif not context["params"].get("require_approval"):
             raise AirflowSkipException("require_approval is off: deploying without a human approval")
         return super().execute(context)

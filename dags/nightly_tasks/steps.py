@@ -228,6 +228,9 @@ def evaluate(pipeline: Pipeline, trained: dict[str, Any], staged: dict[str, Any]
         "split": result["split"],
         "challenger": {k: result["challenger"][k] for k in names},
         "champion": ({"version": champion["version"], **{k: champion[k] for k in names}} if champion else None),
+        # the champion could not be compared or scored: the approval step asks a person (adapters)
+        "needs_approval": bool(result.get("needs_approval")),
+        "rows_outside_train_range": (result["challenger"].get("drift") or {}).get("rows"),
     }
     log.info("Gate %s: %s", "PASSED" if decision["passed"] else "REJECTED", "; ".join(decision["reasons"]))
     return decision

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from nightshift.errors import UsageError
@@ -83,7 +84,7 @@ def _model(task: str, label: str | None, features: list[str]) -> object:
 @pytest.mark.parametrize(("champion", "why"), [
     (_model("binary", "churned", ["age", "plan", "spend"]), "task 'binary', not 'regression'"),
     (_model("regression", "churned", ["age", "plan", "spend"]), "label column 'churned', not 'spend'"),
-    (_model("regression", "spend", ["age", "plan", "income"]), "feature columns ['income'] that the challenger"),
+    (_model("regression", "spend", ["age", "plan", "income"]), "feature columns ['income'] that tonight's data"),
 ])
 def test_a_champion_trained_for_another_label_task_or_features_is_no_champion(
         monkeypatch: pytest.MonkeyPatch, champion: object, why: str) -> None:
@@ -103,6 +104,8 @@ def test_a_champion_trained_for_another_label_task_or_features_is_no_champion(
         return {"model_uri": uri, "rows": 10, "rmse": 2.0, "mae": 1.0, "r2": 0.5}
 
     monkeypatch.setattr(ev, "score", score)
+    monkeypatch.setattr(ev, "read_split_frame", lambda data_dir, split: pd.DataFrame(
+        columns=["age", "plan", "churned", "spend"]))
     for name in ("log_metrics", "set_tags", "log_artifact"):
         monkeypatch.setattr(mlflow, name, lambda *a, **k: None)
     monkeypatch.setattr(mlflow, "start_run", lambda **k: __import__("contextlib").nullcontext())
@@ -110,7 +113,9 @@ def test_a_champion_trained_for_another_label_task_or_features_is_no_champion(
                          gate={"task": "regression", "floor": 3.0, "primary": "rmse"})
     assert scored == ["runs:/new/model"] and result["champion"] is None
     assert why in result["reasons"][0] and "champion v3 is not comparable" in result["reasons"][0]
+    # the floor alone does not decide: the model passes it, and the decision goes to a person
     assert result["passed"] and "meets the floor 3.0000" in result["reasons"][1]
+    assert result["needs_approval"] and "goes to a person" in result["reasons"][-1]
 
 
 def test_a_champion_trained_for_the_same_contract_is_scored(monkeypatch: pytest.MonkeyPatch) -> None:

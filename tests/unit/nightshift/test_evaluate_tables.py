@@ -1,0 +1,147 @@
+"""The gate's comparison on scikit-learn's real tables (issue 34): real models logged to MLflow, a real
+@champion, `nightshift.evaluate.evaluate` end to end. A night whose data or declaration moved must be compared
+with the champion whenever the champion can stand in for it, never wedge the pipeline, and go to a person (not to
+the floor alone) when the champion cannot be compared or scored."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from nightshift import registry, tracking
+from nightshift.datasets import load_split
+from nightshift.evaluate import evaluate
+from nightshift.models import build_model
+from nightshift.served_model import RANGE_POLICY_ENV
+from nightshift.train.artifacts import save_trained_model
+from tests.tabular_data import breast_cancer, write_splits
+
+_keys = itertools.count()
+
+
+def train(data: Path, out: Path, *, task: str, label: str, features: list[str] | None = None,
+          epochs: int = 150, seed: int = 0) -> str:
+    """An MLP trained full-batch with Adam on `data`'s train split, logged as an MLflow run; its run id."""
+    options: dict[str, Any] = {"label": label, **({"features": features} if features else {})}
+    torch.manual_seed(seed)
+    split = load_split("tabular", data, "train", task=task, options=options)
+    kwargs = {"input_shape": split.input_shape, "num_classes": split.num_classes, "hidden": 16}
+    model = build_model("mlp", **kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(epochs):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(split.features), split.labels).backward()
+        opt.step()
+    model.eval()
+    key = f"k{next(_keys)}"
+    save_trained_model(out, model, model_name="mlp", model_kwargs=kwargs, dataset="tabular",
+                       params={"epochs": epochs, "dataset_options": options}, train_key=key, task=task,
+                       preprocessing=split.preprocessing)
+    (out / "metrics.json").write_text(json.dumps({"epochs": epochs}))
+    (out / "metrics.jsonl").write_text("")
+    return log(out, key)
+
+
+def log(out: Path, key: str) -> str:
+    return tracking.log_training_run(out, experiment="tables", tags={"nightshift.run_key": key})
+
+
+def crown(run_id: str, model_name: str) -> str:
+    version = registry.register(run_id, model_name=model_name)["version"]
+    registry.set_alias(model_name, "champion", str(version))
+    return str(version)
+
+
+def copy_data(data: Path, out: Path, change: Any = None) -> Path:
+    """`data`'s splits under `out`, each frame passed through `change(frame, split)` when given."""
+    out.mkdir(parents=True)
+    for split in ("train", "validation", "test"):
+        frame = pd.read_parquet(data / f"{split}.parquet")
+        (change(frame, split) if change else frame).to_parquet(out / f"{split}.parquet")
+    return out
+
+
+@pytest.fixture(scope="module")
+def cancer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return breast_cancer(tmp_path_factory.mktemp("cancer"))
+
+
+def test_a_declaration_that_dropped_features_still_faces_the_champion_on_its_own_columns(
+        cancer: Path, tmp_path: Path) -> None:
+    """On main the champion (all 30 columns) was "not comparable" with a challenger declared on 4 of them, and
+    the challenger went through on the floor alone."""
+    crown(train(cancer, tmp_path / "champion", task="binary", label="diagnosis"), "cancer")
+    few = ["mean radius", "mean texture", "mean smoothness", "mean symmetry"]
+    challenger = train(cancer, tmp_path / "few", task="binary", label="diagnosis", features=few, epochs=20)
+    result = evaluate(challenger, data_dir=cancer, model_name="cancer", label_column="diagnosis",
+                      gate={"task": "binary", "primary": "accuracy", "floor": 0.5})
+    assert result["champion"] is not None and not result["needs_approval"], result["reasons"]
+    assert result["champion"]["accuracy"] > result["challenger"]["accuracy"]
+    assert not result["passed"] and "vs champion" in result["reasons"][0]
+
+
+def test_a_heavy_tailed_test_value_is_scored_and_reported_as_drift_never_refused(
+        cancer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On main one test value beyond the train range (widened by one range) made `evaluate` raise, every night
+    that the champion's range was exceeded. Evaluation refuses no row for its range, whatever serving's policy."""
+    monkeypatch.setenv(RANGE_POLICY_ENV, "refuse")
+    crown(train(cancer, tmp_path / "champion", task="binary", label="diagnosis"), "cancer")
+
+    def heavy_tail(frame: pd.DataFrame, split: str) -> pd.DataFrame:
+        if split == "test":
+            frame.loc[0, "mean area"] = frame["mean area"].max() * 1000.0
+            frame.loc[1, "worst area"] = np.exp(30.0)  # a lognormal tail's far end
+        return frame
+
+    tonight = copy_data(cancer, tmp_path / "tonight", heavy_tail)
+    challenger = train(tonight, tmp_path / "challenger", task="binary", label="diagnosis", seed=1)
+    result = evaluate(challenger, data_dir=tonight, model_name="cancer", label_column="diagnosis",
+                      gate={"task": "binary", "primary": "accuracy", "floor": 0.5})
+    rows = len(pd.read_parquet(tonight / "test.parquet"))
+    drift = result["challenger"]["drift"]  # a small table's test split has other rows beyond the train range too
+    assert drift["columns"]["mean area"] >= 1 / rows and drift["columns"]["worst area"] >= 1 / rows, drift
+    assert 2 / rows <= drift["rows"] < 0.5
+    assert result["champion"] is not None and result["champion"]["drift"]["rows"] >= 2 / rows
+    run = tracking.client().get_run(challenger)
+    assert run.data.metrics["test_rows_outside_train_range"] == pytest.approx(drift["rows"])
+    assert "worst area" in run.data.tags["nightshift.outside_train_range"]
+
+
+def test_a_champion_that_cannot_be_scored_on_a_relabelled_night_goes_to_a_person(
+        cancer: Path, tmp_path: Path) -> None:
+    """The champion learnt no/yes; tonight's label is 0/1: it cannot be scored. On main every such night failed."""
+    words = copy_data(cancer, tmp_path / "words", lambda frame, split: frame.assign(
+        diagnosis=frame["diagnosis"].map({0: "no", 1: "yes"})))
+    version = crown(train(words, tmp_path / "champion", task="binary", label="diagnosis"), "cancer")
+    challenger = train(cancer, tmp_path / "challenger", task="binary", label="diagnosis")
+    result = evaluate(challenger, data_dir=cancer, model_name="cancer", label_column="diagnosis",
+                      gate={"task": "binary", "primary": "accuracy", "floor": 0.8})
+    assert result["champion"] is None and result["passed"] and result["needs_approval"], result["reasons"]
+    assert result["reasons"][0].startswith(f"champion v{version} cannot be scored on tonight's data (")
+    assert "('diagnosis' holds ['0', '1'], classes it does not know: it knows ['no', 'yes']" in result["reasons"][0]
+    assert "goes to a person" in result["reasons"][-1]
+
+
+def test_a_night_that_lost_a_class_is_not_compared_with_a_champion_that_knew_it(tmp_path: Path) -> None:
+    """Wine, 3 classes; tonight has no row of class 2. The challenger cannot answer it: a person decides."""
+    from sklearn.datasets import load_wine
+
+    wine = load_wine(as_frame=True).frame.rename(columns={"target": "cultivar"})
+    everything = write_splits(wine, tmp_path / "wine")
+    version = crown(train(everything, tmp_path / "champion", task="multiclass", label="cultivar"), "wine")
+    lost = write_splits(wine[wine["cultivar"] != 2].reset_index(drop=True), tmp_path / "lost")
+    challenger = train(lost, tmp_path / "challenger", task="multiclass", label="cultivar")
+    result = evaluate(challenger, data_dir=lost, model_name="wine", label_column="cultivar",
+                      gate={"task": "multiclass", "primary": "accuracy", "floor": 0.8})
+    assert result["champion"] is None and result["needs_approval"], result["reasons"]
+    assert result["reasons"][0] == (f"champion v{version} is not comparable (the challenger cannot answer "
+                                    f"class(es) ['2'] that the champion knew (tonight's training data has no row "
+                                    f"of them))")
+
