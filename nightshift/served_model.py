@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 from mlflow.pyfunc import PythonModel
 
-from nightshift.errors import DataError, TrackingError
+from nightshift.errors import DataError, TrackingError, UsageError
 
 _log = logging.getLogger(__name__)
 
@@ -170,6 +170,24 @@ def range_policy() -> str:
     if policy not in RANGE_POLICIES:
         raise TrackingError(f"{RANGE_POLICY_ENV}={policy!r}: use one of {', '.join(RANGE_POLICIES)}")
     return policy
+
+
+def check_range_policy(policy: str) -> str:
+    """A declared range policy (deploy option `range_policy`), or UsageError naming the choices."""
+    if policy not in RANGE_POLICIES:
+        raise UsageError(f"range_policy {policy!r}: use one of {', '.join(RANGE_POLICIES)} (accept: answer a value "
+                         f"beyond the training range and count it; refuse: answer 400)")
+    return policy
+
+
+def served_bounds(model_dir: str | Path) -> FeatureSpec | None:
+    """The learned bounds a downloaded model's server enforces under the `refuse` policy, or None (no serving.json,
+    or bounds that are the domain's, enforced anyway and met by validated data)."""
+    info = read_serving_info(Path(model_dir) / "artifacts" / "model_dir") or read_serving_info(model_dir)
+    if info is None:
+        return None
+    features = FeatureSpec.from_json(info["features"])
+    return features if features.learned else None
 
 
 class TorchTableClassifier:

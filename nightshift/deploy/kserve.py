@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 
 from nightshift import registry, tracking
 from nightshift.errors import DeploymentFailed, UsageError
+from nightshift.served_model import RANGE_POLICY_ENV, check_range_policy
 
 GROUP = "serving.kserve.io"
 VERSION = "v1beta1"
@@ -142,22 +143,33 @@ def canary_name(version: str, stable_name: str | None) -> str:
     return f"{name}-b" if name == stable_name else name
 
 
+def range_policy_env(range_policy: str | None) -> list[dict[str, str]] | None:
+    """The predictor container's environment that sets the served model's range policy (None: the image's
+    default, accept)."""
+    if range_policy is None:
+        return None
+    return [{"name": RANGE_POLICY_ENV, "value": check_range_policy(range_policy)}]
+
+
 def canary_patch(mode: str, stable: dict[str, Any], uri: str, version: str, percent: int, *,
-                 previous_version: str | None = None) -> dict[str, Any]:
+                 previous_version: str | None = None, range_policy: str | None = None) -> dict[str, Any]:
     """The merge patch that starts `version` (at `uri`) as a canary beside the `stable` predictor (that of
     `previous_version`). The version annotation is left alone: it names what serves, and changes with the
-    promotion."""
+    promotion. `range_policy` given: the canary's model container gets it in its environment."""
     _check_percent(percent)
+    env = range_policy_env(range_policy)
     if mode == KNATIVE:
         # The predictor spec is overwritten with the canary's: what to restore is recorded beside it, so that a
         # re-run after an interrupted canary rolls back to the rolled-out model, not to the canary.
         record = json.dumps({"version": previous_version, "predictor": stable}, sort_keys=True)
         return {"metadata": {"annotations": {PREVIOUS_ANNOTATION: record}},
-                "spec": {"predictor": {"canaryTrafficPercent": percent, "model": {"storageUri": uri}}}}
+                "spec": {"predictor": {"canaryTrafficPercent": percent,
+                                       "model": {"storageUri": uri, **({"env": env} if env else {})}}}}
     # Standard: a whole predictor (KServe overlays it on the stable one); the annotation says Standard, which
     # KServe's webhook requires of every spec.canary.
     # The CRD wants the canary model's container name, which KServe's webhook forbids on the stable one.
-    model = {**copy.deepcopy(stable.get("model") or {}), "storageUri": uri, "name": CONTAINER_NAME}
+    model = {**copy.deepcopy(stable.get("model") or {}), "storageUri": uri, "name": CONTAINER_NAME,
+             **({"env": env} if env else {})}
     predictor = {"name": canary_name(version, stable.get("name")), "model": model}
     return {"metadata": {"annotations": {MODE_ANNOTATION: STANDARD}},
             "spec": {"canary": [{"trafficPercent": percent, "predictor": predictor}]}}
@@ -208,11 +220,16 @@ def canary_url(isvc: dict[str, Any]) -> str | None:
 def inference_service(name: str, namespace: str, storage_uri: str, *, model_version: str,
                       canary_traffic_percent: int | None = None, service_account: str | None = None,
                       labels: dict[str, str] | None = None, resources: dict[str, Any] | None = None,
-                      runtime: str | None = None, deployment_mode: str | None = None) -> dict[str, Any]:
-    """The InferenceService manifest: an MLflow-format predictor (Open Inference Protocol v2)."""
+                      runtime: str | None = None, deployment_mode: str | None = None,
+                      range_policy: str | None = None) -> dict[str, Any]:
+    """The InferenceService manifest: an MLflow-format predictor (Open Inference Protocol v2). `range_policy`:
+    the served model's (accept | refuse) in its container's environment; None: the default, accept."""
     _check_percent(canary_traffic_percent)
     model: dict[str, Any] = {"modelFormat": {"name": "mlflow"}, "protocolVersion": "v2",
                              "storageUri": storage_uri}
+    env = range_policy_env(range_policy)
+    if env:
+        model["env"] = env
     if runtime:
         model["runtime"] = runtime
     if resources:
@@ -513,12 +530,13 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
                   canary_traffic_percent: int = 10, timeout: float = 600.0, poll_interval: float = 5.0,
                   smoke: Callable[[dict[str, Any]], None] | None = None, service_account: str | None = None,
                   runtime: str | None = None, sleep: Callable[[float], None] = time.sleep,
-                  clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+                  clock: Callable[[], float] = time.monotonic, range_policy: str | None = None) -> dict[str, Any]:
     """Roll `model_name` `version` (default `@alias`) out to KServe with a canary, then promote or roll back.
 
     `storage` overrides the storage URI read from the registry (e.g. an s3:// mirror of the artifacts);
     either must be one KServe can fetch (see `kserve_storage_uri`), else DeploymentFailed before any API
-    call. `runtime` names the ServingRuntime (default: `default_runtime()`).
+    call. `runtime` names the ServingRuntime (default: `default_runtime()`). `range_policy` (accept | refuse)
+    goes into the predictor's environment (nightshift.served_model.RANGE_POLICY_ENV).
     `smoke(isvc)` may check the canary: it gets the Ready object, and `canary_url(isvc)` says where the canary
     answers on its own (raise to reject).
     Every patch is guarded by the resourceVersion it was based on; a rollout whose service another rollout
@@ -530,6 +548,7 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
     is None for a service just created without NIGHTSHIFT_KSERVE_DEPLOYMENT_MODE: the cluster's default).
     """
     _check_percent(canary_traffic_percent)
+    range_policy_env(range_policy)  # a bad policy is refused before any API call
     configured = configured_mode()
     if version is None:
         selected = registry.version_by_alias(model_name, alias)
@@ -548,7 +567,7 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
         body = inference_service(isvc.name, namespace, uri, model_version=version,
                                  service_account=service_account,
                                  runtime=default_runtime() if runtime is None else runtime,
-                                 deployment_mode=configured)
+                                 deployment_mode=configured, range_policy=range_policy)
         obj, created = isvc.create(body)
         if created:
             try:
@@ -577,7 +596,8 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
         registry.set_alias(model_name, registry.CHAMPION, version)
         return {**result, **serving, "previous_version": old_version}
 
-    canary = canary_patch(mode, old_predictor, uri, version, canary_traffic_percent, previous_version=old_version)
+    canary = canary_patch(mode, old_predictor, uri, version, canary_traffic_percent, previous_version=old_version,
+                          range_policy=range_policy)
     entry = canary["spec"].get("canary", [None])[0]
     try:
         ours = isvc.patch(canary, existing)

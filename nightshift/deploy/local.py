@@ -35,6 +35,7 @@ from nightshift.deploy.smoke import canary_batch, model_contract, post_json, smo
 from nightshift.errors import DeploymentFailed, UsageError
 from nightshift.fsutil import atomic_write_json
 from nightshift.netutil import free_port, listening_sockets, socket_inodes
+from nightshift.served_model import RANGE_POLICY_ENV, check_range_policy, served_bounds
 
 HOST = "127.0.0.1"
 SERVERS = ("mlflow", "guarded")
@@ -99,14 +100,19 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def start_server(model_path: Path, port: int, log_path: Path, server: str = "mlflow") -> subprocess.Popen[bytes]:
+def start_server(model_path: Path, port: int, log_path: Path, server: str = "mlflow",
+                 range_policy: str = "accept") -> subprocess.Popen[bytes]:
     """Start a model server on 127.0.0.1:port in its own session (its PID leads the process group).
+
+    `range_policy`: what the served model does with a value beyond its training range (widened): `accept`
+    (answer and count) or `refuse` (a 400); nightshift.served_model.RANGE_POLICY_ENV in the server's environment.
 
     `server="mlflow"`: `mlflow models serve --env-manager local`, as is. `server="guarded"`: the same
     MLflow scoring app under uvicorn behind `nightshift.deploy.guard.RequestGuard` (415 without a
     Content-Type, 413 above the body limit, short error bodies; see that module for why).
     """
     env = _server_env()
+    env[RANGE_POLICY_ENV] = check_range_policy(range_policy)
     if server == "mlflow":
         command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(model_path),
                    "--env-manager", "local", "-h", HOST, "-p", str(port), "--workers", "1"]
@@ -287,8 +293,12 @@ def _download(model_name: str, version: str) -> Path:
 
 def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None = None,
                  alias: str = registry.CHALLENGER, canary_rows: int = 256, tolerance: float = 0.05,
-                 startup_timeout: float = 180.0, server: str = "mlflow") -> dict[str, Any]:
+                 startup_timeout: float = 180.0, server: str = "mlflow",
+                 range_policy: str = "accept") -> dict[str, Any]:
     """Serve `model_name` `version` (default: the version `@alias`) locally, blue/green, and promote it.
+
+    `range_policy` (accept | refuse) is the served model's answer to values beyond its training range; the
+    canary batch holds only rows the server takes under it (a smoke test never fails for a row's range).
 
     Returns {"target": "local", "status": "promoted" | "already_serving", "model_name", "version",
     "url", "port", "pid", "model_path", "smoke": {...}, "previous": {"version", "pid", "stopped"} | None}.
@@ -304,6 +314,7 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
     else:
         selected = registry.get_version(model_name, version)
     version = str(version)
+    check_range_policy(range_policy)
     with _deploy_lock(model_name):
         old = read_record(model_name)
         if old and str(old.get("version")) == version and _still_serving(old):
@@ -316,13 +327,14 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
         staging = _download(model_name, version)
         try:
             contract = model_contract(staging)  # a tabular model's columns, label and task
-            frame, labels = canary_batch(data_dir, canary_rows, contract=contract)
+            frame, labels = canary_batch(data_dir, canary_rows, contract=contract,
+                                         within=served_bounds(staging) if range_policy == "refuse" else None)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         try:
             proc, port, model_path, log_path = _start_on_a_free_port(model_name, version, staging, server,
-                                                                     startup_timeout)
+                                                                     startup_timeout, range_policy)
         except DeploymentFailed as err:
             raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; {_serving_now(old)}") from err
         url = f"http://{HOST}:{port}"
@@ -356,8 +368,8 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
                 "smoke": smoke, "previous": previous}
 
 
-def _start_on_a_free_port(model_name: str, version: str, staging: Path, server: str, startup_timeout: float
-                          ) -> tuple[subprocess.Popen[bytes], int, Path, Path]:
+def _start_on_a_free_port(model_name: str, version: str, staging: Path, server: str, startup_timeout: float,
+                          range_policy: str = "accept") -> tuple[subprocess.Popen[bytes], int, Path, Path]:
     """Serve the downloaded `staging` on a free port until /ping answers from it: (process, port, model
     path, log path). A port another process took first is given up, its server stopped and its model
     folder renamed for the next port, `PORT_TRIES` times at most. On any failure nothing is left behind:
@@ -370,7 +382,7 @@ def _start_on_a_free_port(model_name: str, version: str, staging: Path, server: 
             model_path = model_path.rename(staging.with_name(f"{model_name}-v{version}-{port}"))
             log_path = settings.serving_dir() / "logs" / f"{model_name}-v{version}-{port}.log"
             offset = log_path.stat().st_size if log_path.exists() else 0
-            proc = start_server(model_path, port, log_path, server)
+            proc = start_server(model_path, port, log_path, server, range_policy)
             try:
                 wait_healthy(f"http://{HOST}:{port}", proc, log_path, startup_timeout, port=port,
                              log_offset=offset)

@@ -46,11 +46,22 @@ def model_contract(model_dir: str | Path) -> ModelContract:
                          label=str(metadata.get("nightshift.label_column") or LABEL_COLUMN))
 
 
-def canary_batch(data_dir: str | Path, rows: int, split: str = "test",
-                 contract: ModelContract | None = None) -> tuple[pd.DataFrame, np.ndarray]:
-    """The first `rows` rows of the held-out split: (raw features, labels)."""
+def canary_batch(data_dir: str | Path, rows: int, split: str = "test", contract: ModelContract | None = None,
+                 within: Any = None) -> tuple[pd.DataFrame, np.ndarray]:
+    """The first `rows` rows of the held-out split: (raw features, labels). `within` (a served model's learned
+    FeatureSpec, when its server refuses values beyond them): only rows inside those bounds, so that the smoke
+    test judges the server's answers, never a row's range."""
     contract = contract or ModelContract()
-    frame = read_split_frame(data_dir, split).head(rows)
+    frame = read_split_frame(data_dir, split)
+    if within is not None and all(c in frame.columns for c in within.columns):
+        values = frame[list(within.columns)].to_numpy(dtype=np.float64)
+        inside = ((values >= np.asarray(within.low)) & (values <= np.asarray(within.high))).all(axis=1)
+        if not inside.any():
+            raise DeploymentFailed(f"{data_dir}/{split}.parquet has no row inside the model's training range "
+                                   f"(widened) for the canary batch, which its server (range_policy refuse) "
+                                   f"would take; deploy with range_policy accept, or retrain")
+        frame = frame[inside]
+    frame = frame.head(rows)
     if contract.label not in frame.columns:
         raise DeploymentFailed(f"{data_dir}/{split}.parquet has no {contract.label!r} column "
                                f"for the canary batch")

@@ -779,3 +779,21 @@ def test_both_rollouts_build_objects_the_crd_accepts(validate_isvc: Callable[[di
     knative = merge_patch(stable, kserve.canary_patch("Knative", predictor, "s3://b/2", "2", 10))
     validate_isvc(knative)
     assert knative["spec"]["predictor"]["canaryTrafficPercent"] == 10
+
+
+def test_the_declared_range_policy_reaches_the_predictor_container_and_its_canaries(
+        validate_isvc: Callable[[dict[str, Any]], None]) -> None:
+    """Issue 34: serving's range policy is declared per pipeline (deploy.options.range_policy); on KServe it is the
+    predictor container's environment, on creation and in each canary, in objects the CRD accepts."""
+    env = [{"name": "NIGHTSHIFT_SERVING_RANGE_POLICY", "value": "refuse"}]
+    body = kserve.inference_service("digits", "ns", "s3://b/m", model_version="3", range_policy="refuse")
+    validate_isvc(body)
+    assert body["spec"]["predictor"]["model"]["env"] == env
+    assert "env" not in kserve.inference_service("d", "ns", "s3://b/m", model_version="1")["spec"]["predictor"]["model"]
+    stable = body["spec"]["predictor"]
+    knative = kserve.canary_patch(kserve.KNATIVE, stable, "s3://b/n", "4", 10, range_policy="accept")
+    assert knative["spec"]["predictor"]["model"]["env"] == [{**env[0], "value": "accept"}]
+    standard = kserve.canary_patch(kserve.STANDARD, stable, "s3://b/n", "4", 10, range_policy="refuse")
+    assert standard["spec"]["canary"][0]["predictor"]["model"]["env"] == env
+    with pytest.raises(UsageError, match=r"range_policy 'clip': use one of accept, refuse"):
+        kserve.inference_service("d", "ns", "s3://b/m", model_version="1", range_policy="clip")

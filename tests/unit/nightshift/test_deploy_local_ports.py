@@ -203,3 +203,31 @@ def test_a_recorded_server_whose_port_another_process_now_serves_is_not_already_
         again = local.deploy_local("m", data_dir=tmp_path, version="1")
         assert again["status"] == "already_serving" and again["port"] == port
         assert aliases == [(local.registry.CHAMPION, "1")]
+
+
+@pytest.mark.parametrize("policy", ["accept", "refuse"])
+def test_the_server_process_gets_the_declared_range_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           policy: str) -> None:
+    """deploy.options.range_policy reaches the served model: its server's environment (issue 34)."""
+    from nightshift.served_model import RANGE_POLICY_ENV
+
+    seen: list[dict[str, str]] = []
+
+    class Started:
+        pid = 0
+
+    def popen(command: list[str], **kwargs: Any) -> Started:
+        seen.append(kwargs["env"])
+        return Started()
+
+    monkeypatch.setenv(RANGE_POLICY_ENV, "refuse" if policy == "accept" else "accept")  # the caller's is not used
+    monkeypatch.setattr(local.subprocess, "Popen", popen)
+    local.start_server(tmp_path / "model", 1234, tmp_path / "logs" / "server.log", range_policy=policy)
+    assert seen[0][RANGE_POLICY_ENV] == policy
+
+
+def test_an_unknown_range_policy_is_refused_before_anything_is_served(tmp_path: Path) -> None:
+    from nightshift.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"range_policy 'clip': use one of accept, refuse"):
+        local.start_server(tmp_path / "model", 1234, tmp_path / "server.log", range_policy="clip")

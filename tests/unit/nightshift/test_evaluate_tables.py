@@ -145,3 +145,27 @@ def test_a_night_that_lost_a_class_is_not_compared_with_a_champion_that_knew_it(
                                     f"class(es) ['2'] that the champion knew (tonight's training data has no row "
                                     f"of them))")
 
+
+
+def test_a_refusing_servers_canary_batch_holds_only_rows_it_takes(cancer: Path, tmp_path: Path) -> None:
+    """Deploy's smoke test never fails for a row's range: under range_policy refuse the canary batch leaves out
+    the rows beyond the downloaded model's learned bounds (read from its serving.json)."""
+    import mlflow
+
+    from nightshift.deploy.smoke import canary_batch, model_contract
+    from nightshift.served_model import served_bounds
+
+    run_id = train(cancer, tmp_path / "model", task="binary", label="diagnosis", epochs=5)
+    local = Path(mlflow.artifacts.download_artifacts(tracking.run_model_uri(run_id), dst_path=str(tmp_path / "dl")))
+    bounds = served_bounds(local)
+    assert bounds is not None and bounds.learned and "mean area" in bounds.columns
+
+    def tail(frame: pd.DataFrame, split: str) -> pd.DataFrame:
+        if split == "test":
+            frame.loc[0, "mean area"] = frame["mean area"].max() * 1000.0
+        return frame
+
+    tonight = copy_data(cancer, tmp_path / "tonight", tail)
+    taken, _ = canary_batch(tonight, 5, contract=model_contract(local), within=bounds)
+    everything, _ = canary_batch(tonight, 5, contract=model_contract(local))
+    assert everything["mean area"].iloc[0] > 1e5 and (taken["mean area"] < 1e5).all() and len(taken) == 5
