@@ -57,13 +57,16 @@ class GateConfig:
             object.__setattr__(self, "primary", primary)
         if self.guards is None:
             object.__setattr__(self, "guards", dict(guards))
-        if self.floor is None:
-            object.__setattr__(self, "floor", floor)
         for name in (self.primary, *(self.guards or {})):
             try:
                 metric(self.task, name)
             except UsageError as err:
                 raise UsageError(f"gate {err}") from err
+        if self.floor is None and floor is not None:
+            if self.primary != primary:  # the default floor is a value of the default metric, in its units
+                raise UsageError(f"gate: give a floor for primary {self.primary!r} (--floor): the task's default "
+                                 f"floor ({floor:g}) is for {primary}")
+            object.__setattr__(self, "floor", floor)
         if not math.isfinite(self.min_improvement) or self.min_improvement < 0:
             raise UsageError(f"min_improvement must be a finite number >= 0, got {self.min_improvement}")
         for name, tolerance in (self.guards or {}).items():
@@ -154,7 +157,7 @@ def _classifier(model: Any) -> Any:
     return getattr(python_model, "classifier", None)
 
 
-def _predict(model: Any, frame: Any) -> Any:
+def _predict(model: Any, frame: Any, where: str = "the split") -> Any:
     """The pyfunc's answer for a raw feature table, in server-sized batches. A Nightshift model answers every
     row whatever its range (`check_range=False`): evaluation never refuses a row for being beyond the training
     data's range (a heavy tail is data, reported by `outside_training_range`); serving has its own policy."""
@@ -163,9 +166,13 @@ def _predict(model: Any, frame: Any) -> Any:
     classifier = _classifier(model)
 
     def predict(part: Any) -> Any:
-        if classifier is not None:
-            return classifier.predict(part, check_range=False)
-        return model.predict(part)
+        try:
+            if classifier is not None:
+                return classifier.predict(part, check_range=False)
+            return model.predict(part)
+        except Exception as err:  # the served model's 400s (MlflowException), and anything a plugin raises
+            raise EvaluationError(f"{where}: the model cannot answer its rows ({type(err).__name__}: "
+                                  f"{str(err)[:300]})") from err
 
     parts = [predict(frame.iloc[start:start + tracking.MAX_ROWS]) for start in range(0, len(frame), tracking.MAX_ROWS)]
     return pd.concat(parts, ignore_index=True)
@@ -244,6 +251,8 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
     the classes of both models compared, so that both are scored over the same set (a class this model lacks
     gets probability 0); else over the model's own. A true label the model does not know is an EvaluationError.
     `drift` is the share of rows beyond the model's training range (`outside_training_range`)."""
+    import pandas as pd
+
     check_task(task)
     path = f"{data_dir}/{split}.parquet"
     frame = read_split_frame(data_dir, split)
@@ -260,7 +269,12 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
     if missing:
         raise EvaluationError(f"{path} lacks the model's feature columns {missing[:5]}; is this the dataset "
                               f"the model was trained on?")
-    out = _predict(model, frame[columns])
+    out = _predict(model, frame[columns], path)
+    bad = [str(c) for c in out.columns if pd.api.types.is_numeric_dtype(out[c]) and not np.isfinite(
+        out[c].to_numpy(np.float64)).all()]
+    if bad:
+        raise EvaluationError(f"{path}: model {model_uri} answers values that are not finite numbers in {bad[:3]} "
+                              f"(a feature value too large for the network, e.g. a fill value like 9.97e36?)")
     head = {"model_uri": model_uri, "rows": len(frame), "drift": outside_training_range(model, frame)}
     if task == REGRESSION:
         if tracking.VALUE_COLUMN not in out.columns:
@@ -385,7 +399,6 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     decide: `needs_approval` sends the decision to a person (the pipeline's approval step, whatever
     `require_approval` says), and no such night fails or repeats itself.
     """
-    import mlflow
 
     if isinstance(gate, dict):  # plain arguments from a DAG: {"primary": ..., "min_improvement": ..., "task": ...}
         gate = GateConfig(**gate)
@@ -398,33 +411,18 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     for_a_person: list[str] = []
     current = champion_uri(model_name)
     if current is not None:
-        version, uri = current
-        champion_model = _load(uri)
-        frame = read_split_frame(data_dir, split)
-        why = incomparable(champion_model, challenger_model, task=task, label_column=label_column,
-                           data_columns=frame.columns)
-        known = _class_names(champion_model) if "classes" in challenger and not why else None
-        if known is not None:
-            unseen = sorted(set(frame[label_column].astype(str)) - set(known))
-            dropped = [c for c in known if c not in set(challenger["classes"])]
-            if unseen:
-                for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({label_column!r} "
-                                    f"holds {unseen[:5]}, classes it does not know: it knows {known[:10]}; a new "
-                                    f"class, or labels encoded anew?)")
-            elif dropped:
-                why = (f"the challenger cannot answer class(es) {dropped[:5]} that the champion knew (tonight's "
-                       f"training data has no row of them)")
-        if why:
-            for_a_person.append(f"champion v{version} is not comparable ({why})")
-        if not for_a_person:
-            try:
-                champion = {"version": version, **score(uri, data_dir, split, task=task, label_column=label_column,
-                                                       model=champion_model, classes=challenger.get("classes"))}
-            except EvaluationError as err:
-                for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({err})")
+        try:
+            champion, why_not = _champion_scores(current, challenger_model, challenger, data_dir, split, task,
+                                                 label_column)
+        except Exception as err:  # whatever it is, a champion that cannot be read never wedges the pipeline
+            champion, why_not = None, [f"champion v{current[0]} cannot be scored on tonight's data "
+                                       f"({type(err).__name__}: {str(err)[:300]})"]
+        for_a_person.extend(why_not)
     decision = decide(challenger, champion, gate)
     needs_approval = bool(for_a_person) and bool(decision["passed"])
     if for_a_person:
+        # Not passed on its own: whatever reads only `passed` (nightshift register, a script) promotes nothing.
+        decision["passed"] = False
         decision["reasons"] = [
             *for_a_person, *decision["reasons"],
             "the decision goes to a person: approve or reject the new model in the approval step" if needs_approval
@@ -432,6 +430,56 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     decision["needs_approval"] = needs_approval
     drift = challenger.get("drift") or {}
     classification = task != REGRESSION
+    return _log_evaluation(decision, run_id=run_id, model_name=model_name, split=split, task=task,
+                           challenger=challenger, champion=champion, gate=gate, drift=drift,
+                           classification=classification)
+
+
+def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger: dict[str, Any],
+                     data_dir: str | Path, split: str, task: str, label_column: str
+                     ) -> tuple[dict[str, Any] | None, list[str]]:
+    """(the champion's scores, or None with the reasons a person must decide instead)."""
+    version, uri = current
+    for_a_person: list[str] = []
+    champion: dict[str, Any] | None = None
+    champion_model = _load(uri)
+    frame = read_split_frame(data_dir, split)
+    why = incomparable(champion_model, challenger_model, task=task, label_column=label_column,
+                       data_columns=frame.columns)
+    known = _class_names(champion_model) if "classes" in challenger and not why else None
+    if known is not None:
+        unseen = sorted(set(frame[label_column].astype(str)) - set(known))
+        dropped = [c for c in known if c not in set(challenger["classes"])]
+        if unseen:
+            for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({label_column!r} "
+                                f"holds {unseen[:5]}, classes it does not know: it knows {known[:10]}; a new "
+                                f"class, or labels encoded anew?)")
+        elif dropped:
+            why = (f"the challenger cannot answer class(es) {dropped[:5]} that the champion knew (tonight's "
+                   f"training data has no row of them)")
+    if why:
+        for_a_person.append(f"champion v{version} is not comparable ({why})")
+    if not for_a_person:
+        try:
+            champion = {"version": version, **score(uri, data_dir, split, task=task, label_column=label_column,
+                                                   model=champion_model, classes=challenger.get("classes"))}
+        except EvaluationError as err:
+            for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({err})")
+    broken = [k for k in metric_names(task) if champion and k in champion and not math.isfinite(float(champion[k]))]
+    if broken:
+        for_a_person.append(f"champion v{version} scores {', '.join(broken)} that are not finite numbers on "
+                            f"tonight's data: nothing to compare with")
+        champion = None
+    return champion, for_a_person
+
+
+def _log_evaluation(decision: dict[str, Any], *, run_id: str, model_name: str, split: str, task: str,
+                    challenger: dict[str, Any], champion: dict[str, Any] | None, gate: GateConfig,
+                    drift: dict[str, Any], classification: bool) -> dict[str, Any]:
+    """The evaluation's result, logged to the training run (metrics, tags, confusion matrix, evaluation.json)."""
+    import mlflow
+
+    needs_approval = bool(decision.get("needs_approval"))
     result: dict[str, Any] = {
         **decision, "run_id": run_id, "model_name": model_name, "split": split,
         "challenger": challenger, "champion": champion, "gate": asdict(gate),

@@ -82,18 +82,22 @@ def _describe(model_name: str, version: Any, created: bool, alias: str | None) -
 
 
 def register(run_id: str, *, model_name: str = "nightshift-digits", lineage: dict[str, Any] | None = None,
-             evaluation: dict[str, Any] | None = None, alias: str = CHALLENGER) -> dict[str, Any]:
+             evaluation: dict[str, Any] | None = None, alias: str = CHALLENGER,
+             pending_approval: bool = False) -> dict[str, Any]:
     """Register the model of training run `run_id` with its lineage and give it `alias`.
 
     `lineage` holds what the DAG knows (`dataset_version`, `dataset_git_rev`, `dag_id`, `dag_run_id`, …);
     each key becomes a `nightshift.<key>` tag. With an `evaluation` (the dict `evaluate()` returned) that
-    did not pass, nothing is registered and ChallengerRejected is raised. A version already registered for
+    did not pass, nothing is registered and ChallengerRejected is raised, unless it awaits a person's decision
+    (`needs_approval`: the champion could not be compared) and the caller says an approval step follows
+    (`pending_approval`). A version already registered for
     this run is returned (`created` false) instead of a second one. On a failure after creation the new
     version is deleted, so no version without its tags or alias remains.
 
     Returns {"model_name", "version", "run_id", "model_uri", "source", "alias", "created"}.
     """
-    if evaluation is not None and not evaluation.get("passed"):
+    awaiting = pending_approval and evaluation is not None and bool(evaluation.get("needs_approval"))
+    if evaluation is not None and not evaluation.get("passed") and not awaiting:
         reasons = "; ".join(evaluation.get("reasons", []))
         raise ChallengerRejected(f"run {run_id} did not pass the gate: {reasons}")
     model_uri = tracking.run_model_uri(run_id)

@@ -161,7 +161,7 @@ def _invalid(message: str) -> Exception:
     return MlflowException.invalid_parameter_value(message)
 
 
-_NOT_FINITE = "feature values must be finite numbers"
+_NOT_FINITE = "feature values must be finite numbers, small enough for the model once scaled (float32)"
 
 
 def range_policy() -> str:
@@ -180,14 +180,16 @@ def check_range_policy(policy: str) -> str:
     return policy
 
 
-def served_bounds(model_dir: str | Path) -> FeatureSpec | None:
-    """The learned bounds a downloaded model's server enforces under the `refuse` policy, or None (no serving.json,
-    or bounds that are the domain's, enforced anyway and met by validated data)."""
+def served_bounds(model_dir: str | Path, policy: str = "refuse") -> FeatureSpec | None:
+    """The learned bounds a downloaded model's server refuses values beyond, or None (it refuses none for their
+    range: the `accept` policy; no serving.json; bounds that are the domain's, met by validated data). A model
+    logged before the range policy existed (no `learned` key) carries the code that always refuses."""
     info = read_serving_info(Path(model_dir) / "artifacts" / "model_dir") or read_serving_info(model_dir)
     if info is None:
         return None
     features = FeatureSpec.from_json(info["features"])
-    return features if features.learned else None
+    always_refuses = "learned" not in info["features"] and features.learned
+    return features if features.learned and (policy == "refuse" or always_refuses) else None
 
 
 class TorchTableClassifier:
@@ -265,7 +267,9 @@ class TorchTableClassifier:
         consumer checks its batches with. Rows beyond learned bounds are refused only under the `refuse` policy
         (and never with `check_range=False`); under `accept` they are counted (`rows_out_of_range`) and logged."""
         low, high = np.asarray(self.features.low), np.asarray(self.features.high)
-        finite = np.isfinite(values).all(axis=1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            # finite, and still finite as the network gets it (scaled, float32): 9.97e36 (a fill value) is not
+            finite = np.isfinite(values).all(axis=1) & np.isfinite(self._scaled(values)).all(axis=1)
         inside = (values >= low) & (values <= high)
         in_range = inside.all(axis=1)
         if self.features.learned and (not check_range or self.range_policy == "accept"):
@@ -297,17 +301,20 @@ class TorchTableClassifier:
                               f"{float(high[j]):g}] (the training data's range, widened)")
         return faults
 
-    def _outputs(self, values: np.ndarray) -> np.ndarray:
-        import torch
-
-        # Scaled in float64, as the trainer's loader does (nightshift.datasets), then float32 for the network.
+    def _scaled(self, values: np.ndarray) -> np.ndarray:
+        """Scaled in float64, as the trainer's loader does (nightshift.datasets), then float32 for the network."""
         values = np.asarray(values, dtype=np.float64)
         if self.preprocessing is not None:
             prep = self.preprocessing
-            values = ((values - np.asarray(prep["mean"], dtype=np.float64))
-                      / np.asarray(prep["std"], dtype=np.float64)).astype(np.float32)
-        else:
-            values = (values / float(self.features.scale)).astype(np.float32)
+            return ((values - np.asarray(prep["mean"], dtype=np.float64))
+                    / np.asarray(prep["std"], dtype=np.float64)).astype(np.float32)
+        return (values / float(self.features.scale)).astype(np.float32)
+
+    def _outputs(self, values: np.ndarray) -> np.ndarray:
+        import torch
+
+        with np.errstate(over="ignore", invalid="ignore"):
+            values = self._scaled(values)
         with torch.inference_mode():
             output = self.model(torch.from_numpy(np.ascontiguousarray(values)))
             if self.is_regression:

@@ -54,6 +54,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     result = evaluate(_run_id(args), data_dir=args.data, model_name=args.model_name, split=args.split,
                       gate=gate, label_column=args.label_column)
     emit(result)
+    if result.get("needs_approval"):
+        return 3  # the champion could not be compared: a person decides (the reasons say why)
     return 0 if result["passed"] else 1
 
 
@@ -91,7 +93,8 @@ def _deploy(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_parser(subparsers: Any) -> None:
     ev = subparsers.add_parser("evaluate", help="score the new model and @champion; print the gate decision "
-                                                "(exit 1 when the gate rejects)")
+                                                "(exit 1 when the gate rejects; 3 when the champion could not "
+                                                "be compared and a person must decide)")
     _add_run(ev)
     ev.add_argument("--data", required=True, help="staged dataset directory")
     ev.add_argument("--split", default="test")

@@ -238,7 +238,7 @@ def evaluate(pipeline: Pipeline, trained: dict[str, Any], staged: dict[str, Any]
 
 def register(pipeline: Pipeline, decision: dict[str, Any], staged: dict[str, Any], dag_id: str, run_id: str,
              ti: Any) -> dict[str, Any]:
-    if not decision["passed"]:
+    if not decision["passed"] and not decision.get("needs_approval"):
         raise AirflowSkipException(f"Not registered: the gate rejected the new model "
                                    f"({'; '.join(decision['reasons'])}); the champion keeps serving")
     from nightshift.ledger import code_version
@@ -250,8 +250,9 @@ def register(pipeline: Pipeline, decision: dict[str, Any], staged: dict[str, Any
     lineage_tags = {"dataset_version": staged["hash"], "dataset_git_rev": staged.get("git_rev"),
                     "dataset_source": staged.get("source"), "dag_id": dag_id, "dag_run_id": run_id,
                     "code_version": code, "code_commit": code}
+    # needs_approval: registered as @challenger for the approval step that follows (adapters), which decides
     version = register_version(decision["run_id"], model_name=pipeline.model_name, lineage=lineage_tags,
-                               evaluation=decision)
+                               evaluation=decision, pending_approval=bool(decision.get("needs_approval")))
     ti.xcom_push(key="model_version", value={"name": version["model_name"], "version": version["version"]})
     log.info("Registered %s v%s (@%s)", version["model_name"], version["version"], version["alias"])
     return version

@@ -328,7 +328,7 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
         try:
             contract = model_contract(staging)  # a tabular model's columns, label and task
             frame, labels = canary_batch(data_dir, canary_rows, contract=contract,
-                                         within=served_bounds(staging) if range_policy == "refuse" else None)
+                                         within=served_bounds(staging, range_policy))
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -114,8 +114,9 @@ def test_a_champion_trained_for_another_label_task_or_features_is_no_champion(
     assert scored == ["runs:/new/model"] and result["champion"] is None
     assert why in result["reasons"][0] and "champion v3 is not comparable" in result["reasons"][0]
     # the floor alone does not decide: the model passes it, and the decision goes to a person
-    assert result["passed"] and "meets the floor 3.0000" in result["reasons"][1]
+    assert "meets the floor 3.0000" in result["reasons"][1]
     assert result["needs_approval"] and "goes to a person" in result["reasons"][-1]
+    assert not result["passed"]  # not on its own: whatever reads only `passed` promotes nothing
 
 
 def test_a_champion_trained_for_the_same_contract_is_scored(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,6 +160,15 @@ def test_r2_of_a_constant_target_is_nan_and_evaluation_refuses_such_a_split(
     frame = pd.DataFrame({"x": [1.0, 2.0, 3.0], "y": [3.0, 3.0, 3.0]})
     monkeypatch.setattr(ev, "read_split_frame", lambda data_dir, split: frame)
     model = _model("regression", "y", ["x"])
-    monkeypatch.setattr(ev, "_predict", lambda m, f: pd.DataFrame({ev.tracking.VALUE_COLUMN: [3.0, 3.0, 3.0]}))
+    monkeypatch.setattr(ev, "_predict", lambda m, f, *where: pd.DataFrame({ev.tracking.VALUE_COLUMN: [3.0, 3.0, 3.0]}))
     with pytest.raises(EvaluationError, match="target column 'y' has no variance"):
         ev.score("m", "/d", task="regression", label_column="y", model=model)
+
+
+def test_the_default_floor_belongs_to_the_default_primary_metric() -> None:
+    """Review of issue 34: `nightshift evaluate --primary log_loss` took accuracy's floor 0.8 as a log loss bound,
+    and a coin-flip model (log loss 0.69) met it."""
+    with pytest.raises(UsageError, match=r"give a floor for primary 'log_loss' \(--floor\)"):
+        GateConfig(primary="log_loss")
+    assert GateConfig(primary="accuracy").floor == 0.8
+    assert GateConfig(task="regression", primary="mae").floor is None

@@ -123,7 +123,7 @@ def test_a_champion_that_cannot_be_scored_on_a_relabelled_night_goes_to_a_person
     challenger = train(cancer, tmp_path / "challenger", task="binary", label="diagnosis")
     result = evaluate(challenger, data_dir=cancer, model_name="cancer", label_column="diagnosis",
                       gate={"task": "binary", "primary": "accuracy", "floor": 0.8})
-    assert result["champion"] is None and result["passed"] and result["needs_approval"], result["reasons"]
+    assert result["champion"] is None and not result["passed"] and result["needs_approval"], result["reasons"]
     assert result["reasons"][0].startswith(f"champion v{version} cannot be scored on tonight's data (")
     assert "('diagnosis' holds ['0', '1'], classes it does not know: it knows ['no', 'yes']" in result["reasons"][0]
     assert "goes to a person" in result["reasons"][-1]
@@ -169,3 +169,66 @@ def test_a_refusing_servers_canary_batch_holds_only_rows_it_takes(cancer: Path, 
     taken, _ = canary_batch(tonight, 5, contract=model_contract(local), within=bounds)
     everything, _ = canary_batch(tonight, 5, contract=model_contract(local))
     assert everything["mean area"].iloc[0] > 1e5 and (taken["mean area"] < 1e5).all() and len(taken) == 5
+
+
+@pytest.mark.parametrize("broken", ["nan", "text", "fill"])
+def test_a_champion_whose_column_went_bad_goes_to_a_person_and_never_wedges(cancer: Path, tmp_path: Path,
+                                                                            broken: str) -> None:
+    """Review of issue 34: tonight 'mean smoothness' has NaNs, text, or a fill value (9.97e36, beyond float32 once
+    scaled); the declaration dropped it, the champion still uses it. On the first fix the served model's 400
+    (MlflowException) or a NaN from the network escaped `evaluate` every night."""
+    crown(train(cancer, tmp_path / "champion", task="binary", label="diagnosis"), "cancer")
+    value: Any = {"nan": np.nan, "text": "n/a", "fill": 9.97e36}[broken]
+
+    def spoil(frame: pd.DataFrame, split: str) -> pd.DataFrame:
+        if split == "test":
+            frame["mean smoothness"] = frame["mean smoothness"].astype(str if broken == "text" else float)
+            frame.loc[3, "mean smoothness"] = value
+        return frame
+
+    tonight = copy_data(cancer, tmp_path / "tonight", spoil)
+    others = [c for c in pd.read_parquet(cancer / "train.parquet").columns if c not in {"diagnosis", "mean smoothness"}]
+    challenger = train(tonight, tmp_path / "challenger", task="binary", label="diagnosis", features=others)
+    result = evaluate(challenger, data_dir=tonight, model_name="cancer", label_column="diagnosis",
+                      gate={"task": "binary", "primary": "accuracy", "floor": 0.8})
+    assert result["needs_approval"] and not result["passed"] and result["champion"] is None, result["reasons"]
+    assert result["reasons"][0].startswith("champion v1 cannot be scored on tonight's data ("), result["reasons"]
+    assert "test.parquet" in result["reasons"][0]
+
+
+def test_a_served_model_refuses_a_value_too_large_for_it_whatever_the_range_policy(cancer: Path,
+                                                                                   tmp_path: Path) -> None:
+    """Accepting values beyond the training range must not let 9.97e36 reach the network (NaN answers)."""
+    import mlflow.pyfunc
+    from mlflow.exceptions import MlflowException
+
+    run_id = train(cancer, tmp_path / "model", task="binary", label="diagnosis", epochs=5)
+    classifier = mlflow.pyfunc.load_model(tracking.run_model_uri(run_id)).unwrap_python_model().classifier
+    rows = pd.read_parquet(cancer / "test.parquet").drop(columns=["diagnosis"]).head(3)
+    assert classifier.range_policy == "accept" and np.isfinite(
+        classifier.predict(rows.assign(**{"mean area": 1e9})).filter(like="prob_").to_numpy()).all()
+    with pytest.raises(MlflowException, match="small enough for the model once scaled"):
+        classifier.predict(rows.assign(**{"mean smoothness": 9.97e36}))
+    assert classifier.invalid_rows(rows.assign(**{"mean smoothness": 9.97e36}).to_numpy(np.float64))
+
+
+def test_a_decision_for_a_person_promotes_nothing_outside_airflow(cancer: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`nightshift evaluate` exits 3, and `register` refuses the evaluation unless an approval step follows."""
+    from nightshift.errors import ChallengerRejected
+    from nightshift.serving_cli import _evaluate
+
+    words = copy_data(cancer, tmp_path / "words", lambda frame, split: frame.assign(
+        diagnosis=frame["diagnosis"].map({0: "no", 1: "yes"})))
+    crown(train(words, tmp_path / "champion", task="binary", label="diagnosis"), "cancer")
+    challenger = train(cancer, tmp_path / "challenger", task="binary", label="diagnosis")
+    import argparse
+
+    args = argparse.Namespace(guard=None, primary="accuracy", min_improvement=0.001, floor=0.8, task="binary",
+                              run_id=challenger, out=None, data=str(cancer), model_name="cancer", split="test",
+                              label_column="diagnosis")
+    assert _evaluate(args) == 3
+    result = json.loads(capsys.readouterr().out)
+    with pytest.raises(ChallengerRejected):
+        registry.register(challenger, model_name="cancer", evaluation=result)
+    assert registry.register(challenger, model_name="cancer", evaluation=result, pending_approval=True)["version"]

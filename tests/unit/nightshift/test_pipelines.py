@@ -137,7 +137,7 @@ def test_unknown_keys_are_named_with_the_allowed_ones(folder: Path) -> None:
 def test_deploy_options_are_those_of_the_target(folder: Path) -> None:
     problems = problems_of(declare(folder, deploy={"target": "local", "options": {"namespace": "ml"}}))
     assert problems == (f"{folder / 'cancer.yaml'}: deploy.options.namespace: unknown key; allowed keys here: "
-                        f"canary_rows, tolerance, startup_timeout",)
+                        f"canary_rows, tolerance, startup_timeout, range_policy",)
     pipeline = load_pipeline(declare(folder, deploy={"target": "kserve", "options": {"namespace": "ml"}}))
     assert dict(pipeline.deploy.options) == {"namespace": "ml"}
 
