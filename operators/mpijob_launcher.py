@@ -480,8 +480,9 @@ class MPIJobLauncher:
             if verdict.phase != last_phase:
                 self.log.info("MPIJob %s/%s is %s", self.namespace, name, verdict.phase)
                 last_phase = verdict.phase
-            if verdict.phase == "Queued" and not verdict.done and verdict.message != last_reason:
-                self.log.info("%s", verdict.message)  # one line: why Kueue holds the job now
+            if not verdict.done and verdict.message and verdict.message != last_reason:
+                # one line: why Kueue holds the job now, or an elastic worker's restarts (an event, counted)
+                self.log.info("%s", verdict.message)
             last_reason = verdict.message
             if verdict.done:
                 self.stream_unread_logs(pods)

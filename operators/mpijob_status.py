@@ -22,8 +22,18 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
 
-# Waiting reasons that mean the image will not be pulled without a change by a person.
+# Waiting reasons of an image that is not pulled: the first two are retried by the kubelet with a back-off (up to
+# 5 minutes between tries), the last two never change without a person.
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+PERMANENT_PULL_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+# How long a job that never ran may wait on the kubelet's pull back-off before it fails: past the back-off's
+# 300 s cap, at least one more try failed. A job that ran is never failed for a pull (a worker recreated on another
+# node pulls again; its image existed).
+IMAGE_PULL_GRACE_S = 330.0
+# An elastic job's worker container that restarted in place (restartPolicy OnFailure: an OOM kill, a crash) is an
+# event, not a failure: Horovod blacklists its host for the cool-down and takes it back. More restarts than this of
+# one worker container is a crash loop: the job fails, naming the last reason.
+ELASTIC_RESTART_LIMIT = 5
 
 # Error kinds: the class names in operators.errors, so an event from the trigger maps back to an exception.
 FAILED_KIND = "MPIJobFailed"
@@ -122,18 +132,50 @@ def oom_killed(pods: Iterable[Mapping[str, Any]]) -> str | None:
     return None
 
 
-def image_pull_failure(pods: Iterable[Mapping[str, Any]]) -> str | None:
-    """A message naming a container whose image cannot be pulled, if any."""
+def image_pull_failure(pods: Iterable[Mapping[str, Any]], reasons: frozenset[str] = IMAGE_PULL_REASONS) -> str | None:
+    """A message naming a container whose image cannot be pulled (waiting for one of `reasons`), if any."""
     for pod in pods:
         for cs in _container_statuses(pod):
             waiting = (cs.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in IMAGE_PULL_REASONS:
+            if waiting.get("reason") in reasons:
                 detail = waiting.get("message") or ""
                 return (
                     f"pod {_pod_name(pod)} cannot pull image {cs.get('image', '?')!s}: "
                     f"{waiting['reason']}{': ' + detail if detail else ''}"
                 )
     return None
+
+
+def is_elastic(mpijob: Mapping[str, Any]) -> bool:
+    """The job runs horovodrun's elastic driver (its launcher names a host discovery script) and its workers
+    restart in place (restartPolicy OnFailure), as operators.mpijob_spec renders an elastic job."""
+    specs = (mpijob.get("spec") or {}).get("mpiReplicaSpecs") or {}
+    worker, launcher = specs.get("Worker") or {}, specs.get("Launcher") or {}
+    containers = ((launcher.get("template") or {}).get("spec") or {}).get("containers") or []
+    argv = [str(a) for c in containers for a in (*(c.get("command") or []), *(c.get("args") or []))]
+    return worker.get("restartPolicy") == "OnFailure" and any("--host-discovery-script" in a for a in argv)
+
+
+def worker_restarts(pods: Iterable[Mapping[str, Any]]) -> list[tuple[str, int, str]]:
+    """(pod, restart count, last termination reason) of each worker container that restarted in place."""
+    found = []
+    for pod in pods:
+        if _role(pod) != "worker":
+            continue
+        for cs in _container_statuses(pod):
+            count = int(cs.get("restartCount") or 0)
+            if count:
+                last = ((cs.get("lastState") or {}).get("terminated") or {})
+                reason = str(last.get("reason") or "Error")
+                if last.get("exitCode") is not None:
+                    reason += f", exit code {last['exitCode']}"
+                found.append((_pod_name(pod), count, reason))
+    return found
+
+
+def has_run(mpijob: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> bool:
+    """The job ran once: the MPI Operator set its Running condition (whatever it is now), or a launcher started."""
+    return _condition(mpijob, RUNNING) is not None or any(container_started(p) for p in launcher_pods(pods))
 
 
 def unschedulable(pods: Iterable[Mapping[str, Any]]) -> str | None:
@@ -298,11 +340,32 @@ def evaluate(
         return Verdict(QUEUED, message=f"MPIJob {name} is queued: {why}")
     if (resumed := resumed_at(mpijob)) is not None:
         elapsed = min(elapsed, max(0.0, now - resumed))
-    if oom := oom_killed(pods):
+    restarts: list[tuple[str, int, str]] = []
+    if is_elastic(mpijob):
+        # A worker restarted in place is an event (logged by the caller from the message), not a failure: the
+        # job goes on with the hosts left and takes the worker back. Only a crash loop, or the job's own
+        # Failed condition (above), fails it.
+        restarts = worker_restarts(pods)
+        looping = [r for r in restarts if r[1] > ELASTIC_RESTART_LIMIT]
+        if looping:
+            pod, count, last = looping[0]
+            kind = OOM_KIND if last.startswith("OOMKilled") else FAILED_KIND
+            return Verdict(current, done=True, error_kind=kind,
+                           message=f"MPIJob {name} failed: elastic worker pod {pod} restarted {count} times, more "
+                                   f"than {ELASTIC_RESTART_LIMIT} (last: {last}); a crash loop, not a lost host"
+                                   + ("; raise memory_limit or lower the batch size" if kind == OOM_KIND else ""))
+    elif oom := oom_killed(pods):
         return Verdict(current, done=True, error_kind=OOM_KIND, message=f"MPIJob {name} failed: {oom}")
-    if pull := image_pull_failure(pods):
-        return Verdict(current, done=True, error_kind=IMAGE_PULL_KIND, message=f"MPIJob {name}: {pull}")
+    if not has_run(mpijob, pods):
+        if pull := image_pull_failure(pods, PERMANENT_PULL_REASONS):
+            return Verdict(current, done=True, error_kind=IMAGE_PULL_KIND, message=f"MPIJob {name}: {pull}")
+        if (pull := image_pull_failure(pods)) and elapsed >= IMAGE_PULL_GRACE_S:
+            return Verdict(current, done=True, error_kind=IMAGE_PULL_KIND,
+                           message=f"MPIJob {name}: {pull} (still after {elapsed:.0f}s of the kubelet's back-off)")
     if current in {RUNNING, RESTARTING}:
+        if restarts:
+            said = ", ".join(f"{pod} x{count} (last: {why})" for pod, count, why in restarts)
+            return Verdict(current, message=f"MPIJob {name} runs; elastic worker restarts: {said}")
         return Verdict(current)
     if elapsed >= startup_timeout:
         if reason := unschedulable(pods):

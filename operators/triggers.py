@@ -284,8 +284,8 @@ class MPIJobTrigger(BaseTrigger):
             if verdict.phase != last_phase:
                 self.log.info("MPIJob %s/%s is %s", self.namespace, self.name, verdict.phase)
                 last_phase = verdict.phase
-            if verdict.phase == "Queued" and not verdict.done and verdict.message != last_reason:
-                self.log.info("%s", verdict.message)
+            if not verdict.done and verdict.message and verdict.message != last_reason:
+                self.log.info("%s", verdict.message)  # Kueue's reason, or an elastic worker's restarts
             last_reason = verdict.message
             if verdict.done:
                 yield self._event("success" if verdict.succeeded else "failed", verdict)
