@@ -39,6 +39,7 @@ Patches are JSON merge patches, as the real client sends for dict bodies: `None`
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import re
@@ -56,6 +57,9 @@ GROUP = "serving.kserve.io"
 VERSION = "v1beta1"
 PLURAL = "inferenceservices"
 VERSION_ANNOTATION = "nightshift.io/model-version"
+# The registered model an InferenceService serves, exactly as registered: a rollout of another model whose name
+# maps to the same service is refused rather than replacing it.
+MODEL_ANNOTATION = "nightshift.io/model-name"
 # Knative: the predictor (and version) a canary was started beside, written with the canary, removed with it.
 PREVIOUS_ANNOTATION = "nightshift.io/canary-previous"
 TERMINAL_REASONS = frozenset({"RevisionFailed", "ContainerCreationFailed", "RevisionMissing"})
@@ -85,11 +89,17 @@ def _status(err: Exception) -> int | None:
 
 
 def service_name(model_name: str) -> str:
-    """A DNS-1035 label for the InferenceService of `model_name`."""
-    name = re.sub(r"[^a-z0-9-]+", "-", model_name.lower()).strip("-")[:45].strip("-")
-    if not name or not name[0].isalpha():
-        name = f"m-{name}".strip("-")
-    return name
+    """A DNS-1035 label (at most 45 characters, room for KServe's suffixes) for the InferenceService of
+    `model_name`, one per model: a name that is already such a label is kept as it is; any other (capitals, `_`,
+    `.`, too long) gets the first 8 hex digits of its SHA-256 after what is left of it, so that `churn_v2`,
+    `churn.v2` and `Churn-V2`, or two long names with the same first 45 characters, get services of their own."""
+    if re.fullmatch(r"[a-z]([a-z0-9-]{0,43}[a-z0-9])?", model_name):
+        return model_name
+    digest = hashlib.sha256(model_name.encode()).hexdigest()[:8]
+    base = re.sub(r"[^a-z0-9-]+", "-", model_name.lower()).strip("-")[:36].strip("-")
+    if not base or not base[0].isalpha():
+        base = f"m-{base}".strip("-")[:36].strip("-")
+    return f"{base}-{digest}"
 
 
 def _check_percent(canary_traffic_percent: int | None) -> None:
@@ -221,7 +231,7 @@ def inference_service(name: str, namespace: str, storage_uri: str, *, model_vers
                       canary_traffic_percent: int | None = None, service_account: str | None = None,
                       labels: dict[str, str] | None = None, resources: dict[str, Any] | None = None,
                       runtime: str | None = None, deployment_mode: str | None = None,
-                      range_policy: str | None = None) -> dict[str, Any]:
+                      range_policy: str | None = None, model_name: str | None = None) -> dict[str, Any]:
     """The InferenceService manifest: an MLflow-format predictor (Open Inference Protocol v2). `range_policy`:
     the served model's (accept | refuse) in its container's environment; None: the default, accept."""
     _check_percent(canary_traffic_percent)
@@ -239,7 +249,7 @@ def inference_service(name: str, namespace: str, storage_uri: str, *, model_vers
         predictor["canaryTrafficPercent"] = canary_traffic_percent
     if service_account:
         predictor["serviceAccountName"] = service_account
-    annotations = {VERSION_ANNOTATION: model_version}
+    annotations = {VERSION_ANNOTATION: model_version, **({MODEL_ANNOTATION: model_name} if model_name else {})}
     if deployment_mode:
         annotations[MODE_ANNOTATION] = deployment_mode
     return {
@@ -563,8 +573,14 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
               "namespace": namespace, "storage_uri": uri}
 
     existing = isvc.get()
+    if existing is not None:
+        serves = ((existing.get("metadata") or {}).get("annotations") or {}).get(MODEL_ANNOTATION)
+        if serves is not None and serves != model_name:
+            raise DeploymentFailed(f"{model_name} v{version} not deployed: InferenceService {namespace}/{isvc.name} "
+                                   f"serves another model, {serves!r} ({MODEL_ANNOTATION}); nothing was changed. "
+                                   f"Give this model its own service (deploy option name)")
     if existing is None:
-        body = inference_service(isvc.name, namespace, uri, model_version=version,
+        body = inference_service(isvc.name, namespace, uri, model_version=version, model_name=model_name,
                                  service_account=service_account,
                                  runtime=default_runtime() if runtime is None else runtime,
                                  deployment_mode=configured, range_policy=range_policy)
@@ -598,6 +614,7 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
 
     canary = canary_patch(mode, old_predictor, uri, version, canary_traffic_percent, previous_version=old_version,
                           range_policy=range_policy)
+    canary.setdefault("metadata", {}).setdefault("annotations", {})[MODEL_ANNOTATION] = model_name
     entry = canary["spec"].get("canary", [None])[0]
     try:
         ours = isvc.patch(canary, existing)

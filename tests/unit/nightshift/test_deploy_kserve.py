@@ -437,7 +437,29 @@ def test_manifest_is_an_mlflow_v1beta1_inference_service() -> None:
     assert body["metadata"]["annotations"][VERSION_ANNOTATION] == "3"
     with pytest.raises(UsageError):
         kserve.inference_service("d", "ns", "s3://b/m", model_version="1", canary_traffic_percent=101)
-    assert kserve.service_name("Nightshift_Digits.v2") == "nightshift-digits-v2"
+    assert kserve.service_name("nightshift-digits") == "nightshift-digits"  # a DNS label already: kept
+
+
+def test_each_model_gets_a_service_of_its_own() -> None:
+    """Issue 34: churn_v2, churn.v2 and Churn-V2 mapped to one InferenceService, as did two long names sharing
+    their first 45 characters."""
+    import re
+
+    names = ["churn_v2", "churn.v2", "Churn-V2", "churn-v2", "a" * 45 + "-one", "a" * 45 + "-two", "9lives"]
+    services = [kserve.service_name(n) for n in names]
+    assert len(set(services)) == len(names), services
+    for service in services:
+        assert re.fullmatch(r"[a-z]([a-z0-9-]*[a-z0-9])?", service) and len(service) <= 45, service
+
+
+def test_a_rollout_never_replaces_the_service_of_another_model(env: FakeClock) -> None:
+    api = FakeCustomObjectsApi(ready_after=1)
+    _deploy(api, env, "1")  # MODEL's service, annotated with its name
+    before = copy.deepcopy(api.spec())
+    with pytest.raises(DeploymentFailed, match=rf"serves another model, '{MODEL}'.*nothing was changed"):
+        deploy_kserve("someone-else", api=api, namespace=NS, version="1", storage=f"s3://models/{MODEL}/1",
+                      name=MODEL, poll_interval=1.0, timeout=30.0, sleep=env.sleep, clock=env)
+    assert api.spec() == before
 
 
 def test_storage_uri_comes_from_the_registry(env: FakeClock) -> None:
