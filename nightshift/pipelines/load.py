@@ -106,6 +106,9 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
         raise PipelineInvalid(source, [f"{where}: invalid YAML: {problem}; fix the syntax"]) from err
     except yaml.YAMLError as err:
         raise PipelineInvalid(source, [f"(top level): invalid YAML: {err}; fix the syntax"]) from err
+    except RecursionError as err:  # a file of a few KB nested thousands deep: never a declaration
+        raise PipelineInvalid(source, ["(top level): nested too deep to be a declaration; a declaration is a few "
+                                       "levels deep (see the schema)"]) from err
     if data is None:
         raise PipelineInvalid(source, ["(top level): the file is empty; declare a pipeline (see the schema "
                                        f"{SCHEMA_PATH.name})"])
@@ -301,6 +304,19 @@ def _metric_problems(data: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _schedule_problems(data: Mapping[str, Any]) -> list[str]:
+    """A cron schedule Airflow would refuse when it parses the DAG (naming neither file nor key), named here."""
+    schedule = data.get("schedule")
+    if not isinstance(schedule, str) or schedule.startswith("@"):
+        return []
+    from croniter import croniter
+
+    if croniter.is_valid(schedule):
+        return []
+    return [f"schedule: {schedule!r} is not a valid cron expression (minute hour day-of-month month day-of-week, "
+            f"e.g. '0 2 * * *' for 02:00 every day); fix it, or use a preset like '@daily'"]
+
+
 def _inside(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder.resolve())
 
@@ -367,7 +383,7 @@ def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None =
         raise PipelineInvalid(label, problems)
     filled = _with_defaults(data, schema())
     filled["gate"], problems = gate_with_task_defaults(filled["task"], filled["gate"])
-    problems += _metric_problems(filled) + _data_problems(filled)
+    problems += _metric_problems(filled) + _data_problems(filled) + _schedule_problems(filled)
     suite_path = None
     try:
         suite_path = resolve_suite(filled["suite"], folder)

@@ -604,3 +604,22 @@ def test_a_regression_gate_needs_no_floor_and_another_primary_needs_one(folder: 
     assert problems_of(path) == (f"{path}: gate.floor: required with primary 'log_loss': the task's default floor "
                                  f"(0.8) is for accuracy; give the value 'log_loss' must reach when there is no "
                                  f"champion yet",)
+
+
+# ---- what failed only later, at Airflow's parse (issue 34 item 8) ---------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["99 99 * * *", "0 2 * *  foo", "61 * * * *"])
+def test_an_invalid_cron_schedule_is_named_where_it_is_declared(folder: Path, schedule: str) -> None:
+    path = declare(folder, schedule=schedule)
+    assert problems_of(path) == (f"{path}: schedule: {schedule!r} is not a valid cron expression (minute hour "
+                                 f"day-of-month month day-of-week, e.g. '0 2 * * *' for 02:00 every day); fix it, or "
+                                 f"use a preset like '@daily'",)
+    assert load_pipeline(declare(folder, schedule="*/15 2-4 * * mon-fri")).schedule == "*/15 2-4 * * mon-fri"
+
+
+def test_a_declaration_nested_thousands_deep_is_refused_not_a_crash(folder: Path) -> None:
+    """On main the YAML parser's RecursionError escaped the check and broke every sibling's DAG."""
+    path = folder / "deep.yaml"
+    path.write_text("dag_id: deep\nmodel: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert problems_of(path) == (f"{path}: (top level): nested too deep to be a declaration; a declaration is a few "
+                                 f"levels deep (see the schema)",)
