@@ -112,7 +112,8 @@ def decide(challenger: dict[str, Any], champion: dict[str, Any] | None, config: 
     if gain <= slack:
         passed = False
         verdict = "a tie never replaces the champion" if abs(gain) <= slack else "worse than the champion"
-        reasons.append(f"{primary.name} {value:.4f} vs champion {theirs:.4f}: improvement {gain:+.4f}, {verdict}")
+        reasons.append(f"{primary.name} {value:.4f} vs champion {theirs:.4f}: improvement {gain:+.4f}, {verdict} "
+                       f"(min_improvement {config.min_improvement:.4f})")
     else:
         ok = gain >= config.min_improvement - slack
         passed &= ok

@@ -67,7 +67,7 @@ def test_first_run_took_the_empty_params_from_best_json(demo: dict[str, Any]) ->
     assert source["not_applied"] == {"epochs": 9}  # the run's own epochs Param
     assert record["training"]["momentum"] == 0.85 and record["training"]["model_kwargs"] == {"channels": 12}
     uri = demo["env"].get("MLFLOW_TRACKING_URI") or f"sqlite:///{demo['home'] / 'mlflow.db'}"
-    run = MlflowClient(tracking_uri=uri).get_run(record["mlflow_run_id"])
+    run = MlflowClient(tracking_uri=uri, registry_uri=uri).get_run(record["mlflow_run_id"])
     assert (run.data.params["momentum"], run.data.params["model.channels"]) == ("0.85", "12")  # not the default 32
     assert run.data.tags["nightshift.training_defaults"] == (
         "lr, momentum, model_kwargs from best.json v1 (study demo-search, trial 3)")
@@ -199,7 +199,7 @@ def test_a_run_cleared_after_its_data_was_fixed_trains_on_the_fixed_data(demo: d
     assert two["dataset_version"] != one["dataset_version"]
     assert two["mlflow_run_id"] != one["mlflow_run_id"]  # not the first run's model under the new version
     uri = demo["env"].get("MLFLOW_TRACKING_URI") or f"sqlite:///{demo['home'] / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     trained = client.get_run(two["mlflow_run_id"])
     assert trained.data.tags["nightshift.dataset_version"] == two["dataset_version"]
     assert trained.data.metrics["steps_run"] > 0  # it trained, not resumed a finished checkpoint

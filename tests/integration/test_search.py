@@ -50,7 +50,7 @@ class ExplodingMLP(MLP):
 def mlflow_client(home: Path) -> Any:
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    return MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", registry_uri=f"sqlite:///{home / 'mlflow.db'}")
 
 
 @pytest.fixture(scope="module")

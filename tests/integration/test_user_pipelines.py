@@ -273,7 +273,10 @@ def score(url: str, data: Path, label: str) -> tuple[list[float], list[float]]:
 def mlflow_client(user: UserRepo) -> Any:
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=f"sqlite:///{user.home / 'mlflow.db'}")
+    uri = f"sqlite:///{user.home / 'mlflow.db'}"
+    # registry_uri too: MLflow's process-wide registry URI, set by any earlier test of this worker that configured
+    # MLflow (nightshift.tracking.configure), would otherwise answer for the registry (and find no version here)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def assert_own_model(user: UserRepo, declaration: dict[str, Any], record: dict[str, Any]) -> None:

@@ -114,7 +114,7 @@ def _servers(monkeypatch: pytest.MonkeyPatch, ports: list[int], taken: set[int])
     chosen = iter(ports)
     monkeypatch.setattr(local, "free_port", lambda: next(chosen))
 
-    def start(model_path: Path, port: int, log_path: Path, server: str) -> _Proc:
+    def start(model_path: Path, port: int, log_path: Path, server: str, range_policy: str = "accept") -> _Proc:
         assert (model_path / "MLmodel").is_file(), "the server starts on the model's files"
         calls.append(("start", port))
         return _Proc(pid=port)
