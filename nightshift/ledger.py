@@ -184,8 +184,12 @@ def fingerprint(dataset_hash: str, params: dict[str, Any], bundle_version: str |
     dataset loader and options (label, features) and model (`declaration_digest`; None when not given)."""
     training = {k: params.get(k) for k in ("epochs", "learning_rate", "batch_size", "workers")}
     # Elastic training (min/max workers) trains another way (nightshift.train.elastic): counted when set only, so
-    # a fixed-size run's fingerprint stays what it was.
-    training.update({k: params[k] for k in ("min_workers", "max_workers") if params.get(k) is not None})
+    # a fixed-size run's fingerprint stays what it was. An elastic run ignores `workers` (it starts max_workers):
+    # then `workers` is not counted, so changing it alone retrains nothing.
+    elastic = {k: params[k] for k in ("min_workers", "max_workers") if params.get(k) is not None}
+    if elastic:
+        training.pop("workers")
+    training.update(elastic)
     return {"dataset_version": dataset_hash, "code_version": code_version(bundle_version), "training": training,
             "declaration": declaration_digest(declaration) if declaration is not None else None}
 

@@ -234,6 +234,9 @@ class TorchTableClassifier:
             raise _invalid("the request has no rows")
         if len(frame) > MAX_ROWS:
             raise _invalid(f"the request has {len(frame)} rows; send at most {MAX_ROWS} per request")
+        repeated = sorted({str(c) for c in frame.columns[frame.columns.duplicated()]})
+        if repeated:  # which of the two values would be the feature is anyone's guess: a 400, not a 500
+            raise _invalid(f"columns {repeated[:5]} appear more than once; send each column once")
         missing = [c for c in self.features.columns if c not in frame.columns]
         if missing:
             raise _invalid(f"missing columns {missing[:5]}{'…' if len(missing) > 5 else ''}")

@@ -26,10 +26,14 @@ SUSPENDED = "Suspended"
 # 5 minutes between tries), the last two never change without a person.
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 PERMANENT_PULL_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
-# How long a job that never ran may wait on the kubelet's pull back-off before it fails: past the back-off's
-# 300 s cap, at least one more try failed. A job that ran is never failed for a pull (a worker recreated on another
-# node pulls again; its image existed).
+# How long a pod of a job that never ran may wait on the kubelet's pull back-off (counted from when the pod was
+# scheduled) before the job fails: past the back-off's 300 s cap, at least one more try failed. Kueue's
+# waitForPodsReady.timeout must be longer, or Kueue requeues the job first.
 IMAGE_PULL_GRACE_S = 330.0
+# Once the job ran, its image existed: a worker recreated on another node that pulls again is waited for. Only a
+# launcher (or, in a fixed-size job, any pod) that cannot pull for this long fails the job; an elastic job's worker
+# never does (the job goes on without it, and the running message names it).
+IMAGE_PULL_AFTER_RUN_S = 900.0
 # An elastic job's worker container that restarted in place (restartPolicy OnFailure: an OOM kill, a crash) is an
 # event, not a failure: Horovod blacklists its host for the cool-down and takes it back. More restarts than this of
 # one worker container is a crash loop: the job fails, naming the last reason.
@@ -116,11 +120,12 @@ def container_started(pod: Mapping[str, Any]) -> bool:
     )
 
 
-def oom_killed(pods: Iterable[Mapping[str, Any]]) -> str | None:
-    """A message naming the first container killed for exceeding its memory limit, if any."""
+def oom_killed(pods: Iterable[Mapping[str, Any]], *, current_only: bool = False) -> str | None:
+    """A message naming the first container killed for exceeding its memory limit, if any (`current_only`: in
+    its current state, not a past one it recovered from: an elastic worker that restarted in place)."""
     for pod in pods:
         for cs in _container_statuses(pod):
-            for key in ("state", "lastState"):
+            for key in ("state",) if current_only else ("state", "lastState"):
                 terminated = (cs.get(key) or {}).get("terminated") or {}
                 if terminated.get("reason") == "OOMKilled":
                     role = _role(pod) or "pod"
@@ -132,9 +137,23 @@ def oom_killed(pods: Iterable[Mapping[str, Any]]) -> str | None:
     return None
 
 
-def image_pull_failure(pods: Iterable[Mapping[str, Any]], reasons: frozenset[str] = IMAGE_PULL_REASONS) -> str | None:
-    """A message naming a container whose image cannot be pulled (waiting for one of `reasons`), if any."""
+def pulling_since(pod: Mapping[str, Any], now: float) -> float:
+    """When the pod was scheduled (its PodScheduled condition), else created: where its pulls began."""
+    scheduled = _condition(pod, "PodScheduled")
+    when = _time(scheduled.get("lastTransitionTime")) if scheduled and scheduled.get("status") == "True" else None
+    return when or _time((pod.get("metadata") or {}).get("creationTimestamp")) or now
+
+
+def image_pull_failure(pods: Iterable[Mapping[str, Any]], reasons: frozenset[str] = IMAGE_PULL_REASONS, *,
+                       now: float | None = None, longer_than: float = 0.0, elapsed: float | None = None) -> str | None:
+    """A message naming a container whose image cannot be pulled (waiting for one of `reasons`), if any; with
+    `now`, only in a pod pulling for at least `longer_than` seconds: since it was scheduled (`pulling_since`), and
+    no longer than the job's own `elapsed` time (since its submit, or Kueue's last resume)."""
     for pod in pods:
+        if now is not None:
+            age = now - pulling_since(pod, now)
+            if (min(age, elapsed) if elapsed is not None else age) < longer_than:
+                continue
         for cs in _container_statuses(pod):
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in reasons:
@@ -156,8 +175,9 @@ def is_elastic(mpijob: Mapping[str, Any]) -> bool:
     return worker.get("restartPolicy") == "OnFailure" and any("--host-discovery-script" in a for a in argv)
 
 
-def worker_restarts(pods: Iterable[Mapping[str, Any]]) -> list[tuple[str, int, str]]:
-    """(pod, restart count, last termination reason) of each worker container that restarted in place."""
+def worker_restarts(pods: Iterable[Mapping[str, Any]]) -> list[tuple[str, int, str, bool]]:
+    """(pod, restart count, last termination reason, in the kubelet's crash-loop back-off now) of each worker
+    container that restarted in place."""
     found = []
     for pod in pods:
         if _role(pod) != "worker":
@@ -169,13 +189,17 @@ def worker_restarts(pods: Iterable[Mapping[str, Any]]) -> list[tuple[str, int, s
                 reason = str(last.get("reason") or "Error")
                 if last.get("exitCode") is not None:
                     reason += f", exit code {last['exitCode']}"
-                found.append((_pod_name(pod), count, reason))
+                waiting = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+                found.append((_pod_name(pod), count, reason, waiting == "CrashLoopBackOff"))
     return found
 
 
 def has_run(mpijob: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> bool:
-    """The job ran once: the MPI Operator set its Running condition (whatever it is now), or a launcher started."""
-    return _condition(mpijob, RUNNING) is not None or any(container_started(p) for p in launcher_pods(pods))
+    """The job runs, or its launcher started: the MPI Operator's Running condition is True (a suspended job has
+    Running False, MPIJobSuspended, before any pod exists), or a launcher container started."""
+    running = _condition(mpijob, RUNNING)
+    return (running is not None and running.get("status") == "True") or any(
+        container_started(p) for p in launcher_pods(pods))
 
 
 def unschedulable(pods: Iterable[Mapping[str, Any]]) -> str | None:
@@ -289,8 +313,9 @@ def deactivation(workload: Mapping[str, Any] | None) -> str | None:
 
 
 def explain_failure(name: str, mpijob: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    """(error kind, message) for a job that reached Failed: the most specific cause first."""
-    if oom := oom_killed(pods):
+    """(error kind, message) for a job that reached Failed: the most specific cause first (for an elastic job, an
+    OOM kill it recovered from is not the cause)."""
+    if oom := oom_killed(pods, current_only=is_elastic(mpijob)):
         return OOM_KIND, f"MPIJob {name} failed: {oom}"
     if pull := image_pull_failure(pods):
         return IMAGE_PULL_KIND, f"MPIJob {name} failed: {pull}"
@@ -340,15 +365,16 @@ def evaluate(
         return Verdict(QUEUED, message=f"MPIJob {name} is queued: {why}")
     if (resumed := resumed_at(mpijob)) is not None:
         elapsed = min(elapsed, max(0.0, now - resumed))
-    restarts: list[tuple[str, int, str]] = []
-    if is_elastic(mpijob):
+    restarts: list[tuple[str, int, str, bool]] = []
+    elastic = is_elastic(mpijob)
+    if elastic:
         # A worker restarted in place is an event (logged by the caller from the message), not a failure: the
-        # job goes on with the hosts left and takes the worker back. Only a crash loop, or the job's own
-        # Failed condition (above), fails it.
+        # job goes on with the hosts left and takes the worker back. Only a crash loop (more restarts than the
+        # limit and the kubelet backing off its next start), or the job's own Failed condition (above), fails it.
         restarts = worker_restarts(pods)
-        looping = [r for r in restarts if r[1] > ELASTIC_RESTART_LIMIT]
+        looping = [r for r in restarts if r[1] > ELASTIC_RESTART_LIMIT and r[3]]
         if looping:
-            pod, count, last = looping[0]
+            pod, count, last, _ = looping[0]
             kind = OOM_KIND if last.startswith("OOMKilled") else FAILED_KIND
             return Verdict(current, done=True, error_kind=kind,
                            message=f"MPIJob {name} failed: elastic worker pod {pod} restarted {count} times, more "
@@ -359,15 +385,26 @@ def evaluate(
     if not has_run(mpijob, pods):
         if pull := image_pull_failure(pods, PERMANENT_PULL_REASONS):
             return Verdict(current, done=True, error_kind=IMAGE_PULL_KIND, message=f"MPIJob {name}: {pull}")
-        if (pull := image_pull_failure(pods)) and elapsed >= IMAGE_PULL_GRACE_S:
+        if pull := image_pull_failure(pods, now=now, longer_than=IMAGE_PULL_GRACE_S, elapsed=elapsed):
             return Verdict(current, done=True, error_kind=IMAGE_PULL_KIND,
-                           message=f"MPIJob {name}: {pull} (still after {elapsed:.0f}s of the kubelet's back-off)")
+                           message=f"MPIJob {name}: {pull} (still after {IMAGE_PULL_GRACE_S:.0f}s of the kubelet's "
+                                   f"back-off)")
+    else:
+        stuck = launcher_pods(pods) if elastic else pods
+        if pull := image_pull_failure(stuck, now=now, longer_than=IMAGE_PULL_AFTER_RUN_S, elapsed=elapsed):
+            return Verdict(current, done=True, error_kind=IMAGE_PULL_KIND,
+                           message=f"MPIJob {name}: {pull} (for more than {IMAGE_PULL_AFTER_RUN_S:.0f}s)")
     if current in {RUNNING, RESTARTING}:
-        if restarts:
-            said = ", ".join(f"{pod} x{count} (last: {why})" for pod, count, why in restarts)
-            return Verdict(current, message=f"MPIJob {name} runs; elastic worker restarts: {said}")
+        said = [f"{pod} x{count} (last: {why})" for pod, count, why, _ in restarts]
+        if elastic and (pulling := image_pull_failure([p for p in pods if _role(p) == "worker"])):
+            said.append(pulling)
+        if said:
+            return Verdict(current, message=f"MPIJob {name} runs; elastic worker restarts: {', '.join(said)}")
         return Verdict(current)
     if elapsed >= startup_timeout:
+        if pull := image_pull_failure(pods):
+            return Verdict(current, done=True, error_kind=IMAGE_PULL_KIND,
+                           message=f"MPIJob {name} did not start within {startup_timeout:.0f}s: {pull}")
         if reason := unschedulable(pods):
             return Verdict(
                 current,

@@ -574,17 +574,15 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
 
     existing = isvc.get()
     if existing is not None:
-        serves = ((existing.get("metadata") or {}).get("annotations") or {}).get(MODEL_ANNOTATION)
-        if serves is not None and serves != model_name:
-            raise DeploymentFailed(f"{model_name} v{version} not deployed: InferenceService {namespace}/{isvc.name} "
-                                   f"serves another model, {serves!r} ({MODEL_ANNOTATION}); nothing was changed. "
-                                   f"Give this model its own service (deploy option name)")
+        _check_owner(existing, model_name, version, namespace, isvc.name)
     if existing is None:
         body = inference_service(isvc.name, namespace, uri, model_version=version, model_name=model_name,
                                  service_account=service_account,
                                  runtime=default_runtime() if runtime is None else runtime,
                                  deployment_mode=configured, range_policy=range_policy)
         obj, created = isvc.create(body)
+        if not created:  # another rollout created it first (409): whose is it?
+            _check_owner(obj, model_name, version, namespace, isvc.name)
         if created:
             try:
                 ready = isvc.wait_ready(obj, timeout)
@@ -608,13 +606,12 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
     result["deployment_mode"] = mode
     old_predictor, old_version = _previous(existing, mode)
     if (old_predictor.get("model") or {}).get("storageUri") == uri:
-        serving = _already_serving(isvc, existing, mode, old_predictor, version, timeout)
+        serving = _already_serving(isvc, existing, mode, old_predictor, version, timeout, model_name)
         registry.set_alias(model_name, registry.CHAMPION, version)
         return {**result, **serving, "previous_version": old_version}
 
     canary = canary_patch(mode, old_predictor, uri, version, canary_traffic_percent, previous_version=old_version,
                           range_policy=range_policy)
-    canary.setdefault("metadata", {}).setdefault("annotations", {})[MODEL_ANNOTATION] = model_name
     entry = canary["spec"].get("canary", [None])[0]
     try:
         ours = isvc.patch(canary, existing)
@@ -629,7 +626,11 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
         rollback = _rollback(isvc, ours, old_predictor, old_version, mode, timeout)
         raise DeploymentFailed(f"{model_name} v{version} not promoted on KServe: {err}; {rollback}") from err
     try:
-        promoted = isvc.patch(promote_patch(mode, entry or {}, version), ready)
+        # the service names its model once the model serves it (not with the canary: a rolled-back canary would
+        # leave another model's name on the service)
+        promotion = promote_patch(mode, entry or {}, version)
+        promotion.setdefault("metadata", {}).setdefault("annotations", {})[MODEL_ANNOTATION] = model_name
+        promoted = isvc.patch(promotion, ready)
     except DeploymentFailed as err:
         landed = None if isinstance(err, InferenceServiceChanged) else isvc.get()
         if not _promoted(landed, mode, uri, entry):
@@ -661,8 +662,18 @@ def deploy_kserve(model_name: str, *, api: Any, namespace: str, version: str | N
             "previous_version": old_version}
 
 
+def _check_owner(existing: dict[str, Any], model_name: str, version: str, namespace: str, name: str) -> None:
+    """DeploymentFailed when the InferenceService serves another model (its MODEL_ANNOTATION says so)."""
+    serves = ((existing.get("metadata") or {}).get("annotations") or {}).get(MODEL_ANNOTATION)
+    if serves is not None and serves != model_name:
+        raise DeploymentFailed(f"{model_name} v{version} not deployed: InferenceService {namespace}/{name} serves "
+                               f"another model, {serves!r} ({MODEL_ANNOTATION}); nothing was changed. Give this "
+                               f"model its own service (deploy option name)")
+
+
 def _already_serving(isvc: InferenceServiceClient, existing: dict[str, Any], mode: str,
-                     serving: dict[str, Any], version: str, timeout: float) -> dict[str, Any]:
+                     serving: dict[str, Any], version: str, timeout: float,
+                     model_name: str | None = None) -> dict[str, Any]:
     """The model already serves: remove a canary an interrupted rollout left beside it, make the version
     annotation name it, wait until it is Ready."""
     spec = existing.get("spec") or {}
@@ -672,6 +683,8 @@ def _already_serving(isvc: InferenceServiceClient, existing: dict[str, Any], mod
         body["spec"] = {"canary": None}
     if mode == KNATIVE and "canaryTrafficPercent" in (spec.get("predictor") or {}):
         body = _restore_body(serving, mode)
+    if model_name is not None and annotations.get(MODEL_ANNOTATION) != model_name:
+        body.setdefault("metadata", {}).setdefault("annotations", {})[MODEL_ANNOTATION] = model_name
     if annotations.get(VERSION_ANNOTATION) != version:
         body.setdefault("metadata", {}).setdefault("annotations", {})[VERSION_ANNOTATION] = version
     written = isvc.patch(body, existing) if body else existing

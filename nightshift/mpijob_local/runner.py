@@ -304,8 +304,11 @@ class LocalRun:
     def _home(self) -> tuple[str, bool]:
         """The image user's home (where its Secret is mounted) and whether the pod gets a fresh one."""
         home = str(PurePosixPath(self.job.ssh_auth_mount_path).parent)
-        interpreter_inside = Path(sys.prefix).resolve().is_relative_to(home) or Path(
-            self.python_bin).resolve().is_relative_to(home)
+        # Every place the pods' Python lives: the venv, the interpreter its `python` links to and the installation
+        # that interpreter belongs to (a venv's bin/python is a link, often into a pyenv under root's home, which
+        # the MPI Operator's default sshAuthMountPath, /root/.ssh, makes the pods' home).
+        where = (Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable), Path(self.python_bin))
+        interpreter_inside = any(p.resolve().is_relative_to(home) for p in where)
         return home, not interpreter_inside and home != "/"
 
     def pod_spec(self, running: RunningPod, spec: PodSpec | None, service: Service | None) -> dict[str, Any]:

@@ -312,7 +312,11 @@ def _schedule_problems(data: Mapping[str, Any]) -> list[str]:
     from croniter import croniter
 
     if croniter.is_valid(schedule):
-        return []
+        try:
+            croniter(schedule).get_next(float)  # a day that never comes (30 February) fails only here
+            return []
+        except Exception as err:
+            return [f"schedule: {schedule!r} never fires ({err}); name a day that exists, e.g. '0 2 28 2 *'"]
     return [f"schedule: {schedule!r} is not a valid cron expression (minute hour day-of-month month day-of-week, "
             f"e.g. '0 2 * * *' for 02:00 every day); fix it, or use a preset like '@daily'"]
 

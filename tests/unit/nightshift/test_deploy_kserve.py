@@ -819,3 +819,26 @@ def test_the_declared_range_policy_reaches_the_predictor_container_and_its_canar
     assert standard["spec"]["canary"][0]["predictor"]["model"]["env"] == env
     with pytest.raises(UsageError, match=r"range_policy 'clip': use one of accept, refuse"):
         kserve.inference_service("d", "ns", "s3://b/m", model_version="1", range_policy="clip")
+
+
+def test_a_rolled_back_canary_of_another_model_leaves_the_service_its_owner(env: FakeClock) -> None:
+    """Review: the canary patch named the canary's model on the service; a rollback left that name, and the
+    model that served it was refused its next rollout."""
+    from nightshift.deploy.kserve import MODEL_ANNOTATION
+
+    api = FakeCustomObjectsApi()
+    _deploy(api, env, "1")
+    (obj,) = api.objects.values()
+    obj["metadata"]["annotations"].pop(MODEL_ANNOTATION)  # a service created before the annotation existed
+
+    def smoke(isvc: dict[str, Any]) -> None:
+        raise DeploymentFailed("canary answered 3/10 correctly")
+
+    with pytest.raises(DeploymentFailed, match="canary answered"):
+        deploy_kserve("other-model", api=api, namespace=NS, version="1", storage="s3://models/other/1", name=MODEL,
+                      poll_interval=1.0, timeout=30.0, sleep=env.sleep, clock=env, smoke=smoke)
+    (obj,) = api.objects.values()
+    assert obj["metadata"]["annotations"].get(MODEL_ANNOTATION) != "other-model"
+    assert _deploy(api, env, "2")["status"] == "promoted"  # its own model's next rollout goes on
+    (obj,) = api.objects.values()
+    assert obj["metadata"]["annotations"][MODEL_ANNOTATION] == MODEL

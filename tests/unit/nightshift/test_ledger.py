@@ -108,3 +108,7 @@ def test_switching_elastic_training_on_is_a_change_that_trains(monkeypatch: pyte
                                                                                "max_workers": 2}))
     assert ledger.unchanged_since(elastic, ledger.fingerprint("sha256:d", {**plain, "min_workers": 1,
                                                                            "max_workers": 2}))
+    # issue 35 item 7: an elastic run starts max_workers whatever `workers` says: changing it alone retrains nothing
+    assert ledger.unchanged_since(elastic, ledger.fingerprint("sha256:d", {**plain, "workers": 5, "min_workers": 1,
+                                                                           "max_workers": 2}))
+    assert not ledger.unchanged_since(fixed, ledger.fingerprint("sha256:d", {**plain, "workers": 5}))

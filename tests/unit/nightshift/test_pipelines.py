@@ -623,3 +623,10 @@ def test_a_declaration_nested_thousands_deep_is_refused_not_a_crash(folder: Path
     path.write_text("dag_id: deep\nmodel: " + "[" * 5000 + "]" * 5000 + "\n")
     assert problems_of(path) == (f"{path}: (top level): nested too deep to be a declaration; a declaration is a few "
                                  f"levels deep (see the schema)",)
+
+
+def test_a_schedule_that_never_fires_is_refused(folder: Path) -> None:
+    """Review: 30 February passes croniter's syntax check and fails when the scheduler asks for the next run."""
+    path = declare(folder, schedule="0 0 30 2 *")
+    (problem,) = problems_of(path)
+    assert problem.startswith(f"{path}: schedule: '0 0 30 2 *' never fires (") and "'0 2 28 2 *'" in problem

@@ -302,3 +302,34 @@ def test_close_goes_on_when_podman_fails(monkeypatch: pytest.MonkeyPatch) -> Non
     left = run.close()
     assert closed == [True] and not run.tmp.exists()
     assert left == ["containers nightshift-mpijob-1-job-launcher (podman rm hung)"]
+
+
+def test_a_pod_home_over_the_interpreter_is_not_replaced_by_a_fresh_one(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    """Issue 35 item 6: with the MPI Operator's default sshAuthMountPath (/root/.ssh) the pods got a fresh tmpfs on
+    /root, hiding a pyenv interpreter the venv's python links to (the launcher exited 127). The check resolved the
+    venv's bin directory, not the interpreter it links to."""
+    import sys
+
+    from nightshift.mpijob_local.runner import LocalRun
+
+    home = tmp_path / "root"
+    base = home / ".pyenv" / "versions" / "3.11.7"
+    (base / "bin").mkdir(parents=True)
+    (base / "bin" / "python3.11").write_text("")
+    venv = tmp_path / "project" / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(base / "bin" / "python3.11")
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setattr(sys, "base_prefix", str(base))
+    monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python"))
+    job = parse_job(manifest(ssh_auth_mount_path=f"{home}/.ssh"), claims=CLAIMS, gpus_available=0)
+    run = LocalRun(job, RunOptions(), out=open(os.devnull, "w"), err=open(os.devnull, "w"))
+    try:
+        assert run._home() == (str(home), False)
+        monkeypatch.setattr(sys, "base_prefix", str(venv))  # an interpreter outside the home: a fresh home still
+        monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python3.11-copy"))
+        (venv / "bin" / "python3.11-copy").write_text("")
+        assert run._home() == (str(home), True)
+    finally:
+        run.close()

@@ -396,3 +396,12 @@ def test_the_served_model_refuses_numbers_sent_as_text_naming_the_column(served:
                                                                         test_rows: pd.DataFrame) -> None:
     with pytest.raises(MlflowException, match=r"feature column mean area holds (object|str) values, not numbers"):
         served.predict(test_rows.assign(**{"mean area": test_rows["mean area"].astype(str)}))
+
+
+def test_a_request_naming_a_column_twice_is_refused_naming_it(served: TorchTableClassifier,
+                                                              test_rows: pd.DataFrame) -> None:
+    """Issue 34 item 10: a duplicated request column was a 500 (a shape error deep in the model)."""
+    twice = pd.concat([test_rows, test_rows[["mean area"]]], axis=1)
+    with pytest.raises(MlflowException, match=r"columns \['mean area'\] appear more than once") as refused:
+        served.predict(twice)
+    assert refused.value.get_http_status_code() == 400

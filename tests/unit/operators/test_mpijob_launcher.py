@@ -104,7 +104,7 @@ def test_image_pull_failure_fails_after_the_kubelets_back_off_not_the_startup_ti
     cluster = fk.FakeCluster(fk.image_pull_failure)
     clock = FakeClock()
     with pytest.raises(errors.MPIJobImagePullFailed,
-                       match=r"cannot pull image nope/trainer: ImagePullBackOff.*still after 33\ds"):
+                       match=r"cannot pull image nope/trainer: (ErrImagePull|ImagePullBackOff).*still after 33\ds"):
         launcher(cluster, clock, startup_timeout=3600).run(manifest())
     # one ErrImagePull is retried by the kubelet (issue 35): the job fails once the back-off had its chance
     assert IMAGE_PULL_GRACE_S <= clock.now < IMAGE_PULL_GRACE_S + 10
