@@ -193,8 +193,7 @@ def outside_training_range(model: Any, frame: Any) -> dict[str, Any] | None:
     else:
         columns = list(classifier.features.columns)
         low, high = np.asarray(classifier.features.low), np.asarray(classifier.features.high)
-    present = [c for c in columns if c in frame.columns]
-    if len(present) != len(columns):
+    if any(c not in frame.columns for c in columns):
         return None
     values = frame[columns].to_numpy(dtype=np.float64)
     outside = (values < low) | (values > high)
@@ -429,11 +428,8 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
             "the decision goes to a person: approve or reject the new model in the approval step" if needs_approval
             else "the challenger is rejected on its own; nothing to approve"]
     decision["needs_approval"] = needs_approval
-    drift = challenger.get("drift") or {}
-    classification = task != REGRESSION
     return _log_evaluation(decision, run_id=run_id, model_name=model_name, split=split, task=task,
-                           challenger=challenger, champion=champion, gate=gate, drift=drift,
-                           classification=classification)
+                           challenger=challenger, champion=champion, gate=gate)
 
 
 def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger: dict[str, Any],
@@ -475,12 +471,13 @@ def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger
 
 
 def _log_evaluation(decision: dict[str, Any], *, run_id: str, model_name: str, split: str, task: str,
-                    challenger: dict[str, Any], champion: dict[str, Any] | None, gate: GateConfig,
-                    drift: dict[str, Any], classification: bool) -> dict[str, Any]:
+                    challenger: dict[str, Any], champion: dict[str, Any] | None, gate: GateConfig) -> dict[str, Any]:
     """The evaluation's result, logged to the training run (metrics, tags, confusion matrix, evaluation.json)."""
     import mlflow
 
     needs_approval = bool(decision.get("needs_approval"))
+    drift = challenger.get("drift") or {}
+    classification = task != REGRESSION
     result: dict[str, Any] = {
         **decision, "run_id": run_id, "model_name": model_name, "split": split,
         "challenger": challenger, "champion": champion, "gate": asdict(gate),

@@ -275,17 +275,15 @@ class TorchTableClassifier:
             finite = np.isfinite(values).all(axis=1) & np.isfinite(self._scaled(values)).all(axis=1)
         inside = (values >= low) & (values <= high)
         in_range = inside.all(axis=1)
-        if self.features.learned and (not check_range or self.range_policy == "accept"):
+        accepting = self.features.learned and self.range_policy == "accept"
+        if not check_range or accepting:
             outside = int((finite & ~in_range).sum())
-            if outside and check_range:
+            if outside and check_range:  # accepted by the policy: counted and logged (evaluation's are not)
                 self.rows_out_of_range += outside
                 columns = [self.features.columns[j] for j in np.flatnonzero((~inside[finite]).any(axis=0))]
                 _log.warning("%d of %d rows have values beyond the training data's range (widened) in %s; "
                              "accepted (%s=accept); %d so far", outside, len(values), ", ".join(columns[:5]),
                              RANGE_POLICY_ENV, self.rows_out_of_range)
-            in_range = np.ones_like(in_range)
-            inside = np.ones_like(inside)
-        elif not check_range:
             in_range = np.ones_like(in_range)
             inside = np.ones_like(inside)
         if finite.all() and in_range.all():

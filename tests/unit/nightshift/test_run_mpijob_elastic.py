@@ -205,30 +205,13 @@ def test_chaos_is_taken_with_the_podman_runtime_and_checked_before_anything_star
     assert len(seen) == 1  # a bad script never reaches preflight
 
 
-def test_cli_refuses_a_bad_chaos_script_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from nightshift.cli import main
-    from nightshift.mpijob_local import runner
-
-    def no_run(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a run started")
-
-    monkeypatch.setattr(runner, "preflight", no_run)
-    monkeypatch.setattr(runner, "LocalRun", no_run)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest()))
-    assert main(["run-mpijob", str(path), "--chaos", "kill worker-7 at 10s"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and len(err.strip().splitlines()) == 1
-    assert "no worker pod 'worker-7' in MPIJob toy; valid pods: worker-0..worker-2" in err
-
-
 @pytest.mark.parametrize(("args", "message"), [
+    (["--chaos", "kill worker-7 at 10s"], "no worker pod 'worker-7' in MPIJob toy; valid pods: worker-0..worker-2"),
     (["--chaos-after", "step 10"], "--chaos-after starts the clock of a --chaos script: give --chaos too"),
     (["--chaos", "kill worker-1 at 5s", "--chaos-after", "step (10"],
      "--chaos-after 'step (10' is not a regular expression"),
 ])
-def test_cli_refuses_a_chaos_clock_it_cannot_start_before_anything_starts(
+def test_cli_refuses_a_bad_chaos_script_or_clock_before_anything_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str],
         message: str) -> None:
     from nightshift.cli import main
