@@ -12,9 +12,9 @@ PYTEST_ARGS ?=
 # Debian packages some integration tests need, as command:package: sshd (emulated hosts), redis-server
 # (stream scoring), ip (network namespaces), nft (packet loss between emulated hosts), chromium and
 # chromedriver (the browser tests), podman, buildah, runc and debootstrap (`make images`, the tests marked
-# `images`). Installed when missing and running as root; otherwise those tests skip with a reason.
+# `images`), patch (the Horovod wheel's build). Installed when missing and running as root; otherwise those tests skip with a reason.
 SYSTEM_PACKAGES := sshd:openssh-server redis-server:redis-server ip:iproute2 nft:nftables chromium:chromium \
-	chromedriver:chromium-driver podman:podman buildah:buildah runc:runc debootstrap:debootstrap
+	chromedriver:chromium-driver podman:podman buildah:buildah runc:runc debootstrap:debootstrap patch:patch
 
 .PHONY: setup system-packages demo test test-fast airflow bench lint clean images
 
@@ -33,7 +33,7 @@ system-packages:
 		echo "note: not root, not installing Debian packages$$missing (the tests that need them skip)"; \
 	fi
 
-$(STAMP): pyproject.toml constraints.txt scripts/horovod-wheel.sh
+$(STAMP): pyproject.toml constraints.txt scripts/horovod-wheel.sh images/trainer/horovod-0.28.1-elastic-join.patch
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "pip==26.3"
 	$(PIP) install -q -c constraints.txt torch==2.13.0

@@ -46,12 +46,13 @@ TRAIN_ARGS = ["--epochs", "100", "--batch-size", "16", "--lr", "0.02", "--thread
 
 def trainer_job(name: str, workdir: Path, data: Path, out: Path, ckpt: Path, *, elastic: bool,
                 train_args: list[str] = TRAIN_ARGS, env: dict[str, str] | None = None,
-                workers: int = WORKERS) -> dict[str, Any]:
+                workers: int = WORKERS, wrapper: list[str] | None = None) -> dict[str, Any]:
     """The MPIJob: `workers` sshd workers of the trainer image's shape, the launcher command the operator
-    renders for it (elastic: min `workers` - 1, max `workers`), the shared volume `bench` at `workdir`."""
+    renders for it (elastic: min `workers` - 1, max `workers`), the shared volume `bench` at `workdir`;
+    `wrapper`: a command every rank's trainer runs under (its arguments follow)."""
     from operators.mpijob_spec import MPIJobConfig, launcher_command
 
-    program = ["python", "-m", "nightshift.train", "--data", str(data), "--out", str(out),
+    program = [*(wrapper or []), "python", "-m", "nightshift.train", "--data", str(data), "--out", str(out),
                "--checkpoint-dir", str(ckpt), *train_args]
     config = MPIJobConfig(image="nightshift-trainer", command=program, num_workers=workers,
                           min_workers=workers - 1 if elastic else None, network_interfaces="eth0")

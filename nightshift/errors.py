@@ -41,6 +41,10 @@ class CheckpointMismatch(NightshiftError):
     """A checkpoint was written for a different model or configuration."""
 
 
+class JoinFailed(NightshiftError):
+    """An elastic rank could not join its job: Horovod's rendezvous failed every time it tried."""
+
+
 class CodeVersionUnknown(NightshiftError):
     """Which code is running cannot be told (a git checkout whose git fails, and no commit given)."""
 

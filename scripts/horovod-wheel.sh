@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds (once) and prints the path of a Horovod 0.28.1 wheel patched for PyTorch >= 2.1.
+# Builds (once) and prints the path of a Horovod 0.28.1 wheel patched for PyTorch >= 2.1 and for elastic
+# jobs whose hosts join late (images/trainer/horovod-0.28.1-elastic-join.patch).
 #
 # Horovod 0.28.1 asks CMake for C++14; PyTorch 2.x headers need C++17 (upstream horovod#3996,
 # fixed on master by #3998 after the last release). We patch the two CMakeLists.txt of the sdist
@@ -12,7 +13,11 @@ set -euo pipefail
 python=${1:?usage: horovod-wheel.sh PYTHON}
 cache=${NIGHTSHIFT_CACHE:-$HOME/.cache/nightshift}
 torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')
-wheel_dir="$cache/wheels/horovod-0.28.1-torch$torch_version"
+# The elastic-join patch (images/trainer/horovod-0.28.1-elastic-join.patch) is part of the cache key: a
+# wheel built before it changed is not reused.
+patch_file="$(cd "$(dirname "$0")/.." && pwd)/images/trainer/horovod-0.28.1-elastic-join.patch"
+patch_id=$(sha256sum "$patch_file" | cut -c1-12)
+wheel_dir="$cache/wheels/horovod-0.28.1-torch$torch_version-$patch_id"
 
 existing=$(ls "$wheel_dir"/horovod-0.28.1-*.whl 2>/dev/null | head -n 1 || true)
 if [[ -n "$existing" ]]; then
@@ -30,6 +35,7 @@ for f in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
     grep -q 'set(CMAKE_CXX_STANDARD 14)' "$f" || { echo "unexpected sdist: no C++14 line in $f" >&2; exit 1; }
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
 done
+patch -d "$src" -p1 --forward --quiet < "$patch_file" >&2
 "$python" -m pip install --quiet cloudpickle psutil pyyaml packaging cffi setuptools wheel >&2
 mkdir -p "$wheel_dir"
 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \

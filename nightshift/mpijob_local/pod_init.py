@@ -3,7 +3,7 @@
 Run by run-mpijob as `python -I pod_init.py SPEC.json` under `ip netns exec NS unshare --uts --mount
 --propagation private`; standard library only, so it starts fast and needs nothing installed. SPEC holds
 `hostname`, `scratch` (a directory this pod mounts a private tmpfs on), `tmpfs` (paths that get a fresh
-tmpfs: the pod's home), `mounts` (`source`, `target`, `dir`, `read_only`: bind mounts; a `source` of
+tmpfs: the pod's homes; a mount whose source lies under one sees it as it was), `mounts` (`source`, `target`, `dir`, `read_only`: bind mounts; a `source` of
 null only makes sure `target` exists), `cwd`, `env` and `argv`.
 
 A mount target this machine lacks (`/etc/mpi`, `/home/mpiuser/.ssh`, `/run/sshd`) is created in an
@@ -92,6 +92,18 @@ class PodFilesystem:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.touch()
 
+    def keep(self, source: Path) -> Path:
+        """A view of `source` in this pod's scratch, for a mount whose source a fresh tmpfs is about to hide."""
+        if not source.exists():
+            raise PodSetupError(f"volume source {source} does not exist on this machine")
+        view = self.scratch / f"keep{len(list(self.scratch.glob('keep*')))}"
+        if source.is_dir():
+            view.mkdir()
+        else:
+            view.touch()
+        _mount(str(source), str(view), None, MS_BIND | MS_REC)
+        return view
+
     def tmpfs(self, target: Path) -> None:
         self.ensure(target, is_dir=True)
         _mount("tmpfs", str(target), "tmpfs", 0, "mode=0755")
@@ -108,10 +120,16 @@ class PodFilesystem:
 def set_up(spec: dict) -> None:
     socket.sethostname(spec["hostname"])
     pod = PodFilesystem(Path(spec["scratch"]))
-    for target in spec.get("tmpfs", []):
-        pod.tmpfs(Path(target))
+    fresh = [Path(target) for target in spec.get("tmpfs", [])]
+    mounts = []
+    for mount in spec.get("mounts", []):  # a source inside a fresh home (this machine's Python): seen from before it
+        if mount.get("source") is not None and any(Path(mount["source"]).is_relative_to(t) for t in fresh):
+            mount = {**mount, "source": str(pod.keep(Path(mount["source"])))}
+        mounts.append(mount)
+    for target in fresh:
+        pod.tmpfs(target)
     # Parents before children, so a volume inside another lands on top of it.
-    for mount in sorted(spec.get("mounts", []), key=lambda m: len(Path(m["target"]).parts)):
+    for mount in sorted(mounts, key=lambda m: len(Path(m["target"]).parts)):
         target = Path(mount["target"])
         if mount.get("source") is None:
             pod.ensure(target, is_dir=bool(mount.get("dir", True)))

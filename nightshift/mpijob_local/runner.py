@@ -301,15 +301,26 @@ class LocalRun:
                                             files.sshd_config(job.ssh_auth_mount_path, self.pod_path), 0o600)
         (self.tmp / "pods").mkdir()
 
-    def _home(self) -> tuple[str, bool]:
-        """The image user's home (where its Secret is mounted) and whether the pod gets a fresh one."""
+    def _homes(self) -> tuple[str, list[str], list[str]]:
+        """The image user's home (where its Secret is mounted); the homes the pod gets fresh (that one and root's,
+        whose shell start-up files an ssh session runs); and the directories of this machine's Python inside them,
+        which the pod sees read-only at the same paths.
+
+        A pod never shares this machine's homes: an image brings its own, and the start-up files here (root's
+        ~/.bashrc running `pyenv init`, whose rehash takes a lock file that a killed ssh session leaves behind, and
+        every later session waits 60 s on) must not run in its ssh sessions. But a venv's bin/python is a link,
+        often into a pyenv under root's home, which the MPI Operator's default sshAuthMountPath, /root/.ssh, makes
+        the pods' home too: that installation (and a venv or this project's checkout inside a home) is bound over
+        the fresh home, where the image would have it.
+        """
         home = str(PurePosixPath(self.job.ssh_auth_mount_path).parent)
-        # Every place the pods' Python lives: the venv, the interpreter its `python` links to and the installation
-        # that interpreter belongs to (a venv's bin/python is a link, often into a pyenv under root's home, which
-        # the MPI Operator's default sshAuthMountPath, /root/.ssh, makes the pods' home).
-        where = (Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable), Path(self.python_bin))
-        interpreter_inside = any(p.resolve().is_relative_to(home) for p in where)
-        return home, not interpreter_inside and home != "/"
+        where = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+                 Path(sys.executable).resolve().parent.parent, Path(self.python_bin).resolve().parent,
+                 Path(__file__).resolve().parents[2]}  # and this project's code (an editable install)
+        fresh = sorted({h for h in (home, pwd.getpwuid(0).pw_dir) if h != "/" and Path(h) not in where})
+        inside = sorted(p for p in where if any(p.is_relative_to(h) for h in fresh))
+        outermost = [p for p in inside if not any(p != o and p.is_relative_to(o) for o in inside)]
+        return home, fresh, [str(p) for p in outermost]
 
     def pod_spec(self, running: RunningPod, spec: PodSpec | None, service: Service | None) -> dict[str, Any]:
         directory = self.tmp / "pods" / running.name
@@ -324,7 +335,8 @@ class LocalRun:
             env = {**os.environ, "HOSTNAME": running.name}
             return {**base, "tmpfs": [], "cwd": os.getcwd(), "env": env, "argv": list(service.argv)}
         assert spec is not None
-        home, fresh_home = self._home()
+        home, fresh_homes, interpreter = self._homes()
+        mounts += [{"source": path, "target": path, "read_only": True} for path in interpreter]
         secret_targets = {self.job.ssh_auth_mount_path, os.path.join(pwd.getpwuid(0).pw_dir, ".ssh")}
         mounts += [{"source": str(self.secret), "target": t, "read_only": True} for t in sorted(secret_targets)]
         mounts.append({"source": str(self.ssh_config), "target": "/etc/ssh/ssh_config", "read_only": True})
@@ -346,7 +358,7 @@ class LocalRun:
             first = sum(p.gpus for p in self.job.pods[: self.job.pods.index(spec)])
             devices = ",".join(str(i) for i in range(first, first + spec.gpus))
             env.update({"CUDA_VISIBLE_DEVICES": devices, "NVIDIA_VISIBLE_DEVICES": devices})
-        return {**base, "tmpfs": [home] if fresh_home else [], "cwd": spec.working_dir or home, "env": env,
+        return {**base, "tmpfs": fresh_homes, "cwd": spec.working_dir or home, "env": env,
                 "argv": list(spec.argv)}
 
     def image(self, spec: PodSpec) -> podman.ImageConfig:

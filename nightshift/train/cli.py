@@ -71,9 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"elastic: steps between in-memory commits, the point a lost host rolls back to "
                              f"({d.commit_every})")
     parser.add_argument("--collective-timeout", type=int, default=d.collective_timeout,
-                        help=f"elastic: seconds a rank waits on a silent peer before the job resets, and that the "
-                             f"ranks wait in hvd.init() for a process joining (HOROVOD_GLOO_TIMEOUT_SECONDS unless "
-                             f"set; more than a process takes to start and import torch) ({d.collective_timeout})")
+                        help=f"elastic: seconds a rank waits on a silent peer before the job resets "
+                             f"(HOROVOD_GLOO_TIMEOUT_SECONDS unless set) ({d.collective_timeout})")
+    parser.add_argument("--join-timeout", type=int, default=d.join_timeout,
+                        help=f"elastic: seconds the ranks wait in hvd.init()'s rendezvous for every process of the "
+                             f"round (HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS unless set); a joiner later than that "
+                             f"joins the next round, one that never comes is dropped: the pause a late or lost "
+                             f"joiner costs ({d.join_timeout})")
     parser.add_argument("--search-storage", default=None,
                         help="model search: the Optuna storage URL of the trial to report to (no password in it)")
     parser.add_argument("--search-study", default=None, help="model search: the study's name")
@@ -94,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
         search_storage=args.search_storage, search_study=args.search_study, search_trial=args.search_trial,
         elastic=args.elastic, commit_every=args.commit_every, collective_timeout=args.collective_timeout,
+        join_timeout=args.join_timeout,
     )
 
 
@@ -112,9 +117,9 @@ def run(config: TrainConfig, on_epoch: EpochHook | None = None) -> dict[str, Any
 
     if config.elastic:
         # Join first, read the data after: a process Horovod starts for a host that is added or comes back joins
-        # ranks that wait for it in hvd.init()'s rendezvous, and give up (abort, failing the job) after the
-        # collective timeout; reading and hashing a large dataset must not count against it. Once joined, the
-        # others wait for it in the state's sync, which has no timeout.
+        # ranks that wait for it in hvd.init()'s rendezvous, up to the join timeout (nightshift.train.elastic);
+        # reading and hashing a large dataset must not count against it. Once joined, the others wait for it in
+        # the state's sync, which has no timeout.
         hvd = _join_elastic_job(config)
 
     # The data's content hash, before and after reading it: the resume key and the MLflow run must name the
@@ -161,11 +166,11 @@ def _join_fixed_job() -> Any:
 def _join_elastic_job(config: TrainConfig) -> Any:
     import horovod.torch as hvd
 
-    from nightshift.train.elastic import require_elastic_launcher, set_collective_timeout
+    from nightshift.train.elastic import join, require_elastic_launcher, set_collective_timeout
 
     require_elastic_launcher()
-    set_collective_timeout(config.collective_timeout)
-    hvd.init()
+    set_collective_timeout(config.collective_timeout, config.join_timeout)
+    join(hvd)
     return hvd
 
 

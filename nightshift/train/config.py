@@ -72,11 +72,12 @@ class TrainConfig:
     elastic: bool = False
     commit_every: int = 10
     collective_timeout: int = 30  # elastic: HOROVOD_GLOO_TIMEOUT_SECONDS unless set (nightshift.train.elastic)
+    join_timeout: int = 60  # elastic: HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS unless set (nightshift.train.elastic)
 
     def __post_init__(self) -> None:
         self.data, self.out, self.checkpoint_dir = Path(self.data), Path(self.out), Path(self.checkpoint_dir)
         for name in ("epochs", "batch_size", "checkpoint_every", "keep_checkpoints", "log_every", "commit_every",
-                     "collective_timeout"):
+                     "collective_timeout", "join_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 flag = "--" + name.replace("_", "-")

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nightshift.errors import CheckpointMismatch, UsageError
+from nightshift.errors import CheckpointMismatch, JoinFailed, UsageError
 from nightshift.train.checkpoint import FORMAT
 from nightshift.train.device import CudaView, autocast, choose_device
 from nightshift.train.trainer import Trainer, rng_state
@@ -88,18 +88,52 @@ def require_elastic_launcher() -> None:
                          "--max-np MAX --host-discovery-script SCRIPT ...` (or leave out --elastic)")
 
 
-def set_collective_timeout(seconds: int) -> None:
-    """Gloo's timeout (HOROVOD_GLOO_TIMEOUT_SECONDS, read at every `hvd.init()`, resets included): how long
-    a rank waits on a peer that stopped answering (seen here: the ranks left by a lost host idled the whole
-    timeout before they reset), and also how long `hvd.init()`'s rendezvous waits for every process of the
-    job. That second bound is the one that breaks: when a host is added or comes back, the ranks already
-    training wait in the rendezvous for the process Horovod starts there, and abort (failing the job) if it
-    is not there in time; at the job's start every process must arrive within it too. So the elastic trainer
-    joins before it reads any data (a process's time to the rendezvous is Python and its imports), and the
-    default stays Horovod's 30 s; lower it for faster failover where processes start fast (warm nodes). A
-    rank that is merely slow in Python (evaluating, loading a checkpoint) does not count: Horovod's
-    background thread goes on answering. A value already in the environment (set on the launcher) wins."""
+def set_collective_timeout(seconds: int, join_seconds: int) -> None:
+    """Gloo's two timeouts, read at every `hvd.init()` (resets included); a value already in the environment (set
+    on the launcher) wins.
+
+    HOROVOD_GLOO_TIMEOUT_SECONDS (`collective_timeout`): how long a rank waits on a peer that stopped answering in a
+    collective (the ranks left by a lost host idle that long before they reset). Upstream Horovod also waits that
+    long in `hvd.init()`'s rendezvous for every process of the job, and then terminates the process: the ranks
+    already training, waiting for the process Horovod starts on a host that is added or comes back, all died when
+    that process was slower to start than the collective timeout (a loaded node, a cold page cache), failing the
+    job. Nightshift's Horovod (images/trainer/horovod-0.28.1-elastic-join.patch) separates the two:
+
+    HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS (`join_timeout`): how long the rendezvous waits; when it runs out (a
+    joiner late, or gone), `hvd.init()` fails instead of terminating, and `join` tries again, which puts this rank
+    in the elastic driver's next round (see `join`). A rank that is merely slow in Python (evaluating, loading a
+    checkpoint) does not count against either: Horovod's background thread goes on answering."""
     os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
+    os.environ.setdefault("HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS", str(join_seconds))
+
+
+JOIN_ATTEMPTS = 3
+
+
+def join(hvd: Any, attempts: int = JOIN_ATTEMPTS) -> None:
+    """`hvd.init()`, again after a failed rendezvous, at most `attempts` times in all.
+
+    A rendezvous fails when a process of the round does not come within the join timeout (a host that joins late
+    or never) or a peer it found has gone. Trying again asks the elastic driver for this rank's place in the next
+    round (Horovod's reset protocol: every rank of the round reports ready, or its process exits, and the driver
+    drops the hosts whose process failed): the ranks left go on without a joiner that never came, and a late
+    joiner, failing its own first rendezvous, joins the next round. So a host that joins late or never costs the
+    ranks a pause of about a join timeout, not the job. A process that is alive but never reaches `hvd.init()`
+    still holds the round (Horovod waits for every process of a round to report)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            hvd.init()
+            return
+        except ValueError as err:  # Horovod's "initialization failed" (its log names the rendezvous error)
+            if attempt == attempts:
+                raise JoinFailed(f"Horovod's rendezvous failed {attempts} times in a row (the reason is in the log "
+                                 f"above): a process of the job did not come within the join timeout "
+                                 f"(HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS="
+                                 f"{os.environ.get('HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS', 'unset')}); raise "
+                                 f"--join-timeout if processes take longer to start") from err
+            log.warning("Horovod's rendezvous failed (attempt %d of %d: a process of the job did not come in time, "
+                        "or a peer has gone): joining the elastic driver's next round", attempt, attempts)
+            hvd.shutdown()
 
 
 def _seed_rank(seed: int, step: int, rank: int) -> None:
@@ -232,7 +266,11 @@ class ElasticTrainer(Trainer):
             log.info("elastic training on %s x %d ranks (for now): precision %s, commit every %d steps, "
                      "checkpoint every %d", self.device, self.size, self.config.precision, self.config.commit_every,
                      self.config.checkpoint_every)
-        epoch_metrics = self.hvd.elastic.run(self._train)(state)
+        from horovod.common.elastic import run_fn
+
+        # hvd.elastic.run with a reset that survives a failed rendezvous (`join`): Horovod's own is
+        # shutdown(); init(), which gives up at the first.
+        epoch_metrics = run_fn(self._train, self._reset)(state)
         waited = time.perf_counter()
         self.writer.wait()
         self.checkpoint_seconds += time.perf_counter() - waited
@@ -240,6 +278,10 @@ class ElasticTrainer(Trainer):
         if not epoch_metrics and self.is_chief:
             epoch_metrics = self.evaluate(self.validation_split)
         return self._finish(epoch_metrics, self.steps_run, time.perf_counter() - started)
+
+    def _reset(self) -> None:
+        self.hvd.shutdown()
+        join(self.hvd)
 
     def summary_extra(self) -> dict[str, Any]:
         return {"elastic": {"resets": self.resets, "world_sizes": self.sizes, "commit_every": self.config.commit_every}}

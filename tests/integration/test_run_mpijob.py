@@ -10,8 +10,10 @@ reduction order of CPU kernels. Needs root, `ip`, `unshare` and `sshd`; skips, s
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -423,14 +425,25 @@ NETEM = _netem()
 
 
 def test_link_rate_limits_every_hosts_link(site: Site, links_before: set[str]) -> None:
-    """--link-rate 100mbit: 8 MB from the launcher to a worker over ssh take at least 0.64 s."""
-    send = ("import subprocess, time; t = time.perf_counter(); "
+    """--link-rate 100mbit: 8 MB from the launcher to a worker over ssh take at least 0.64 s.
+
+    Also: an ssh session on a worker starts in a fresh home, not this machine's (root's ~/.bashrc here runs `pyenv
+    init`, whose rehash waited 60 s on a lock file a killed session had left: this test once measured 0.1 MB/s)."""
+    send = ("import subprocess, time; "
+            "print('HOME', subprocess.run(['ssh', 'shaped-worker-0', 'ls -A ~'], capture_output=True, text=True, "
+            "check=True).stdout.split()); t = time.perf_counter(); "
             "subprocess.run(['ssh', 'shaped-worker-0', 'cat > /dev/null'], input=bytes(8_000_000), check=True); "
             "print('MB/s', round(8 / (time.perf_counter() - t), 1))")
     job = _job("shaped", ["python", "-c", send], workers=1)
     proc = site.run_mpijob(site.write(job, "shaped"), "--link-rate", "100mbit")
     code, out, err = finish(proc, timeout=120)
     assert code == 0, err
+    root_home = Path(pwd.getpwuid(0).pw_dir)
+    bound = {".ssh"} | {p.relative_to(root_home).parts[0] for p in (
+        Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), Path(__file__).resolve().parents[2])
+        if p.is_relative_to(root_home)}  # the Secret, and this machine's Python and checkout where they live
+    listing = ast.literal_eval(out.split("HOME ")[1].splitlines()[0])
+    assert set(listing) <= bound, (listing, bound)
     rate = float(out.split("MB/s ")[1].split()[0])
     assert 2 < rate <= 12.5, out  # 100 Mbit/s is 12.5 MB/s of frames; ssh's own overhead comes on top
     assert_nothing_left(proc.pid, links_before)

@@ -35,13 +35,19 @@ if MISSING:
 # within the collective timeout after the kill; the host is listed again 6 s after the kill and taken in after the
 # blacklist cool-down of 4-6 s). The chaos clock starts at rank 0's first line (CHAOS_AFTER), after the ranks' first
 # rendezvous: a host lost before it fails the job (README, "Elastic training"). The collective timeout is the
-# trainer's default, Horovod's 30 s: it is also all the time the process started for the returning host has to
-# reach hvd.init() (Python, torch's import) before the others give up and the job fails (issue 35: a product
-# limit, not the test's; a shorter test-only value failed on a loaded CI machine).
+# trainer's default, Horovod's 30 s; the join timeout (how long the ranks wait in the rendezvous for a process
+# joining) the trainer's default, 60 s.
 TRAIN_ARGS = ["--epochs", "40", "--batch-size", "16", "--lr", "0.02", "--threads", "1", "--seed", "5",
               "--log-every", "40", "--checkpoint-every", "100", "--commit-every", "10", "--device", "cpu",
               "--collective-timeout", "30"]
 CHAOS_AFTER = "elastic training on "  # rank 0, once every rank joined (nightshift/train/elastic.py, fit)
+
+
+def slow_rejoin(workdir: Path, then: str) -> list[str]:
+    """A wrapper for every rank's trainer: the first process on each host starts at once; a later one (the process
+    Horovod starts for a host that comes back) runs `then` first: a joiner slow to start, or one that never comes."""
+    script = (f'm="{workdir}/started-$(hostname)"; if [ -e "$m" ]; then {then}; fi; touch "$m"; exec "$@"')
+    return ["sh", "-c", script, "slow-rejoin"]
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +58,18 @@ def links_before() -> set[str]:
 def run_mpijob(tmp_path: Path, job: dict[str, Any], *extra: str) -> subprocess.Popen[str]:
     manifest = tmp_path / f"{job['metadata']['name']}.yaml"
     manifest.write_text(yaml.safe_dump(job))
-    return subprocess.Popen([NIGHTSHIFT, "run-mpijob", str(manifest), "--timeout", "180", *extra],
+    return subprocess.Popen([NIGHTSHIFT, "run-mpijob", str(manifest), "--timeout", "240", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_the_trainer_loses_a_worker_host_and_takes_it_back_without_a_restart(
         tmp_path: Path, demo_data: Path, links_before: set[str]) -> None:
+    """The process started for the returning host reaches the rendezvous 40 s late, past the collective timeout
+    (issue 35 item 5: upstream Horovod's ranks gave up on it after that timeout and the job failed; a slow start on a
+    loaded machine did it in CI): the others wait for it up to the join timeout, and it joins."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     job = trainer_job("elastic", tmp_path, demo_data, out, ckpt, elastic=True, train_args=TRAIN_ARGS,
-                      workers=3)
+                      workers=3, wrapper=slow_rejoin(tmp_path, "sleep 40"))
     proc = run_mpijob(tmp_path, job, "--volume", f"bench={tmp_path}", "--chaos",
                       "kill worker-1 at 5s; restore worker-1 at 11s", "--chaos-after", CHAOS_AFTER)
     code, stdout, err = finish(proc, timeout=300)
@@ -111,6 +120,30 @@ def test_the_trainer_loses_a_worker_host_and_takes_it_back_without_a_restart(
     # CI rehearsal: 0.9741 against 0.9815, two samples; half a point was one sample and failed on it).
     rows = len(pd.read_parquet(demo_data / "validation.parquet"))
     assert abs(summary["val_accuracy"] - undisturbed["val_accuracy"]) <= 2 / rows + 1e-9, (summary, undisturbed)
+
+
+def test_a_returning_host_whose_process_never_joins_costs_a_pause_not_the_job(
+        tmp_path: Path, demo_data: Path, links_before: set[str]) -> None:
+    """Issue 35 item 5: the process started for the returning host dies before it joins (once: the host's next
+    process, after Horovod's blacklist cool-down, joins). The ranks left wait the join timeout (15 s here) in the
+    rendezvous, then join the elastic driver's next round without it, and the job goes on."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    wrapper = slow_rejoin(tmp_path, f'if [ ! -e "{tmp_path}/died" ]; then touch "{tmp_path}/died"; exit 1; fi')
+    job = trainer_job("never", tmp_path, demo_data, out, ckpt, elastic=True,
+                      train_args=[*TRAIN_ARGS, "--join-timeout", "15"], workers=3, wrapper=wrapper)
+    proc = run_mpijob(tmp_path, job, "--volume", f"bench={tmp_path}", "--chaos",
+                      "kill worker-1 at 5s; restore worker-1 at 11s", "--chaos-after", CHAOS_AFTER)
+    code, stdout, err = finish(proc, timeout=300)
+    ranks = [line for line in stdout.splitlines() if "<stderr>:" in line and "step " not in line]
+    assert code == 0, err[-3000:] + "\n".join(ranks[-40:])
+    assert (tmp_path / "died").exists()
+    summary = json.loads((out / "metrics.json").read_text())
+    sizes = summary["elastic"]["world_sizes"]
+    assert sizes[:2] == [3, 2], summary
+    # The two ranks left waited for the process that died, then went on: each says so once.
+    assert stdout.count("Horovod's rendezvous failed (attempt 1 of 3") == 2, "\n".join(ranks[-40:])
+    assert "attempt 2 of 3" not in stdout
+    assert_nothing_left(proc.pid, links_before, str(ckpt))
 
 
 def test_chaos_killing_a_worker_of_a_job_that_is_not_elastic_fails_it_naming_the_worker(

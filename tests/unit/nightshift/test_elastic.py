@@ -158,3 +158,54 @@ def test_after_a_disk_resume_each_rank_draws_its_own_random_numbers(tmp_path: Pa
         assert (state.epoch, state.processed, state.samples_done, state.step) == (1, 32, 160, 40)
         draws.append(torch.rand(4))
     assert not torch.equal(draws[0], draws[1])
+
+
+class _Horovod:
+    """hvd.init()/shutdown() as the patched Horovod behaves: init raises ValueError when its rendezvous failed."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.calls = failures, []
+
+    def init(self) -> None:
+        self.calls.append("init")
+        if self.failures:
+            self.failures -= 1
+            raise ValueError("Horovod initialization failed. Please check log messages above")
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+def test_a_failed_rendezvous_is_tried_again_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 35 item 5: a joiner late past the join timeout (or gone) fails hvd.init(); the rank shuts Horovod down
+    and asks again, which puts it in the elastic driver's next round; after JOIN_ATTEMPTS it gives up, naming the
+    timeout to raise."""
+    from nightshift.errors import JoinFailed
+    from nightshift.train.elastic import JOIN_ATTEMPTS, join
+
+    hvd = _Horovod(failures=JOIN_ATTEMPTS - 1)
+    join(hvd)
+    assert hvd.calls == ["init", "shutdown"] * (JOIN_ATTEMPTS - 1) + ["init"]
+    assert f"attempt {JOIN_ATTEMPTS - 1} of {JOIN_ATTEMPTS}" in caplog.text
+
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS", "15")
+    hvd = _Horovod(failures=JOIN_ATTEMPTS)
+    with pytest.raises(JoinFailed, match=r"failed 3 times in a row .*RENDEZVOUS_TIMEOUT_SECONDS=15.*--join-timeout"):
+        join(hvd)
+    assert hvd.calls.count("init") == JOIN_ATTEMPTS
+
+
+def test_the_join_and_collective_timeouts_are_set_apart_unless_the_launcher_set_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from nightshift.train.elastic import set_collective_timeout
+
+    monkeypatch.delenv("HOROVOD_GLOO_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS", "300")  # the launcher's env wins
+    set_collective_timeout(30, 60)
+    import os
+
+    assert os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "30"
+    assert os.environ["HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS"] == "300"
+    with pytest.raises(UsageError, match="--join-timeout must be a positive integer"):
+        TrainConfig(data="d", out="o", checkpoint_dir="c", join_timeout=0)

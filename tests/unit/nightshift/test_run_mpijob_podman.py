@@ -304,15 +304,20 @@ def test_close_goes_on_when_podman_fails(monkeypatch: pytest.MonkeyPatch) -> Non
     assert left == ["containers nightshift-mpijob-1-job-launcher (podman rm hung)"]
 
 
-def test_a_pod_home_over_the_interpreter_is_not_replaced_by_a_fresh_one(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path) -> None:
+def test_a_pod_home_over_the_interpreter_is_fresh_with_the_interpreter_bound_into_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Issue 35 item 6: with the MPI Operator's default sshAuthMountPath (/root/.ssh) the pods got a fresh tmpfs on
-    /root, hiding a pyenv interpreter the venv's python links to (the launcher exited 127). The check resolved the
-    venv's bin directory, not the interpreter it links to."""
+    /root, hiding a pyenv interpreter the venv's python links to (the launcher exited 127). Sharing this machine's
+    home instead ran root's ~/.bashrc in every ssh session (also with another sshAuthMountPath: sshd starts root's
+    shell in root's home), whose `pyenv rehash` waited 60 s on a lock a killed session had left (CI: a rate test
+    measured 0.1 MB/s, an elastic test timed out). The pod gets fresh homes with the interpreter's installation
+    bound read-only at its own path."""
+    import pwd
     import sys
 
     from nightshift.mpijob_local.runner import LocalRun
 
+    root_home = pwd.getpwuid(0).pw_dir
     home = tmp_path / "root"
     base = home / ".pyenv" / "versions" / "3.11.7"
     (base / "bin").mkdir(parents=True)
@@ -325,11 +330,22 @@ def test_a_pod_home_over_the_interpreter_is_not_replaced_by_a_fresh_one(monkeypa
     monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python"))
     job = parse_job(manifest(ssh_auth_mount_path=f"{home}/.ssh"), claims=CLAIMS, gpus_available=0)
     run = LocalRun(job, RunOptions(), out=open(os.devnull, "w"), err=open(os.devnull, "w"))
+    run.python_bin = str(venv / "bin")
     try:
-        assert run._home() == (str(home), False)
-        monkeypatch.setattr(sys, "base_prefix", str(venv))  # an interpreter outside the home: a fresh home still
+        assert run._homes() == (str(home), sorted([str(home), root_home]), [str(base)])
+        inner = home / "venv"  # a venv inside the home too, linking into the pyenv: one mount each, outermost only
+        (inner / "bin").mkdir(parents=True)
+        run.python_bin = str(inner / "bin")
+        monkeypatch.setattr(sys, "prefix", str(inner))
+        assert run._homes() == (str(home), sorted([str(home), root_home]), [str(base), str(inner)])
+        monkeypatch.setattr(sys, "base_prefix", str(venv))  # an interpreter outside the homes: nothing bound
+        monkeypatch.setattr(sys, "prefix", str(venv))
         monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python3.11-copy"))
+        run.python_bin = str(venv / "bin")
         (venv / "bin" / "python3.11-copy").write_text("")
-        assert run._home() == (str(home), True)
+        assert run._homes()[2] == [p for p in [str(Path(__file__).resolve().parents[3])] if Path(p).is_relative_to(
+            root_home)]
+        monkeypatch.setattr(sys, "prefix", str(home))  # the installation is the home: kept as it is
+        assert str(home) not in run._homes()[1]
     finally:
         run.close()
