@@ -3,8 +3,8 @@
 Run by run-mpijob as `python -I pod_init.py SPEC.json` under `ip netns exec NS unshare --uts --mount
 --propagation private`; standard library only, so it starts fast and needs nothing installed. SPEC holds
 `hostname`, `scratch` (a directory this pod mounts a private tmpfs on), `tmpfs` (paths that get a fresh
-tmpfs: the pod's homes; a mount whose source lies under one sees it as it was), `mounts` (`source`, `target`, `dir`, `read_only`: bind mounts; a `source` of
-null only makes sure `target` exists), `cwd`, `env` and `argv`.
+tmpfs: the pod's homes; a mount whose source lies under one sees it as it was), `mounts` (`source`,
+`target`, `dir`, `read_only`: bind mounts; a `source` of null only makes sure `target` exists), `cwd`, `env` and `argv`.
 
 A mount target this machine lacks (`/etc/mpi`, `/home/mpiuser/.ssh`, `/run/sshd`) is created in an
 overlay of its nearest existing parent directory whose upper layer is the pod's tmpfs: the pod sees the
