@@ -28,6 +28,7 @@ DEFAULT_SSH_AUTH_MOUNT_PATH = "/root/.ssh"
 # The operator's worker command when the template gives neither command nor args.
 DEFAULT_WORKER_COMMAND = ("/usr/sbin/sshd", "-De")
 IMPLEMENTATIONS = ("OpenMPI", "Intel", "MPICH")
+RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 # Pod-spec fields that change nothing on one machine (scheduling, image pulls, accounting).
@@ -88,6 +89,9 @@ class LocalJob:
     launcher: PodSpec
     workers: tuple[PodSpec, ...]
     active_deadline_seconds: int | None = None
+    # The worker pods' restartPolicy, as the operator sets it from mpiReplicaSpecs.Worker.restartPolicy (default
+    # Never; ExitCode becomes Never on the pod, the operator deciding instead).
+    worker_restart_policy: str = "Never"
 
     @property
     def pods(self) -> tuple[PodSpec, ...]:
@@ -318,6 +322,10 @@ def parse_job(manifest: Mapping[str, Any], *, claims: Mapping[str, str], gpus_av
     count = replicas["Worker"].get("replicas", 1)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ManifestNotSupported(f"{where}.mpiReplicaSpecs.Worker.replicas must be an integer >= 1, got {count!r}")
+    restart_policy = replicas["Worker"].get("restartPolicy", "Never")
+    if restart_policy not in RESTART_POLICIES:
+        raise ManifestNotSupported(f"{where}.mpiReplicaSpecs.Worker.restartPolicy must be one of {RESTART_POLICIES}, "
+                                   f"got {restart_policy!r}")
     run_policy = spec.get("runPolicy") or {}
     deadline = run_policy.get("activeDeadlineSeconds")
 
@@ -337,4 +345,5 @@ def parse_job(manifest: Mapping[str, Any], *, claims: Mapping[str, str], gpus_av
             f"{gpus_available} GPU(s); render it with gpus_per_worker=0 to try it on the CPU")
     return LocalJob(name=name, namespace=str(namespace), slots_per_worker=slots, implementation=implementation,
                     ssh_auth_mount_path=ssh_path, launcher=launcher, workers=workers,
-                    active_deadline_seconds=deadline if isinstance(deadline, int) and deadline > 0 else None)
+                    active_deadline_seconds=deadline if isinstance(deadline, int) and deadline > 0 else None,
+                    worker_restart_policy="Never" if restart_policy == "ExitCode" else restart_policy)

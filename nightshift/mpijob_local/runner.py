@@ -7,14 +7,17 @@ failed pod: its remaining processes are killed (the kubelet would tear the conta
 fails, naming it.
 
 Elastic jobs (the launcher runs `horovodrun ... --host-discovery-script ...`, see
-`manifest.is_elastic_launcher`): as the MPI Operator does, `/etc/mpi/discover_hosts.sh` lists only the worker
-pods that are running, sorted by pod name, and is rewritten (atomically: a rename in the directory the
-launcher mounts) whenever that set changes; each change is said on stderr. Running: the pod's main process is
-alive, an sshd worker's port listens in its emulated host, and `--chaos` has not taken its link down. A worker
-that dies does not fail an elastic job: it is dropped from the script and the launcher's exit decides (Horovod
-goes on with the hosts left while at least `--min-np` slots remain). `--chaos` (see `chaos.py`) kills,
-restores, and takes down or up the link of workers at set times from the launcher's start; a restored worker
-runs again in the same emulated host, and is listed again once its port listens. With `--runtime podman` each
+`manifest.is_elastic_launcher`): as the MPI Operator does, `/etc/mpi/discover_hosts.sh` lists the worker pods
+whose phase is Running, sorted by pod name, and is rewritten (atomically: a rename in the directory the launcher
+mounts) whenever that set changes; each change is said on stderr. Running, as the kubelet has it: the pod's
+container runs (whether or not its sshd listens yet, whatever its link), or it exited and the kubelet is to
+restart it in place (the worker's restartPolicy OnFailure, or Always; after the kubelet's back-off, 10 s
+doubling to 300 s). A worker whose container exits for good (restartPolicy Never) does not fail an elastic job:
+it is dropped from the script and the launcher's exit decides (Horovod goes on with the hosts left while at
+least `--min-np` slots remain; it blacklists, for its cool-down, a listed host it cannot start a process on).
+`--chaos` (see `chaos.py`) kills, restores, and takes down or up the link of workers at set times from the
+launcher's start; a kill is the container's exit on SIGKILL (restartPolicy decides what follows), a restore
+starts the pod again in the same emulated host. With `--runtime podman` each
 pod is a container of its image inside its emulated host (see `podman.py`); services stay processes of this
 machine. There a chaos kill ends the pod's container (every process of its host dies), and a restore removes
 the dead container and starts a new one of the pod (same name, host, files and mounts). Whatever happens
@@ -54,6 +57,10 @@ TEMP_PREFIX = "nightshift-mpijob-"
 EXIT_TIMEOUT = 124
 LOST_WORKER_GRACE_S = 15.0  # time the launcher gets to fail by itself once a worker pod died
 DISCOVER_EVERY_S = 0.5  # how often an elastic job's running workers are looked at (Horovod reads every 1 s)
+# The kubelet's back-off before it restarts a container in place (restartPolicy OnFailure/Always): 10 s, doubled
+# at each restart, at most 300 s (kubernetes pkg/kubelet/kubelet.go: backOffPeriod, MaxContainerBackOff).
+RESTART_BACKOFF_S = 10.0
+RESTART_BACKOFF_MAX_S = 300.0
 TAIL_LINES = 80
 RUNTIMES = ("host", "podman")
 _ERROR_LINE = re.compile(r"\b[\w.]*(Error|Exception|error)\b:? ")
@@ -138,7 +145,10 @@ class RunningPod:
     ready_port: int | None = None
     container: bool = False  # a podman container (its exit status is podman run's)
     net_pid: int | None = None  # a process in the pod's network namespace (to read its listening sockets)
-    restored_at: float | None = None  # when --chaos restored it, until it runs again
+    restored_at: float | None = None  # when --chaos restored it (or the kubelet restarted it), until it runs again
+    back_by: str = "restore"  # what brought it back: a --chaos "restore" or the kubelet's "restart"
+    restarts: int = 0  # in-place restarts of its container (restartPolicy OnFailure/Always)
+    restart_at: float | None = None  # when the emulated kubelet restarts its exited container in place
 
 
 class _Stopped(Exception):
@@ -517,18 +527,27 @@ class LocalRun:
                     continue
                 self.gone.add(worker.name)
                 how = _exit_text(worker.proc.returncode, worker.container)
-                if self.job.elastic:
-                    self.say(f"worker {worker.name} stopped ({how}): elastic job, it is dropped from "
-                             f"discover_hosts.sh and the launcher's exit decides")
+                if self.job.elastic and self.restarts_in_place(worker.proc.returncode):
+                    network.kill_namespaces([worker.namespace], grace_s=0)
+                    self.say(f"worker {worker.name} stopped ({how}): {self.schedule_restart(worker, now)}")
+                    self.refresh_discover_hosts(workers)
+                elif self.job.elastic:
+                    self.say(f"worker {worker.name} stopped ({how}): elastic job, its pod failed (restartPolicy "
+                             f"{self.job.worker_restart_policy}): it is dropped from discover_hosts.sh and the "
+                             f"launcher's exit decides")
                     network.kill_namespaces([worker.namespace], grace_s=0)
                     self.refresh_discover_hosts(workers)
                 elif lost_at is None:
                     lost_at = now
                     self.say(f"worker {worker.name} stopped ({how}): the job fails")
                     network.kill_namespaces([worker.namespace], grace_s=0)
+            for worker in workers:
+                if worker.restart_at is not None and now >= worker.restart_at:
+                    self.restart_in_place(worker)
             if self.job.elastic and now >= next_look:
                 next_look = now + DISCOVER_EVERY_S
                 self.refresh_discover_hosts(workers)
+                self.say_running_again(workers)
             if lost_at is not None and now - lost_at > LOST_WORKER_GRACE_S:
                 network.kill_namespaces([launcher.namespace], grace_s=10)
             elif deadline is not None and now > deadline:
@@ -555,8 +574,17 @@ class LocalRun:
 
     # ------------------------------------------------------------------ elastic jobs and --chaos
     def is_running(self, worker: RunningPod) -> bool:
-        """The pod's main process is alive, an sshd worker's port listens, its link is not taken down."""
-        if worker.proc is None or worker.proc.poll() is not None or worker.name in self.links_down:
+        """Pod phase Running, the MPI Operator's rule for discover_hosts.sh (kubeflow/mpi-operator,
+        pkg/controller/mpi_job_controller.go, getRunningWorkerPods: `pod.Status.Phase == corev1.PodRunning`): its
+        container runs, or has exited and the kubelet is to restart it in place (the pod stays Running). Not
+        whether its sshd listens yet, nor its link: Horovod finds those out by itself, and blacklists the host."""
+        if worker.restart_at is not None:
+            return True
+        return worker.proc is not None and worker.proc.poll() is None
+
+    def accepts_connections(self, worker: RunningPod) -> bool:
+        """Its main process is alive and, for an sshd worker, its port listens in its emulated host."""
+        if worker.proc is None or worker.proc.poll() is not None:
             return False
         if not worker.ready_port:
             return True
@@ -565,6 +593,42 @@ class LocalRun:
             worker.net_pid = pids[0] if pids else None
         return worker.net_pid is not None and network.listening(worker.net_pid, worker.ready_port,
                                                                  f"/run/netns/{worker.namespace}")
+
+    def say_running_again(self, workers: Sequence[RunningPod]) -> None:
+        for worker in workers:
+            if worker.restored_at is not None and self.accepts_connections(worker):
+                self.say(f"worker {worker.name} runs again, {time.monotonic() - worker.restored_at:.1f}s after "
+                         f"its {worker.back_by}")
+                worker.restored_at = None
+
+    def restarts_in_place(self, code: int) -> bool:
+        """Whether the kubelet restarts an exited worker container in its pod (restartPolicy)."""
+        policy = self.job.worker_restart_policy
+        return policy == "Always" or (policy == "OnFailure" and code != 0)
+
+    def schedule_restart(self, worker: RunningPod, now: float) -> str:
+        delay = min(RESTART_BACKOFF_S * 2 ** worker.restarts, RESTART_BACKOFF_MAX_S)
+        worker.restart_at = now + delay
+        return (f"restartPolicy {self.job.worker_restart_policy}: the kubelet restarts its container in place in "
+                f"{delay:.0f}s (restart {worker.restarts + 1}); its pod stays Running, listed in discover_hosts.sh")
+
+    def restart_in_place(self, worker: RunningPod) -> None:
+        left = self.remove_dead_container(worker) if worker.container else None
+        if left:
+            worker.restart_at = time.monotonic() + RESTART_BACKOFF_S
+            self.say(f"worker {worker.name} not restarted: {left}; trying again in {RESTART_BACKOFF_S:.0f}s")
+            return
+        if worker.pump is not None:
+            worker.pump.join(timeout=5)
+        spec = next(w for w in self.job.workers if w.name == worker.name)
+        worker.tail.clear()
+        self.start_pod(worker, spec=spec)
+        worker.restarts += 1
+        worker.restart_at = None
+        worker.restored_at = time.monotonic()
+        worker.back_by = "restart"
+        self.gone.discard(worker.name)
+        self.say(f"worker {worker.name}: the kubelet restarted its container in place (restart {worker.restarts})")
 
     def refresh_discover_hosts(self, workers: Sequence[RunningPod], event: str | None = None) -> None:
         """Rewrite discover_hosts.sh when the set of running workers changed, and say so (after `event`, on
@@ -577,11 +641,6 @@ class LocalRun:
         added, dropped = sorted(running - self.listed), sorted(self.listed - running)
         self.listed = running
         files.replace_text(self.mpi_config / "discover_hosts.sh", self.job.discover_hosts(running), 0o555)
-        for worker in workers:
-            if worker.name in added and worker.restored_at is not None:
-                self.say(f"worker {worker.name} runs again, {time.monotonic() - worker.restored_at:.1f}s after "
-                         f"its restore")
-                worker.restored_at = None
         change = [f"+{n}" for n in added] + [f"-{n}" for n in dropped]
         self.say(f"{event + '; ' if event else ''}discover_hosts.sh lists {len(running)} worker(s) "
                  f"({', '.join(change)}): {', '.join(sorted(running)) or 'none'}")
@@ -601,7 +660,12 @@ class LocalRun:
                     worker.proc.wait(timeout=10)
             if self.job.elastic:
                 self.gone.add(worker.name)  # said here, not as a worker that stopped by itself
+                if self.restarts_in_place(-signal.SIGKILL):
+                    said += f"; {self.schedule_restart(worker, time.monotonic())}"
         elif event.action == "restore":
+            if worker.restart_at is None and worker.proc is not None and worker.proc.poll() is None:
+                self.say(f"{what}: not restored: it runs (the kubelet restarted it in place)")
+                return
             left = self.remove_dead_container(worker) if worker.container else None
             if left:
                 self.say(f"{what}: not restored: {left}")
@@ -612,10 +676,12 @@ class LocalRun:
             worker.tail.clear()
             self.start_pod(worker, spec=spec)
             worker.restored_at = time.monotonic()
+            worker.restart_at = None
+            worker.back_by = "restore"
             self.gone.discard(worker.name)
             new = f" as a new container {podman.container_name(self.owner, worker.name)}" if worker.container else ""
             said = (f"{what}: restored {worker.name}{new} in its host {worker.namespace} ({worker.ip}), listed "
-                    f"again once it accepts connections")
+                    f"again as its pod runs")
         else:
             up = event.action == "up"
             self.net.set_link(worker.slot, up)

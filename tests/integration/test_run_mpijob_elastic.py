@@ -146,6 +146,34 @@ def test_a_returning_host_whose_process_never_joins_costs_a_pause_not_the_job(
     assert_nothing_left(proc.pid, links_before, str(ckpt))
 
 
+def test_a_worker_restarted_in_place_stays_listed_and_the_job_takes_it_back(
+        tmp_path: Path, demo_data: Path, links_before: set[str]) -> None:
+    """Issue 35 item 3: as on a cluster, an elastic job's workers run with restartPolicy OnFailure (what the operator
+    renders); a killed worker's container is restarted in its pod by the kubelet after its back-off (10 s), and the
+    pod stays Running, so the MPI Operator keeps it in discover_hosts.sh all along. Horovod tries the listed host,
+    fails while its sshd is down, blacklists it for the cool-down, and takes it back once it runs."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    job = trainer_job("inplace", tmp_path, demo_data, out, ckpt, elastic=True,
+                      train_args=[*TRAIN_ARGS, "--join-timeout", "15"], workers=3)
+    job["spec"]["mpiReplicaSpecs"]["Worker"]["restartPolicy"] = "OnFailure"
+    proc = run_mpijob(tmp_path, job, "--volume", f"bench={tmp_path}", "--chaos", "kill worker-1 at 5s",
+                      "--chaos-after", CHAOS_AFTER)
+    code, stdout, err = finish(proc, timeout=300)
+    ranks = [line for line in stdout.splitlines() if "<stderr>:" in line and "step " not in line]
+    assert code == 0, err[-3000:] + "\n".join(ranks[-40:])
+    said = [line for line in err.splitlines() if line.startswith(("run-mpijob: chaos at", "run-mpijob: discover",
+                                                                   "run-mpijob: worker"))]
+    assert re.search(r"chaos at 5\.\ds \(kill worker-1 at 5s\): killed inplace-worker-1 .*restartPolicy OnFailure: the "
+                     r"kubelet restarts its container in place in 10s \(restart 1\); its pod stays Running, listed "
+                     r"in discover_hosts.sh; discover_hosts.sh lists 3 worker\(s\), unchanged$", said[0]), said
+    assert "run-mpijob: worker inplace-worker-1: the kubelet restarted its container in place (restart 1)" in said
+    assert not any("discover_hosts.sh lists 2" in line for line in said), said  # never dropped
+    summary = json.loads((out / "metrics.json").read_text())
+    sizes = summary["elastic"]["world_sizes"]
+    assert sizes[:2] == [3, 2] and sizes[-1] == 3, summary
+    assert_nothing_left(proc.pid, links_before, str(ckpt))
+
+
 def test_chaos_killing_a_worker_of_a_job_that_is_not_elastic_fails_it_naming_the_worker(
         tmp_path: Path, links_before: set[str]) -> None:
     marker = "600.43"  # `sleep 600.43`: a process only this test starts, over ssh on the workers

@@ -37,6 +37,56 @@ def job(workers: int = 3, launcher: list[str] | None = None) -> LocalJob:
 
 
 # ---------------------------------------------------------------------------------------------- elastic jobs
+@pytest.mark.parametrize(("policy", "taken", "restarts_after"), [
+    (None, "Never", {0: False, 1: False, -9: False}),
+    ("OnFailure", "OnFailure", {0: False, 1: True, -9: True}),
+    ("Always", "Always", {0: True, 1: True, -9: True}),
+    ("ExitCode", "Never", {0: False, 1: False, -9: False}),  # the operator's pod gets Never; it decides itself
+])
+def test_the_worker_restart_policy_decides_whether_the_kubelet_restarts_a_worker_in_place(
+        policy: str | None, taken: str, restarts_after: dict[int, bool]) -> None:
+    from nightshift.mpijob_local.runner import LocalRun
+
+    doc = manifest()
+    if policy:
+        doc["spec"]["mpiReplicaSpecs"]["Worker"]["restartPolicy"] = policy
+    parsed = parse_job(doc, claims={}, gpus_available=0)
+    assert parsed.worker_restart_policy == taken
+    run = LocalRun(parsed, RunOptions(), out=open(os.devnull, "w"), err=open(os.devnull, "w"))
+    try:
+        assert {code: run.restarts_in_place(code) for code in restarts_after} == restarts_after
+    finally:
+        run.close()
+
+
+def test_a_worker_restart_policy_run_mpijob_cannot_take_is_refused() -> None:
+    doc = manifest()
+    doc["spec"]["mpiReplicaSpecs"]["Worker"]["restartPolicy"] = "Sometimes"
+    with pytest.raises(ManifestNotSupported, match=r"Worker.restartPolicy must be one of .*'OnFailure'.*'Sometimes'"):
+        parse_job(doc, claims={}, gpus_available=0)
+
+
+def test_the_kubelets_restart_back_off_doubles_to_five_minutes() -> None:
+    from nightshift.mpijob_local.runner import LocalRun, RunningPod
+
+    doc = manifest()
+    doc["spec"]["mpiReplicaSpecs"]["Worker"]["restartPolicy"] = "OnFailure"
+    run = LocalRun(parse_job(doc, claims={}, gpus_available=0), RunOptions(), out=open(os.devnull, "w"),
+                   err=open(os.devnull, "w"))
+    try:
+        pod = RunningPod(name="toy-worker-1", role="worker", namespace="ns", slot=2, ip="10.0.0.2", dns_names=[])
+        delays = []
+        for restarts in range(7):
+            pod.restarts = restarts
+            run.schedule_restart(pod, now=1000.0)
+            assert pod.restart_at is not None
+            delays.append(pod.restart_at - 1000.0)
+        assert delays == [10, 20, 40, 80, 160, 300, 300]
+        assert run.is_running(pod)  # waiting for its restart, the pod is Running: listed
+    finally:
+        run.close()
+
+
 @pytest.mark.parametrize(("argv", "elastic"), [
     (ELASTIC, True),
     (["/opt/venv/bin/horovodrun", "--host-discovery-script=/etc/mpi/discover_hosts.sh", "python", "t.py"], True),
