@@ -15,6 +15,7 @@ from nightshift.train.elastic import (
     lr_factor,
     rank_indices,
     require_elastic_launcher,
+    step_lr,
     step_shares,
 )
 
@@ -209,3 +210,18 @@ def test_the_join_and_collective_timeouts_are_set_apart_unless_the_launcher_set_
     assert os.environ["HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS"] == "300"
     with pytest.raises(UsageError, match="--join-timeout must be a positive integer"):
         TrainConfig(data="d", out="o", checkpoint_dir="c", join_timeout=0)
+
+
+def test_the_learning_rate_per_sample_is_the_same_in_every_step_at_every_world_size() -> None:
+    """Issue 35 item 7: scaled by the world size alone, the epoch's short last step (1,257 samples, batch 32) took
+    3.6x, 1.6x and 10.7x the nominal rate per sample at sizes 1, 2 and 3."""
+    n, batch, base = 1257, 32, 0.02
+    for size in (1, 2, 3):
+        processed = 0
+        while processed < n:
+            in_step = sum(step_shares(n - processed, batch, size))
+            per_sample = step_lr(base, in_step, batch, samples_done=0, total_samples=n) / in_step
+            assert per_sample == pytest.approx(base / batch), (size, processed, in_step)
+            processed += in_step
+    # A full step is the linear scaling rule: lr x world size.
+    assert step_lr(base, 3 * batch, batch, 0, n) == pytest.approx(3 * base)
