@@ -13,9 +13,10 @@ order of the runs. Goal: elastic loses at most 1/5 of what the retry path loses.
 validation accuracy of the disturbed run against the undisturbed one (the issue asks ≤ 0.5 points).
 
 Needs root, `ip`, `unshare` and sshd (network namespaces); prints why it skips otherwise. Two workers, not
-three, because this machine has 2 cores: a third rank shares them, and losing one of three ranks made the other
-two train faster (tried: an elastic run with the failure finished 16.8 s before the undisturbed one). With one
-rank per core, losing a host halves the throughput, as it does on a cluster where each host brings its own.
+three, because this machine has 2 cores, and each worker host pinned to a core of its own (`run-mpijob
+--pin-cpus`: every process of worker i, sshd and the rank it starts, on core i), as a cluster gives each host its
+own devices: unpinned, the ranks shared both cores and losing a host looked like a gain (the rank left trained
+faster alone). Pinned, losing a host halves the throughput, as it does on a cluster.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def run_job(job: dict[str, Any], workdir: Path, chaos: str | None = None, timeou
     """`nightshift run-mpijob` the job; (exit status, wall seconds, stdout, stderr)."""
     manifest = workdir / f"{job['metadata']['name']}.yaml"
     manifest.write_text(yaml.safe_dump(job))
-    argv = [NIGHTSHIFT, "run-mpijob", str(manifest), "--volume", f"bench={workdir}", "--timeout", str(int(timeout))]
+    argv = [NIGHTSHIFT, "run-mpijob", str(manifest), "--volume", f"bench={workdir}", "--timeout", str(int(timeout)),
+            "--pin-cpus"]
     if chaos:
         argv += ["--chaos", chaos]
     start = time.perf_counter()

@@ -63,6 +63,10 @@ def add_parser(subparsers: Any) -> None:
                         help="start the --chaos script's clock at the first line of the launcher's log matching "
                              "REGEX (e.g. the trainer's first step), not at the launcher's start: the failures then "
                              "follow the job's progress, however slowly it started")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="give each worker host a core of its own, as a cluster gives each host its own: worker "
+                             "i's processes are pinned to the i-th core this process may use (modulo their count); "
+                             "the launcher and services are not pinned (host runtime)")
     parser.add_argument("--containers-conf", metavar="PATH",
                         help="containers.conf for podman (default: $NIGHTSHIFT_CONTAINERS_CONF, $CONTAINERS_CONF, "
                              "else the repository's images/podman/containers.conf)")
@@ -95,5 +99,6 @@ def _run(args: argparse.Namespace) -> int:
                          link=LinkShape(rate=args.link_rate, delay_ms=args.link_delay, loss_pct=args.link_loss),
                          timeout_s=args.timeout, services=tuple(args.services), ready_timeout_s=args.ready_timeout,
                          runtime=args.runtime, chaos=args.chaos, chaos_after=args.chaos_after,
+                         pin_cpus=args.pin_cpus,
                          podman=PodmanSettings.from_environment(args.containers_conf, args.oci_runtime))
     return run_mpijob(_load(args.manifest), options)

@@ -117,10 +117,16 @@ class RunOptions:
     # --chaos-after: the chaos script's clock starts at the first launcher line matching this pattern (the job
     # reached a state, say its first step), not at the launcher's start: failures follow the job, not the machine
     chaos_after: str | None = None
+    # --pin-cpus: worker i's processes on the i-th core this process may use (modulo their count), the launcher and
+    # services unpinned: each emulated host computes on a core of its own, as a cluster host on its own devices
+    pin_cpus: bool = False
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
             raise ManifestNotSupported(f"--runtime {self.runtime!r} must be one of {', '.join(RUNTIMES)}")
+        if self.pin_cpus and self.runtime != "host":
+            raise ManifestNotSupported("--pin-cpus pins the host runtime's pods; with --runtime podman give the "
+                                       "containers' cpusets in containers.conf instead, or leave --pin-cpus out")
         if self.chaos_after is not None:
             if self.chaos is None:
                 raise ManifestNotSupported("--chaos-after starts the clock of a --chaos script: give --chaos too")
@@ -425,12 +431,23 @@ class LocalRun:
         spec_file.chmod(0o600)
         argv = ["ip", "netns", "exec", running.namespace, "unshare", "--uts", "--mount", "--propagation",
                 "private", "--", sys.executable, "-I", POD_INIT, str(spec_file)]
+        core = self.core_of(running)
+        if core is not None:  # inherited by every process the pod starts (sshd, its sessions, the ranks)
+            argv = ["taskset", "--cpu-list", str(core), *argv]
         running.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         running.net_pid = running.proc.pid  # `ip netns exec`, `unshare` and pod_init exec the pod's command
         running.pump = threading.Thread(target=self._pump, args=(running,), daemon=True,
                                         name=f"log-{running.name}")
         running.pump.start()
+
+    def core_of(self, running: RunningPod) -> int | None:
+        """The core a worker pod is pinned to with --pin-cpus, else None."""
+        if not self.options.pin_cpus or running.role != "worker":
+            return None
+        cores = sorted(os.sched_getaffinity(0))
+        index = next(w.index for w in self.job.workers if w.name == running.name)
+        return cores[index % len(cores)]
 
     def _pump(self, running: RunningPod) -> None:
         assert running.proc is not None and running.proc.stdout is not None
@@ -489,6 +506,9 @@ class LocalRun:
         self.plan()
         self.write_files()
         self.create_network()
+        if self.options.pin_cpus:
+            self.say("--pin-cpus: " + ", ".join(f"{p.name} on core {self.core_of(p)}" for p in self.pods
+                                                if p.role == "worker"))
         by_name = {p.name: p for p in self.pods}
         services = [p for p in self.pods if p.role == "service"]
         for running, service in zip(services, self.options.services, strict=True):

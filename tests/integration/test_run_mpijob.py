@@ -369,6 +369,25 @@ def _job(name: str, launcher_command: list[str], workers: int = 2) -> dict[str, 
                 "Worker": {"replicas": workers, "template": {"spec": {"containers": [worker]}}}}}}
 
 
+def test_pin_cpus_gives_each_worker_host_a_core_of_its_own(site: Site, links_before: set[str]) -> None:
+    """Issue 35: --pin-cpus pins worker i's processes (sshd and every session it starts) to the i-th core; the
+    launcher is not pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to pin apart")
+    ask = "grep Cpus_allowed_list /proc/self/status"
+    script = f"{ask} | sed 's/^/launcher /'; for w in 0 1; do ssh pinned-worker-$w \"{ask}\" | sed \"s/^/w$w /\"; done"
+    job = _job("pinned", ["sh", "-c", script])
+    proc = site.run_mpijob(site.write(job, "pinned"), "--pin-cpus")
+    code, out, err = finish(proc, timeout=120)
+    assert code == 0, err
+    seen = dict(re.findall(r"\] (\w+) Cpus_allowed_list:\s+(\S+)", out))
+    assert seen["w0"] == str(cores[0]) and seen["w1"] == str(cores[1]), out
+    assert seen["launcher"] != seen["w0"], out  # every core this machine gives, not one
+    assert f"--pin-cpus: pinned-worker-0 on core {cores[0]}, pinned-worker-1 on core {cores[1]}" in err
+    assert_nothing_left(proc.pid, links_before)
+
+
 def test_the_exit_status_is_the_launchers_and_a_failed_job_leaves_nothing(
         site: Site, links_before: set[str]) -> None:
     job = _job("fails", ["sh", "-c", "cat /etc/mpi/hostfile; echo 'ValueError: boom' >&2; exit 3"])

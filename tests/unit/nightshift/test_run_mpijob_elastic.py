@@ -277,3 +277,8 @@ def test_cli_refuses_a_bad_chaos_script_or_clock_before_anything_starts(
     assert main(["run-mpijob", str(path), *args]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_pin_cpus_is_for_the_host_runtime() -> None:
+    with pytest.raises(ManifestNotSupported, match="--pin-cpus pins the host runtime's pods"):
+        RunOptions(runtime="podman", pin_cpus=True)
