@@ -29,6 +29,7 @@ from nightshift.pipelines.spec import (
     TrainingSpec,
     frozen,
 )
+from nightshift.retention import RetentionPolicy
 from nightshift.tasks import DEFAULT_GATES, DEFAULT_MIN_IMPROVEMENT, metric
 
 SCHEMA_PATH = Path(__file__).with_name("pipeline.schema.json")
@@ -416,6 +417,7 @@ def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None =
         training=TrainingSpec(**training),
         deploy=DeploySpec(target=deploy["target"], require_approval=deploy["require_approval"],
                           options=frozen(deploy["options"])),
+        retention=RetentionPolicy(**filled["retention"]),
         source=Path(source) if source is not None else None,
     )
 

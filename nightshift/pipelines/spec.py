@@ -14,6 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from nightshift.retention import RetentionPolicy
 from nightshift.tasks import DEFAULT_MIN_IMPROVEMENT, Metric, metric
 
 SPLIT_NAMES = ("train", "validation", "test")
@@ -158,6 +159,7 @@ class Pipeline:
     description: str = ""
     training: TrainingSpec = TrainingSpec()
     deploy: DeploySpec = DeploySpec()
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     source: Path | None = None
 
     @classmethod
@@ -225,6 +227,7 @@ class Pipeline:
             "training": {name: getattr(self.training, name) for name in TrainingSpec.__dataclass_fields__},
             "deploy": {"target": self.deploy.target, "require_approval": self.deploy.require_approval,
                        "options": plain(self.deploy.options)},
+            "retention": self.retention.to_dict(),
         }
 
     def to_json(self) -> str:

@@ -422,7 +422,7 @@ def test_cli_check_prints_one_line_per_problem_and_fails(folder: Path, cancer_da
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert lines[0] == f"{bad}: colour: unknown key; allowed keys here: dag_id, description, model_name, task, " \
-                       f"schedule, dataset, model, gate, suite, training, deploy"
+                       f"schedule, dataset, model, gate, suite, training, deploy, retention"
     assert len(lines) == 2 and lines[1].startswith(f"{folder / 'none.yaml'}: (top level): cannot be read")
     assert json.loads(captured.out)["valid"] == ["cancer_retrain"]
 

@@ -1,0 +1,185 @@
+"""Retention: which of a pipeline's leftovers may go, and why each one stays. Pure: no file, MLflow or clock.
+
+What a pipeline leaves behind, and what refers to it (found in the code, issue 36):
+
+- run workspaces `workspaces_dir()/<dag_id>/<run_id>/` (fsutil.safe_name of each): the staged dataset (`data/`,
+  links into the DVC cache, or copies), `dataset.json`, and the trained output `model/` (weights, metrics,
+  `mlflow_run.json`). Read by the run's own tasks only; the registered model is a copy in MLflow.
+- checkpoints `checkpoints_dir()/<dag_id>/<run_id>/<task_id>[/<map_index>]/`: what a retry or a cleared run
+  resumes from (its resume key: dataset version, parameters, code, device). Needed until the run succeeded.
+- MLflow runs of the experiment named by the dag_id (tag `nightshift.dag_run_id`; the model as a LoggedModel
+  of the run, artifacts under `mlartifacts/<experiment>/`). A registered model version names its run
+  (`ModelVersion.run_id`): rolling back (`nightshift deploy --version N`) downloads `models:/<name>/<N>`, so
+  a registered run is never removed. An unregistered one is a rejected challenger.
+- served-model folders `serving_dir()/models/<model>-v<version>-<port>` (local target): the serving record
+  `serving_dir()/<model>.json` names the live one; `.<model>-v<version>.*` are downloads of a deploy at work.
+- the run ledger `NIGHTSHIFT_HOME/airflow/<dag_id>/runs.jsonl`: which runs finished, which succeeded, which
+  version each promoted. It is the lineage page and is never collected.
+- the DVC cache and remote (content-addressed dataset versions): not collected here (see the README).
+
+`plan` takes an inventory (`Item`s) and what refers to it (`Facts`) and returns a `Decision` per item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from nightshift.errors import UsageError
+
+WORKSPACE = "workspace"
+CHECKPOINTS = "checkpoints"
+MLFLOW_RUN = "mlflow_run"
+SERVED_MODEL = "served_model"
+KINDS = (WORKSPACE, CHECKPOINTS, MLFLOW_RUN, SERVED_MODEL)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """A pipeline's retention (its declaration's `retention` block; these defaults when left out).
+
+    keep_runs: workspaces and checkpoints of this many most recent finished runs are kept (besides those of the
+      champion's run, the previous champion's, the last successful run and any run still resumable).
+    resumable_days: a run that did not succeed (failed, killed, or still running) keeps its workspace and
+      checkpoints this many days after its last write, so that clearing it in Airflow resumes it.
+    challenger_days: MLflow runs of challengers never registered are kept this many days after they ended.
+    enabled: false turns collection off for the pipeline (the plan then keeps everything).
+    """
+
+    enabled: bool = True
+    keep_runs: int = 5
+    resumable_days: float = 7.0
+    challenger_days: float = 30.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep_runs, bool) or not isinstance(self.keep_runs, int) or self.keep_runs < 1:
+            raise UsageError(f"retention.keep_runs: {self.keep_runs!r} is not a whole number of runs of at least 1")
+        for name in ("resumable_days", "challenger_days"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
+                raise UsageError(f"retention.{name}: {value!r} is not a number of days of at least 1 (a run "
+                                 f"in progress must never look abandoned)")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"enabled": self.enabled, "keep_runs": self.keep_runs, "resumable_days": self.resumable_days,
+                "challenger_days": self.challenger_days}
+
+
+@dataclass(frozen=True)
+class Item:
+    """One thing that could be removed. `ident`: its path, or the MLflow run id; `run_id`: the DAG run it
+    belongs to (None when it names none); `age_days`: days since it was last written (a run: since it ended);
+    `version`: a served folder's model version."""
+
+    kind: str
+    ident: str
+    run_id: str | None = None
+    age_days: float = 0.0
+    size: int = 0
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What refers to a pipeline's items, read from the ledger, the registry and the serving record.
+
+    finished: DAG run ids with a ledger record, oldest first (a run recorded twice counts at its last record);
+    succeeded: those whose last record is a success; champion_run / previous_champion_run: the DAG runs that
+    trained `@champion` and the champion before it (champion / previous_champion: their versions);
+    registered: MLflow run id -> the versions registered from it; served_paths: folders a serving record names;
+    deploying: a deployment of the model holds its lock now.
+    """
+
+    finished: Sequence[str] = ()
+    succeeded: frozenset[str] = frozenset()
+    champion_run: str | None = None
+    previous_champion_run: str | None = None
+    champion: str | None = None
+    previous_champion: str | None = None
+    registered: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    served_paths: frozenset[str] = frozenset()
+    deploying: bool = False
+
+    @property
+    def last_successful(self) -> str | None:
+        for run_id in reversed(self.finished):
+            if run_id in self.succeeded:
+                return run_id
+        return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    item: Item
+    remove: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"kind": self.item.kind, "what": self.item.ident, "run_id": self.item.run_id,
+                "size": self.item.size, "action": "remove" if self.remove else "keep", "reason": self.reason}
+
+
+def _days(value: float) -> str:
+    return f"{value:.1f} d"
+
+
+def _run_reason(item: Item, policy: RetentionPolicy, facts: Facts, recent: frozenset[str]) -> tuple[bool, str]:
+    """(remove?, why) for a workspace or a checkpoint folder of DAG run `item.run_id`."""
+    run_id = item.run_id
+    if run_id is not None and run_id == facts.champion_run:
+        return False, f"the champion's run (v{facts.champion})"
+    if run_id is not None and run_id == facts.previous_champion_run:
+        return False, f"the previous champion's run (v{facts.previous_champion}): a rollback may need it"
+    if run_id is not None and run_id == facts.last_successful:
+        return False, "the last successful run"
+    if run_id is not None and run_id in recent:
+        return False, f"within the last {policy.keep_runs} finished runs"
+    if run_id is None or run_id not in facts.succeeded:
+        state = "failed" if run_id in facts.finished else "not finished (running, or killed)"
+        if item.age_days < policy.resumable_days:
+            return False, (f"resumable: {state}, last written {_days(item.age_days)} ago "
+                           f"(within {policy.resumable_days:g} d)")
+        return True, f"{state}, nothing written for {_days(item.age_days)} (over {policy.resumable_days:g} d)"
+    return True, f"a successful run older than the last {policy.keep_runs} finished runs"
+
+
+def _mlflow_reason(item: Item, policy: RetentionPolicy, facts: Facts) -> tuple[bool, str]:
+    versions = facts.registered.get(item.ident)
+    if versions:
+        return False, f"registered (v{', v'.join(str(v) for v in versions)}): lineage and rollback need it"
+    if item.run_id is not None and item.run_id not in facts.finished:
+        return False, "its DAG run has not finished: it may still be registered"
+    if item.age_days < policy.challenger_days:
+        return False, f"unregistered challenger, ended {_days(item.age_days)} ago (within {policy.challenger_days:g} d)"
+    return True, f"unregistered challenger, ended {_days(item.age_days)} ago (over {policy.challenger_days:g} d)"
+
+
+def _served_reason(item: Item, facts: Facts) -> tuple[bool, str]:
+    if item.ident in facts.served_paths:
+        return False, "served now (the serving record names it)"
+    if facts.deploying:
+        return False, "a deployment of this model is running"
+    if item.version is not None and item.version == facts.champion:
+        return False, f"the champion's (v{item.version})"
+    if item.version is not None and item.version == facts.previous_champion:
+        return False, f"the previous champion's (v{item.version})"
+    return True, f"v{item.version}: neither the champion (v{facts.champion}) nor the previous one, and not served"
+
+
+def plan(items: Iterable[Item], facts: Facts, policy: RetentionPolicy) -> list[Decision]:
+    """A Decision for each item, in the order given: removed with the reason, or kept with why."""
+    recent = frozenset(list(facts.finished)[-policy.keep_runs:])
+    decisions = []
+    for item in items:
+        if item.kind not in KINDS:
+            raise UsageError(f"{item.ident}: unknown kind {item.kind!r} (one of {', '.join(KINDS)})")
+        if not policy.enabled:
+            remove, reason = False, "retention is disabled for this pipeline (retention.enabled: false)"
+        elif item.kind in (WORKSPACE, CHECKPOINTS):
+            remove, reason = _run_reason(item, policy, facts, recent)
+        elif item.kind == MLFLOW_RUN:
+            remove, reason = _mlflow_reason(item, policy, facts)
+        else:
+            remove, reason = _served_reason(item, facts)
+        decisions.append(Decision(item, remove, reason))
+    return decisions

@@ -1,0 +1,114 @@
+"""The retention plan (nightshift.retention.plan) and the `retention` block of a declaration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nightshift.errors import UsageError
+from nightshift.retention import (
+    CHECKPOINTS,
+    MLFLOW_RUN,
+    SERVED_MODEL,
+    WORKSPACE,
+    Facts,
+    Item,
+    RetentionPolicy,
+    plan,
+)
+
+POLICY = RetentionPolicy(keep_runs=2, resumable_days=7, challenger_days=30)
+# r1..r8 finished in that order; r5 failed; r2 trained the previous champion (v1), r3 the champion (v2).
+FACTS = Facts(finished=("r1", "r2", "r3", "r4", "r5", "r6", "r7", "r8"),
+              succeeded=frozenset({"r1", "r2", "r3", "r4", "r6", "r7"}),
+              champion_run="r3", previous_champion_run="r2", champion="2", previous_champion="1",
+              registered={"m2": ("1",), "m3": ("2",)})
+
+
+def decided(items: list[Item], facts: Facts = FACTS, policy: RetentionPolicy = POLICY) -> dict[str, tuple[bool, str]]:
+    return {d.item.ident: (d.remove, d.reason) for d in plan(items, facts, policy)}
+
+
+def test_workspaces_beyond_the_last_n_go_and_every_referenced_run_stays() -> None:
+    items = [Item(WORKSPACE, f"ws/{r}", r, age_days=40.0) for r in FACTS.finished]
+    items.append(Item(CHECKPOINTS, "ck/r9", "r9", age_days=0.1))  # running now: no ledger record
+    result = decided(items)
+    assert result["ws/r1"] == (True, "a successful run older than the last 2 finished runs")
+    assert result["ws/r4"][0] is True
+    assert result["ws/r5"] == (True, "failed, nothing written for 40.0 d (over 7 d)")
+    assert result["ws/r2"] == (False, "the previous champion's run (v1): a rollback may need it")
+    assert result["ws/r3"] == (False, "the champion's run (v2)")
+    assert result["ws/r6"][0] is True  # succeeded, not the last success (r7), not within the last 2 (r7, r8)
+    assert result["ws/r7"] == (False, "the last successful run")
+    assert result["ws/r8"] == (False, "within the last 2 finished runs")  # r8 has no success record but is recent
+    assert result["ck/r9"][0] is False and result["ck/r9"][1].startswith("resumable: not finished")
+
+
+def test_a_failed_or_killed_run_stays_resumable_for_resumable_days() -> None:
+    facts = Facts(finished=("a", "b", "c", "failed"), succeeded=frozenset({"a", "b", "c"}))
+    policy = RetentionPolicy(keep_runs=1)
+    result = decided([Item(CHECKPOINTS, "failed", "failed", age_days=2.0),
+                      Item(CHECKPOINTS, "killed", "killed", age_days=6.9),
+                      Item(CHECKPOINTS, "old-killed", "old-killed", age_days=7.5)], facts, policy)
+    assert result["failed"] == (False, "within the last 1 finished runs")
+    assert result["killed"] == (False, "resumable: not finished (running, or killed), last written 6.9 d ago "
+                                       "(within 7 d)")
+    assert result["old-killed"][0] is True
+
+
+def test_registered_mlflow_runs_stay_and_old_unregistered_challengers_go() -> None:
+    result = decided([Item(MLFLOW_RUN, "m2", "r2", age_days=400.0),
+                      Item(MLFLOW_RUN, "m4", "r4", age_days=31.0),
+                      Item(MLFLOW_RUN, "m6", "r6", age_days=29.0),
+                      Item(MLFLOW_RUN, "m9", "r9", age_days=90.0)])
+    assert result["m2"] == (False, "registered (v1): lineage and rollback need it")
+    assert result["m4"] == (True, "unregistered challenger, ended 31.0 d ago (over 30 d)")
+    assert result["m6"][0] is False
+    assert result["m9"] == (False, "its DAG run has not finished: it may still be registered")
+
+
+def test_served_folders_of_the_champion_and_the_previous_one_stay() -> None:
+    facts = Facts(champion="5", previous_champion="4", served_paths=frozenset({"s/m-v5-9000"}))
+    items = [Item(SERVED_MODEL, f"s/m-v{v}-9000", version=str(v)) for v in (3, 4, 5)]
+    items.append(Item(SERVED_MODEL, "s/m-v5-9001", version="5"))
+    result = decided(items, facts)
+    assert result["s/m-v3-9000"][0] is True
+    assert result["s/m-v4-9000"] == (False, "the previous champion's (v4)")
+    assert result["s/m-v5-9000"] == (False, "served now (the serving record names it)")
+    assert result["s/m-v5-9001"] == (False, "the champion's (v5)")
+    assert not any(remove for remove, _ in decided(items, Facts(deploying=True)).values())
+
+
+def test_a_disabled_policy_keeps_everything() -> None:
+    items = [Item(WORKSPACE, "ws/r1", "r1", age_days=900.0), Item(MLFLOW_RUN, "m4", "r4", age_days=900.0)]
+    assert not any(remove for remove, _ in decided(items, policy=RetentionPolicy(enabled=False)).values())
+
+
+@pytest.mark.parametrize("field, value", [("keep_runs", 0), ("keep_runs", 2.5), ("resumable_days", 0.5),
+                                          ("challenger_days", True)])
+def test_a_policy_that_could_take_a_running_run_is_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(UsageError, match=f"retention.{field}"):
+        RetentionPolicy(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_declaration_carries_its_retention_with_defaults_for_what_it_leaves_out(tmp_path: Path) -> None:
+    from nightshift.pipelines import PipelineInvalid, load_pipeline
+    from tests.conftest import DIGITS_YAML
+
+    data = yaml.safe_load(DIGITS_YAML.read_text())
+    data.pop("retention", None)
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
+    assert load_pipeline(tmp_path / "a.yaml").retention == RetentionPolicy()
+    data["retention"] = {"keep_runs": 12}
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
+    pipeline = load_pipeline(tmp_path / "a.yaml")
+    assert pipeline.retention == RetentionPolicy(keep_runs=12)
+    assert pipeline.to_dict()["retention"] == {"enabled": True, "keep_runs": 12, "resumable_days": 7,
+                                               "challenger_days": 30}
+    data["retention"] = {"keep_runs": 0, "months": 3}
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(PipelineInvalid) as caught:
+        load_pipeline(tmp_path / "a.yaml")
+    assert any("retention.months: unknown key" in line for line in caught.value.problems)
