@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
     from airflow.sdk import Context
 
-    from operators.backends.base import TrainingBackend
+    from operators.backends.base import BackendRun, TrainingBackend
 
 GPU_POOL = "gpu"
 SHARED_VOLUME = "nightshift-shared"
@@ -112,9 +112,18 @@ class HorovodKubernetesOperator(BaseOperator):
         self._use(**configs)
         # Per-try state that on_kill needs.
         self.job_name: str | None = None
-        self._job_namespace: str | None = None
+        self.job_namespace: str | None = None
         self._backend: TrainingBackend | None = None  # this try's, once chosen
         self._killed = False  # on_kill ran: whatever this try still does, it submits nothing more
+
+    @property
+    def killed(self) -> bool:
+        """on_kill ran in this process: whatever this try still does, it submits nothing more."""
+        return self._killed
+
+    def use_job(self, job: JobConfig) -> None:
+        """Run `job` (settled) in this try instead: a backend's shape of it (operators.backends.base.BackendRun)."""
+        self._use(job=job)
 
     def _use(self, **configs: Any) -> None:
         """Hold these configs, and their templated fields as the attributes Airflow renders."""
@@ -152,7 +161,7 @@ class HorovodKubernetesOperator(BaseOperator):
         total = int(self.job.gpus)
         workers, per_worker = pack_gpus(total, gpus_per_node)
         self.log.info("%d GPUs on nodes of %d: %d worker(s) x %d GPU(s)", total, gpus_per_node, workers, per_worker)
-        self._use(job=replace(self.job, num_workers=workers, gpus_per_worker=per_worker, gpus=0))
+        self.use_job(replace(self.job, num_workers=workers, gpus_per_worker=per_worker, gpus=0))
 
     def cluster_gpus_per_node(self, *, discover: bool) -> int:
         """NIGHTSHIFT_GPUS_PER_NODE, else (when `discover`) the largest allocatable nvidia.com/gpu of a node."""
@@ -216,7 +225,7 @@ class HorovodKubernetesOperator(BaseOperator):
                 f"{cq_name} (LocalQueue {queue}) can admit at most {limit}: ask for at most {limit} GPUs"
             )
 
-    def check_elastic(self, backend: TrainingBackend | type[TrainingBackend]) -> None:
+    def check_elastic(self, backend: TrainingBackend) -> None:
         """Refuse, before anything is submitted, an elastic job (settled `elastic`) that `backend` cannot run: a
         backend that cannot resize a job (`supports_elastic`), or a Kueue queue on one that creates the MPIJob
         (Kueue admits the job's full size, max_workers, as one unit and does not resize it)."""
@@ -227,7 +236,7 @@ class HorovodKubernetesOperator(BaseOperator):
             from operators.backends import elastic_backends
 
             raise InvalidJobConfig(
-                f"backend={backend.name} cannot run elastic training (min_workers={elastic[0]}, max_workers="
+                f"backend={_name_of(backend)} cannot run elastic training (min_workers={elastic[0]}, max_workers="
                 f"{elastic[1]}): use a backend that can ({', '.join(elastic_backends())}), or clear min_workers "
                 f"and max_workers for a fixed-size job")
         if backend.renders_mpijob and (queue := self.resolve_queue()):
@@ -271,7 +280,9 @@ class HorovodKubernetesOperator(BaseOperator):
             map_index=int(getattr(ti, "map_index", -1) if getattr(ti, "map_index", None) is not None else -1),
         )
 
-    def resolve_checkpoint_dir(self, identity: TaskIdentity, backend: str) -> str:
+    def resolve_checkpoint_dir(self, identity: TaskIdentity) -> str:
+        """The task's checkpoint directory (`checkpoint_dir`, else under `checkpoint_root` or NIGHTSHIFT_HOME's
+        checkpoints): keyed by dag, run, task (and map index), never by try or backend, so every try resumes."""
         if self.job.checkpoint_dir:
             return str(self.job.checkpoint_dir)
         root = self.job.checkpoint_root
@@ -313,7 +324,7 @@ class HorovodKubernetesOperator(BaseOperator):
         if self.job.gpus:
             self.pack(self.cluster_gpus_per_node(discover=False))
         namespace = namespace or self.cluster.namespace or "default"
-        checkpoint_dir = self.resolve_checkpoint_dir(identity, "kubernetes")
+        checkpoint_dir = self.resolve_checkpoint_dir(identity)
         command = with_checkpoint_dir(split_command(self.job.command), checkpoint_dir)
         volume, mount, env = self.cluster_contract(tracking_uri)
         volumes = [volume, *(v for v in plain_objects(self.cluster.volumes or ()) if v.get("name") != SHARED_VOLUME)]
@@ -348,12 +359,18 @@ class HorovodKubernetesOperator(BaseOperator):
 
     # -- execution ---------------------------------------------------------------------------------
 
+    def backend_run(self, name: str) -> BackendRun:
+        """What this task hands the backend registered as `name` (operators.backends.base): never itself."""
+        from operators.backends.base import BackendRun
+
+        return BackendRun(self, name)
+
     def make_backend(self, name: str) -> TrainingBackend:
-        """The backend registered as `name` (operators.backends), for this try."""
-        from operators.backends import UnknownBackend, backend_class
+        """This try's instance of the backend registered as `name` (operators.backends), known by that name."""
+        from operators.backends import UnknownBackend, create_backend
 
         try:
-            return backend_class(name)(self)
+            return create_backend(name, self.backend_run(name))
         except UnknownBackend as err:
             raise InvalidJobConfig(str(err)) from err
 
@@ -362,15 +379,16 @@ class HorovodKubernetesOperator(BaseOperator):
         self.settle()
         backend = self._backend = self.make_backend(self.resolve_backend())
         self.check_elastic(backend)
-        result = backend.submit(identity, context)  # a deferrable backend's defers here
+        result = {**backend.submit(identity, context), "backend": backend.name}  # a deferring backend defers here
         self._follow(backend, result, lambda: backend.wait(result, context))
         return self.collect_results(context, result)
 
     def execute_complete(
         self, context: Context, event: Mapping[str, Any], result: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
-        """Resume after the backend's trigger: its backend (the result's "backend") judges the event and
-        cleans up; succeed (with the MLflow run) or raise."""
+        """Resume after the backend's trigger: a fresh instance of the backend registered under the result's
+        "backend" (the name BackendRun.defer wrote) judges the event and cleans up; succeed (with the MLflow run)
+        or raise."""
         if result is not None and result.get("backend"):
             name = str(result["backend"])
         else:
@@ -459,6 +477,11 @@ class HorovodKubernetesOperator(BaseOperator):
 # The templated settings of each config.
 _TEMPLATED = {argument: tuple(f.name for f in fields(kind) if f.metadata.get("templated"))
               for argument, kind in CONFIG_ARGUMENTS.items()}
+
+
+def _name_of(backend: TrainingBackend) -> str:
+    """The backend's registered name; its class's for one made outside the registry (nightshift plan)."""
+    return getattr(backend, "name", None) or type(backend).__name__
 
 
 def _redacted(uri: str) -> str:

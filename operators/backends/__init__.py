@@ -14,19 +14,25 @@ without editing the project: an entry point in the group `nightshift.training_ba
 `register_backend(name, Class)` (or `register_backend(name, "package.module:Class")`). The DAG's `backend`
 Param, the operator's check of `ClusterConfig.backend` and `plan` take their choices from `backend_choices()`.
 
-`backend_names()` and `backend_choices()` are cheap: a DAG file calls them at parse time. They import neither
-Airflow nor a backend's module (only NIGHTSHIFT_PLUGINS's modules, and read the installed entry points).
+`backend_names()`, `backend_choices()` and `backend_help()` are cheap: a DAG file calls them at parse time. They
+import neither Airflow nor a backend's module (only NIGHTSHIFT_PLUGINS's modules, and read the installed entry
+points).
+
+A backend is known by the one name it is registered as: `create_backend(name, run)` makes the instance and sets
+its `name`, which the operator writes into the task's result and which a deferral's resume, a failed deferral
+and the elastic refusal go by (operators.backends.base describes the whole contract).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from nightshift.errors import UsageError
 from nightshift.plugins import Registry
 
 if TYPE_CHECKING:
-    from operators.backends.base import TrainingBackend
+    from operators.backends.base import BackendRun, TrainingBackend
 
 ENTRY_POINT_GROUP = "nightshift.training_backends"
 AUTO = "auto"
@@ -35,6 +41,15 @@ BUILTIN_BACKENDS = {
     "kubernetes": "operators.backends.kubernetes:KubernetesBackend",
     "hosts": "operators.backends.hosts:HostsBackend",
 }
+# What each built-in runs, for the forms that list the choices (a plugin's is "a plugin's").
+BUILTIN_SUMMARIES = {
+    "local": "horovodrun on the Airflow worker's machine",
+    "kubernetes": "an MPIJob on the cluster (the MPI Operator)",
+    "hosts": "the MPIJob kubernetes would submit, on emulated hosts of the Airflow worker's machine",
+}
+AUTO_SUMMARY = "kubernetes when the task's Kubernetes connection (kubernetes_default) exists, else local"
+
+log = logging.getLogger(__name__)
 
 BACKENDS: Registry[TrainingBackend] = Registry("training backend", builtins=BUILTIN_BACKENDS,
                                                entry_point_group=ENTRY_POINT_GROUP, strict=True,
@@ -73,16 +88,28 @@ def check_backend(name: object) -> str:
     return name.strip()
 
 
+def backend_help() -> str:
+    """What each of `backend_choices()` runs, in one line (a DAG Param's description)."""
+    described = [f"{name}: {BUILTIN_SUMMARIES.get(name, 'a plugin backend (operators.backends)')}"
+                 for name in backend_names()]
+    return "; ".join([*described, f"{AUTO}: {AUTO_SUMMARY}"]) + "."
+
+
 def elastic_backends() -> tuple[str, ...]:
     """The backends that run elastic jobs (`TrainingBackend.supports_elastic`), sorted; imports each backend's
-    module (a plugin whose module fails to import is left out)."""
+    module. A built-in that cannot be imported raises (the installation is broken); a plugin that cannot be
+    loaded is left out, with a warning naming it and why."""
     names = []
     for name in backend_names():
         try:
-            if backend_class(name).supports_elastic:
-                names.append(name)
-        except Exception:  # a broken plugin: named by its own error where it is chosen
+            cls = backend_class(name)
+        except UsageError as err:
+            if name in BUILTIN_BACKENDS:
+                raise
+            log.warning("training backend %r left out of the elastic ones: %s", name, err)
             continue
+        if cls.supports_elastic:
+            names.append(name)
     return tuple(names)
 
 
@@ -103,5 +130,25 @@ def backend_class(name: str) -> type[TrainingBackend]:
     return cls
 
 
+def create_backend(name: str, run: BackendRun) -> TrainingBackend:
+    """This try's instance of the backend registered as `name`, given `run`, known as `name` (its `name` set
+    here, whatever its class says). UnknownBackend, naming the plugin, when it cannot be made."""
+    cls = backend_class(name)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        backend = cls(run)
+    except TypeError as err:  # abstract methods left out, or a constructor of another shape
+        raise UnknownBackend(f"training backend {name!r} ({where}) cannot be made: {err}; a backend implements "
+                             f"submit, wait, cancel and cleanup, and takes the BackendRun (operators.backends."
+                             f"base) as its one argument") from err
+    try:
+        backend.name = name
+    except AttributeError as err:  # a read-only `name` (a property) of the class's own
+        raise UnknownBackend(f"training backend {name!r} ({where}) has a read-only `name`; leave `name` to the "
+                             f"registry, which sets it to the registered name") from err
+    return backend
+
+
 __all__ = ["AUTO", "BACKENDS", "ENTRY_POINT_GROUP", "UnknownBackend", "backend_choices", "backend_class",
-           "backend_names", "check_backend", "elastic_backends", "register_backend"]
+           "backend_help", "backend_names", "check_backend", "create_backend", "elastic_backends",
+           "register_backend"]

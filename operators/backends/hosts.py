@@ -38,7 +38,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, ClassVar
 
-from operators.backends.base import TrainingBackend
+from operators.backends.base import BackendRun, TrainingBackend
 from operators.errors import HostsBackendUnavailable, InvalidJobConfig, MPIJobFailed, TaskInterrupted
 from operators.mpijob_spec import TaskIdentity
 
@@ -150,13 +150,11 @@ def _running_from_pidfile(path: Path) -> int | None:
 class HostsBackend(TrainingBackend):
     """The kubernetes backend's MPIJob, run across `num_workers` emulated hosts by `nightshift run-mpijob`."""
 
-    name: ClassVar[str] = "hosts"
     renders_mpijob: ClassVar[bool] = True
     supports_elastic: ClassVar[bool] = True  # run-mpijob keeps /etc/mpi/discover_hosts.sh current
 
-    def __init__(self, operator: Any) -> None:
-        super().__init__(operator)
-        self.log = operator.log
+    def __init__(self, run: BackendRun) -> None:
+        super().__init__(run)
         self.process: subprocess.Popen[bytes] | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -170,7 +168,7 @@ class HostsBackend(TrainingBackend):
         from nightshift import settings
 
         check_machine()
-        op = self.operator
+        run = self.run
         url, service = mlflow_service(settings.mlflow_tracking_uri(), settings.mlflow_artifact_root())
         assert url == SERVICE_URL, url  # what render() gives the pods
         from nightshift.tracking import configure, ensure_experiment
@@ -178,15 +176,15 @@ class HostsBackend(TrainingBackend):
         # The store made (its tables, under its lock) before the service opens it: `mlflow server` migrates a
         # new store unlocked, racing another task's first use of the same store.
         configure()
-        experiment = op.tracking.mlflow_experiment
+        experiment = run.tracking.mlflow_experiment
         if experiment:
             # Made here, on the task's store, so its artifacts go where the task reads them (a local path the
             # pods see too), not behind the service's artifact proxy, which is gone once the job ends.
             ensure_experiment(str(experiment))
-        namespace = op.cluster.namespace or "default"
+        namespace = run.cluster.namespace or "default"
         body = self.render(identity, namespace)
         name = body["metadata"]["name"]
-        checkpoint_dir = op.resolve_checkpoint_dir(identity, "kubernetes")
+        checkpoint_dir = run.checkpoint_dir(identity)
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         self._stop_earlier_try(Path(checkpoint_dir) / PIDFILE)
         self._tmp = Path(tempfile.mkdtemp(prefix="nightshift-hosts-"))
@@ -209,18 +207,18 @@ class HostsBackend(TrainingBackend):
         from nightshift import settings
         from operators.local_launcher import child_environment
 
-        op = self.operator
+        run = self.run
         assert self._tmp is not None
         manifest = self._tmp / "mpijob.yaml"
         manifest.write_text(yaml.safe_dump(body, sort_keys=False))
         manifest.chmod(0o600)
         argv = run_mpijob_argv(manifest, shared_claim(body), str(settings.home()), service,
-                               op.execution.timeout)
+                               run.execution.timeout)
         self.log.info("MPIJob %s/%s on %s emulated host(s); checkpoints of this task (every try): %s; MLflow "
-                      "for the pods: %s over %s", namespace, name, op.job.num_workers, checkpoint_dir, url,
+                      "for the pods: %s over %s", namespace, name, run.job.num_workers, checkpoint_dir, url,
                       settings.mlflow_tracking_uri())
         self.log.info("MPIJob %s launcher command: %s", name, json.dumps(launcher_command(body)))
-        if self._cancelled or op._killed:
+        if self._cancelled or run.killed:
             raise TaskInterrupted(f"the task was killed before MPIJob {name} started on emulated hosts")
         # Only the allowlisted part of the worker's environment: run-mpijob passes its own to the services.
         env = child_environment(os.environ, {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
@@ -232,11 +230,11 @@ class HostsBackend(TrainingBackend):
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"run-mpijob-{name}")
         self._reader.start()
         self.log.info("run-mpijob (pid %d): %s", self.process.pid, shlex.join(argv))
-        if self._cancelled or op._killed:  # on_kill ran while it started: its cancel may have found no process
+        if self._cancelled or run.killed:  # on_kill ran while it started: its cancel may have found no process
             self.cancel()
             raise TaskInterrupted(f"the task was killed while MPIJob {name} started on emulated hosts; stopped")
         return {"backend": self.name, "name": name, "namespace": namespace, "checkpoint_dir": checkpoint_dir,
-                "num_workers": op.job.num_workers, "gpus_per_worker": op.job.gpus_per_worker}
+                "num_workers": run.job.num_workers, "gpus_per_worker": run.job.gpus_per_worker}
 
     def _stop_earlier_try(self, pidfile: Path) -> None:
         """An earlier try's run-mpijob that outlived its task (the supervisor SIGKILLs a task 5 s after SIGTERM,
@@ -263,8 +261,8 @@ class HostsBackend(TrainingBackend):
 
     def render(self, identity: TaskIdentity, namespace: str | None = None) -> dict[str, Any]:
         """The kubernetes backend's MPIJob, its pods logging to the MLflow service on the job's network."""
-        return self.operator.build_manifest(identity, namespace or self.operator.cluster.namespace or "default",
-                                            tracking_uri=SERVICE_URL)
+        return self.run.render_mpijob(identity, namespace or self.run.cluster.namespace or "default",
+                                      tracking_uri=SERVICE_URL)
 
     def _read(self) -> None:
         process = self.process

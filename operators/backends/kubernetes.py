@@ -2,8 +2,8 @@
 when `ExecutionConfig.deferrable`, in the triggerer (`operators.triggers.MPIJobTrigger`). Both waits judge the
 job's status with `operators.mpijob_status`, and both end in `cleanup`.
 
-The operator builds the MPIJob (`build_manifest`, pure) and holds the per-try state that on_kill needs
-(`job_name` and its namespace); this module submits, follows and deletes it.
+The operator renders the MPIJob (`BackendRun.render_mpijob`, pure) and keeps the job's name and namespace for
+on_kill (`BackendRun.record_job`); this module submits, follows and deletes it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from operators.backends.base import TrainingBackend
+from operators.backends.base import BackendRun, TrainingBackend
 from operators.errors import (
     KubernetesApiError,
     KubernetesApiUnavailable,
@@ -20,7 +20,7 @@ from operators.errors import (
     MPIJobFailed,
     MPIJobStartupFailure,
 )
-from operators.mpijob_spec import job_name
+from operators.mpijob_spec import job_name as job_name_of
 
 if TYPE_CHECKING:
     from operators.mpijob_launcher import MPIJobLauncher
@@ -33,12 +33,11 @@ LAST_TRY_DELETE_SECONDS = 60.0
 class KubernetesBackend(TrainingBackend):
     """An MPIJob per try, named after the task instance; earlier tries' jobs are deleted before it is submitted."""
 
-    name = "kubernetes"
     renders_mpijob = True
     supports_elastic = True  # the MPI Operator keeps /etc/mpi/discover_hosts.sh current
 
-    def __init__(self, operator: Any) -> None:
-        super().__init__(operator)
+    def __init__(self, run: BackendRun) -> None:
+        super().__init__(run)
         self._context: Mapping[str, Any] | None = None  # the try's, for the last-try rule of lost jobs
         self._launcher: MPIJobLauncher | None = None  # this try's, once made
 
@@ -51,67 +50,65 @@ class KubernetesBackend(TrainingBackend):
     def make_launcher(self, namespace: str, *, api_retry_seconds: float | None = None) -> MPIJobLauncher:
         from operators.mpijob_launcher import MPIJobLauncher
 
-        op = self.operator
-        retry = op.execution.api_retry_seconds
+        run = self.run
+        retry = run.execution.api_retry_seconds
         return MPIJobLauncher(
-            op.hook.custom_object_client,
-            op.hook.core_v1_client,
+            run.kubernetes_hook.custom_object_client,
+            run.kubernetes_hook.core_v1_client,
             namespace,
-            poll_interval=op.execution.poll_interval,
-            startup_timeout=op.execution.startup_timeout,
-            queue_timeout=op.execution.queue_timeout,  # type: ignore[arg-type]  # settled: a float or None
+            poll_interval=run.execution.poll_interval,
+            startup_timeout=run.execution.startup_timeout,
+            queue_timeout=run.execution.queue_timeout,  # type: ignore[arg-type]  # settled: a float or None
             api_retry_seconds=retry if api_retry_seconds is None else min(retry, api_retry_seconds),
-            api_retry_backoff=op.execution.api_retry_backoff,
+            api_retry_backoff=run.execution.api_retry_backoff,
             logger=self.log,
-            interrupted=lambda: op._killed,
+            interrupted=lambda: run.killed,
         )
 
     # -- the interface ----------------------------------------------------------------------------
 
     def submit(self, identity: TaskIdentity, context: Mapping[str, Any]) -> dict[str, Any]:
-        op = self.operator
+        run = self.run
         self._context = context
-        namespace = op.resolve_namespace()
-        if op.job.gpus:
-            op.pack(op.cluster_gpus_per_node(discover=True))
-        if queue := op.resolve_queue():
-            op.check_queue_capacity(namespace, queue)
-        body = op.build_manifest(identity, namespace)
+        namespace = run.namespace()
+        run.fit_gpus_to_nodes(discover=True)
+        if queue := run.kueue_queue():
+            run.check_kueue_capacity(namespace, queue)
+        body = self.render(identity, namespace)
         name = body["metadata"]["name"]
-        op.job_name, op._job_namespace = name, namespace
+        run.record_job(name, namespace)
         launcher = self.launcher(namespace)
         result = {
             "backend": self.name,
             "name": name,
             "namespace": namespace,
-            "checkpoint_dir": op.resolve_checkpoint_dir(identity, self.name),
+            "checkpoint_dir": run.checkpoint_dir(identity),
         }
         # An earlier try's job (a worker crash, a timeout) would share this try's checkpoints and MLflow run key.
-        launcher.delete_earlier_tries(body, timeout=op.execution.cleanup_timeout)
+        launcher.delete_earlier_tries(body, timeout=run.execution.cleanup_timeout)
         launcher.check_interrupted(f"submitting MPIJob {namespace}/{name}")
         submitted_at = time.time()
         launcher.submit(body)
-        if op._killed:  # on_kill ran while the job was being created: its delete may have come first
+        if run.killed:  # on_kill ran while the job was being created: its delete may have come first
             self._delete_quietly(launcher, name, "the task was killed while it was submitted")
             launcher.check_interrupted(f"submitting MPIJob {namespace}/{name}")
-        if op.execution.deferrable:
+        if run.execution.deferrable:
             from operators.triggers import MPIJobTrigger
 
-            op.defer(
-                trigger=MPIJobTrigger(
+            run.defer(
+                MPIJobTrigger(
                     name=name,
                     namespace=namespace,
                     submitted_at=submitted_at,
-                    kubernetes_conn_id=op.cluster.kubernetes_conn_id,
-                    poll_interval=op.execution.poll_interval,
-                    startup_timeout=op.execution.startup_timeout,
-                    queue_timeout=op.execution.queue_timeout,  # type: ignore[arg-type]
-                    api_retry_seconds=op.execution.api_retry_seconds,
-                    api_retry_backoff=op.execution.api_retry_backoff,
+                    kubernetes_conn_id=run.cluster.kubernetes_conn_id,
+                    poll_interval=run.execution.poll_interval,
+                    startup_timeout=run.execution.startup_timeout,
+                    queue_timeout=run.execution.queue_timeout,  # type: ignore[arg-type]
+                    api_retry_seconds=run.execution.api_retry_seconds,
+                    api_retry_backoff=run.execution.api_retry_backoff,
                 ),
-                method_name="execute_complete",
-                kwargs={"result": result},
-                timeout=op.deferral_timeout(context),
+                result=result,
+                context=context,
             )
         return result
 
@@ -127,7 +124,7 @@ class KubernetesBackend(TrainingBackend):
         name, namespace = event["name"], event["namespace"]
         result.setdefault("name", name)
         result.setdefault("namespace", namespace)
-        self.operator.job_name, self.operator._job_namespace = name, namespace
+        self.run.record_job(name, namespace)
         launcher = self.launcher(namespace)
         try:
             if launcher.get(name) is not None:
@@ -146,15 +143,15 @@ class KubernetesBackend(TrainingBackend):
         raise KubernetesApiUnavailable(message)
 
     def cancel(self) -> None:
-        op = self.operator
-        if op.job_name is None:
+        name = self.run.job_name
+        if name is None:
             return
         # Runs inside a signal handler: an exception here would surface wherever execute happened to be.
         try:
-            namespace = op._job_namespace or op.resolve_namespace()
-            self._delete_quietly(self.make_launcher(namespace), op.job_name, "the task was killed")
+            namespace = self.run.job_namespace or self.run.namespace()
+            self._delete_quietly(self.make_launcher(namespace), name, "the task was killed")
         except Exception as err:
-            self.log.error("on_kill could not delete MPIJob %s: %s", op.job_name, err)
+            self.log.error("on_kill could not delete MPIJob %s: %s", name, err)
 
     def cleanup(self, result: dict[str, Any], *, succeeded: bool, error: BaseException | None) -> None:
         """A job that ended (well or badly) follows the `cleanup` policy; one still running (a timeout, a kill,
@@ -190,16 +187,15 @@ class KubernetesBackend(TrainingBackend):
 
     def _job_of(self, context: Mapping[str, Any]) -> tuple[str, str]:
         """This try's job (name, namespace), in a fresh process: the deferral's kwargs are gone."""
-        op = self.operator
-        name, namespace = job_name(op.identity_from(context)), op.resolve_namespace()
-        op.job_name, op._job_namespace = name, namespace
+        name, namespace = job_name_of(self.run.identity_of(context)), self.run.namespace()
+        self.run.record_job(name, namespace)
         return name, namespace
 
     def _lost_track(self, context: Mapping[str, Any] | None, namespace: str, name: str) -> None:
         """The API (or the trigger), not the job, failed. With a retry left the job is left as it is (the next
         try deletes it before submitting, or follows nothing twice); on the last try it is deleted, if the
         API lets us: nothing else would ever stop it."""
-        if not self.operator.no_retry_left(context):
+        if not self.run.no_retry_left(context):
             self.log.error("Lost track of MPIJob %s/%s; it is left as it is (the next try deletes it before "
                            "submitting)", namespace, name)
             return
@@ -217,7 +213,7 @@ class KubernetesBackend(TrainingBackend):
 
     def _cleanup(self, launcher: MPIJobLauncher, name: str, *, succeeded: bool, error: BaseException | None = None,
                  force: bool = False) -> None:
-        cleanup = self.operator.execution.cleanup
+        cleanup = self.run.execution.cleanup
         if cleanup == "never":
             self.log.info("Keeping MPIJob %s (cleanup='never')", name)
             return

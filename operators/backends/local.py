@@ -10,12 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from operators.backends.base import TrainingBackend
+from operators.backends.base import BackendRun, TrainingBackend
 from operators.errors import TaskInterrupted
 from operators.mpijob_spec import split_command, with_checkpoint_dir
 
 if TYPE_CHECKING:
-    from operators.horovod import HorovodKubernetesOperator
     from operators.local_launcher import LocalHorovodLauncher
     from operators.mpijob_spec import TaskIdentity
 
@@ -50,23 +49,22 @@ class LocalBackend(TrainingBackend):
     (horovodrun stops when every host is), and the task's next try resumes from the checkpoint on disk.
     """
 
-    name = "local"
     supports_elastic = True
 
-    def __init__(self, operator: HorovodKubernetesOperator) -> None:
-        super().__init__(operator)
+    def __init__(self, run: BackendRun) -> None:
+        super().__init__(run)
         self.launcher: LocalHorovodLauncher | None = None
         self._tmp: Path | None = None  # an elastic job's discovery script's folder
 
     def submit(self, identity: TaskIdentity, context: Mapping[str, Any]) -> dict[str, Any]:
         from operators.local_launcher import LocalHorovodLauncher, check_local_capacity, write_discovery_script
 
-        op = self.operator
-        if op.job.gpus:  # this machine is the one node: one worker with all the GPUs asked for
-            op._use(job=replace(op.job, num_workers=1, gpus_per_worker=int(op.job.gpus), gpus=0))
-        job = op.job
+        run = self.run
+        if run.job.gpus:  # this machine is the one node: one worker with all the GPUs asked for
+            run.use_job(replace(run.job, num_workers=1, gpus_per_worker=int(run.job.gpus), gpus=0))
+        job = run.job
         ranks = check_local_capacity(int(job.num_workers), int(job.gpus_per_worker))
-        checkpoint_dir = op.resolve_checkpoint_dir(identity, self.name)
+        checkpoint_dir = run.checkpoint_dir(identity)
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         command = with_checkpoint_dir(split_command(job.command), checkpoint_dir)
         self.log.info("Training with %d rank(s) here (%d worker(s) x %d GPU(s)); checkpoints of this task "
@@ -85,15 +83,15 @@ class LocalBackend(TrainingBackend):
                 ranks,
                 command,
                 env=dict(job.env or {}),
-                timeout=op.execution.timeout,
+                timeout=run.execution.timeout,
                 logger=self.log,
                 min_processes=fewest,
                 discovery_script=discovery,
             )
-            if op._killed:  # on_kill ran before there was a process to kill
+            if run.killed:  # on_kill ran before there was a process to kill
                 raise TaskInterrupted("starting horovodrun: the task was killed (on_kill); nothing was started")
             self.launcher.start()
-            if op._killed:  # on_kill ran while horovodrun started: its kill may have come before the process
+            if run.killed:  # on_kill ran while horovodrun started: its kill may have come before the process
                 self.launcher.kill()
                 raise TaskInterrupted("starting horovodrun: the task was killed (on_kill); its ranks were stopped")
         except BaseException:

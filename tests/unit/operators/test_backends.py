@@ -27,15 +27,13 @@ CALLS = []
 
 
 class ToyBackend(TrainingBackend):
-    name = "toy"
-
     def submit(self, identity, context):
-        CALLS.append(("submit", identity.task_id, self.operator.job.num_workers))
+        CALLS.append(("submit", identity.task_id, self.run.job.num_workers))
         return {"backend": self.name, "checkpoint_dir": "/toy/" + identity.run_id}
 
     def wait(self, result, context):
         CALLS.append(("wait", result["checkpoint_dir"]))
-        if (self.operator.job.env or {}).get("TOY_FAIL"):
+        if (self.run.job.env or {}).get("TOY_FAIL"):
             raise RuntimeError("the toy job failed")
 
     def cancel(self):
@@ -275,7 +273,7 @@ def test_a_failed_deferral_is_given_to_the_backend_that_deferred(toy_plugin: Mod
 
     seen: list[str] = []
     monkeypatch.setattr(toy_plugin.ToyBackend, "deferral_failed",
-                        lambda self, context, err: (seen.append(self.name), self.operator.on_kill()), raising=False)
+                        lambda self, context, err: (seen.append(self.name), op.on_kill()), raising=False)
 
     def timed_out(*args: object, **kwargs: object) -> None:
         raise TaskDeferralTimeout("deferral timed out")

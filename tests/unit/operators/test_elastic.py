@@ -180,14 +180,12 @@ def test_elastic_with_a_kueue_queue_is_refused_before_anything_is_submitted(clus
 
 def test_the_deployment_queue_counts_and_the_local_backend_ignores_kueue(cluster_env: None,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from operators.backends.local import LocalBackend
-
     monkeypatch.setenv("NIGHTSHIFT_KUEUE_QUEUE", "team-queue")
     op = operator(elastic=ELASTIC)
     op.settle()
     with pytest.raises(InvalidJobConfig, match="cannot wait in Kueue queue 'team-queue'"):
         op.check_elastic(op.make_backend("kubernetes"))
-    op.check_elastic(LocalBackend)  # horovodrun here: no Kueue object is made
+    op.check_elastic(op.make_backend("local"))  # horovodrun here: no Kueue object is made
     cleared = operator(elastic=ELASTIC, kueue_queue="")
     cleared.settle()
     cleared.check_elastic(cleared.make_backend("hosts"))

@@ -216,9 +216,9 @@ def test_checkpoint_dir_is_keyed_by_dag_run_task_never_try() -> None:
     assert cmd[-2:] == ["--checkpoint-dir", "/workspace/checkpoints/d/r1/train"]
     assert cmd == second["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
     assert first["metadata"]["name"] != second["metadata"]["name"]
-    local = op.resolve_checkpoint_dir(TaskIdentity("d", "train", "r1", 2), "local")
+    local = op.resolve_checkpoint_dir(TaskIdentity("d", "train", "r1", 2))
     assert local.endswith("checkpoints/d/r1/train")
-    assert operator(checkpoint_dir="/pvc/ck").resolve_checkpoint_dir(TaskIdentity("d", "t", "r", 1), "local") == (
+    assert operator(checkpoint_dir="/pvc/ck").resolve_checkpoint_dir(TaskIdentity("d", "t", "r", 1)) == (
         "/pvc/ck"
     )
 

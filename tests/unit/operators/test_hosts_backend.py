@@ -141,8 +141,9 @@ def backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         op = horovod_operator(task_id="train", num_workers=2, gpus_per_worker=0, backend="hosts", image="trainer",
                               command=["python", "-m", "nightshift.train", "--data", f"{home}/data", "--out",
                                        f"{home}/model"])
-        made = HostsBackend(op)
+        made = op.make_backend("hosts")
         made.log = Log()
+        made.op = op  # the task it runs for (a test's handle; the backend itself only has its BackendRun)
         backends.append(made)
         return made
 
@@ -267,7 +268,7 @@ def test_a_kill_while_run_mpijob_starts_stops_it(backend: Any, monkeypatch: pyte
     real = hosts.subprocess.Popen
 
     def killed_meanwhile(*args: Any, **kwargs: Any) -> Any:
-        hb.operator.on_kill()  # the signal handler, on this thread
+        hb.op.on_kill()  # the signal handler, on this thread
         hb.cancel()
         return real(*args, **kwargs)
 
@@ -288,7 +289,7 @@ def test_an_earlier_tries_run_mpijob_that_outlived_its_task_is_stopped_first(bac
     earlier = subprocess.Popen([sys.executable, str(script), "run-mpijob", "earlier.yaml"], start_new_session=True)
     try:
         hb = backend("ok")
-        checkpoints = Path(hb.operator.resolve_checkpoint_dir(IDENTITY, "kubernetes"))
+        checkpoints = Path(hb.op.resolve_checkpoint_dir(IDENTITY))
         checkpoints.mkdir(parents=True)
         hosts._write_pidfile(checkpoints / hosts.PIDFILE, earlier.pid)
         result = hb.submit(IDENTITY, {})
@@ -314,13 +315,13 @@ def test_the_manifest_is_rendered_without_touching_the_processs_environment(back
     monkeypatch.setenv("NIGHTSHIFT_CLUSTER_MLFLOW_URI", "http://mlflow.prod.svc:5000")
     seen: list[str | None] = []
     hb = backend("ok")
-    real = hb.operator.build_manifest
+    real = hb.op.build_manifest
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         seen.append(os.environ.get("NIGHTSHIFT_CLUSTER_MLFLOW_URI"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hb.operator, "build_manifest", watched)
+    monkeypatch.setattr(hb.op, "build_manifest", watched)
     body = hb.render(IDENTITY)
     env = {e["name"]: e.get("value") for e in
            body["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["env"]}
