@@ -35,7 +35,7 @@ from nightly_tasks import steps
 from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator
 from nightly_tasks.events import retrain_schedule
 from nightshift.deploy import target_names
-from operators.backends import backend_choices
+from operators.backends import backend_choices, backend_help
 from operators.horovod import ClusterConfig, ExecutionConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
 
 if TYPE_CHECKING:
@@ -234,10 +234,7 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                                            "Empty: no limit."),
         # Scheduled runs take the default: a cluster deployment sets NIGHTSHIFT_BACKEND=kubernetes.
         "backend": Param(training.backend or os.environ.get("NIGHTSHIFT_BACKEND", "local"), type="string",
-                         enum=list(backend_choices()), title="Backend",
-                         description="local: horovodrun here; kubernetes: an MPIJob; hosts: that MPIJob on "
-                                     "emulated hosts; auto: kubernetes when the kubernetes_default connection "
-                                     "exists; any other: a plugin's (operators.backends)."),
+                         enum=list(backend_choices()), title="Backend", description=backend_help()),
         # As the schema: no maximum, since rmse and mae gain in the target's units, not in [0, 1].
         "min_improvement": Param(pipeline.gate.min_improvement, type="number", minimum=0,
                                  title="Minimum improvement",

@@ -32,7 +32,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from nightly_tasks import steps
 from nightly_tasks.factory import START_DATE, invalid_dag, read_declaration, trainer_image
-from operators.backends import backend_choices
+from operators.backends import backend_choices, backend_help
 from operators.horovod import ClusterConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
 
 if TYPE_CHECKING:
@@ -115,8 +115,7 @@ def search_params(pipeline: Pipeline, space: dict[str, Any]) -> dict[str, Param]
         "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per worker",
                                  description="GPUs per worker; 0 trains on CPU."),
         "backend": Param("local", type="string", enum=list(backend_choices()), title="Backend",
-                         description="local: horovodrun here; kubernetes: an MPIJob per trial; hosts: that MPIJob "
-                                     "on emulated hosts; auto; any other: a plugin's (operators.backends)."),
+                         description=f"Where each trial trains: {backend_help()}"),
         "storage_conn_id": Param(None, type=["null", "string"], title="Study storage connection",
                                  description="Airflow connection of a PostgreSQL database for the study (no "
                                              "password in it: use ~/.pgpass). Empty: SQLite under "
