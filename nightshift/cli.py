@@ -29,10 +29,11 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.events",
     "nightshift.stream.cli",
     "nightshift.pipelines.cli",
+    "nightshift.gc",
 )
 # Subcommands that use MLflow: main configures it (nightshift.tracking.configure) before they run. `train`
 # configures it itself, in rank 0 only.
-MLFLOW_COMMANDS = frozenset({"evaluate", "register", "deploy", "search", "score-stream"})
+MLFLOW_COMMANDS = frozenset({"evaluate", "register", "deploy", "search", "score-stream", "gc"})
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,310 @@
+"""`nightshift gc`: find a pipeline's leftovers, plan with its retention policy (nightshift.retention), remove.
+
+`collect(pipeline, dry_run=...)` reads what exists (workspaces, checkpoint folders, the MLflow runs of the
+pipeline's experiment, served-model folders) and what refers to it (the run ledger, the registry's versions and
+`@champion`, the serving record), plans, and unless `dry_run` removes what the plan says may go. Right before
+removing it reads the references again and removes only what a fresh plan still lets go, and an MLflow run only
+when no registered version of any model names it; anything that fails to be removed raises GcFailed naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from nightshift import ledger, settings
+from nightshift.errors import NightshiftError
+from nightshift.fsutil import safe_name
+from nightshift.pipelines.spec import Pipeline
+from nightshift.retention import CHECKPOINTS, MLFLOW_RUN, SERVED_MODEL, WORKSPACE, Decision, Facts, Item, plan
+
+DAY = 86400.0
+DAG_RUN_TAG = "nightshift.dag_run_id"
+PROMOTED = ("promoted", "already_serving")
+
+
+class GcFailed(NightshiftError):
+    """Something the retention plan removes could not be removed (a file system or MLflow error)."""
+
+
+def _tree(path: Path) -> tuple[float, int]:
+    """(newest mtime, total bytes) of the files and folders under `path`, links not followed."""
+    newest, total = path.lstat().st_mtime, 0
+    for parent, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            try:
+                st = os.lstat(os.path.join(parent, name))
+            except FileNotFoundError:
+                continue
+            newest = max(newest, st.st_mtime)
+            total += st.st_size if name in files else 0
+    return newest, total
+
+
+def _run_folders(root: Path, kind: str, names: dict[str, str], now: float) -> list[Item]:
+    """One item per run folder `root/<run>` (real directories only: a link is never followed or removed)."""
+    if not root.is_dir():
+        return []
+    items = []
+    for entry in sorted(root.iterdir()):
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        newest, size = _tree(entry)
+        items.append(Item(kind, str(entry), names.get(entry.name, entry.name), (now - newest) / DAY, size))
+    return items
+
+
+def _ledger_facts(dag_id: str) -> tuple[list[str], set[str], list[dict[str, Any]]]:
+    last: dict[str, dict[str, Any]] = {}
+    for record in ledger.read_records(dag_id):
+        if isinstance(record.get("run_id"), str):
+            last.pop(record["run_id"], None)  # a run recorded again counts at its last record
+            last[record["run_id"]] = record
+    finished = list(last)
+    succeeded = {run_id for run_id, record in last.items() if record.get("status") == "success"}
+    promotions = [r for r in ledger.read_records(dag_id)
+                  if r.get("status") == "success" and r.get("deploy_status") in PROMOTED and r.get("model_version")]
+    return finished, succeeded, promotions
+
+
+def _version_run(model_name: str, version: str | None, dag_id: str) -> str | None:
+    """The DAG run that trained `model_name` `version` (its lineage tag), when this pipeline's DAG trained it."""
+    from nightshift import registry
+
+    if version is None:
+        return None
+    tags = dict(registry.get_version(model_name, version).tags or {})
+    if tags.get(f"{registry.TAG_PREFIX}dag_id") not in (None, dag_id):
+        return None
+    return tags.get(f"{registry.TAG_PREFIX}dag_run_id")
+
+
+def _deploying(model_name: str) -> bool:
+    from nightshift.deploy.local import _deploy_lock
+    from nightshift.errors import DeploymentFailed
+
+    try:
+        with _deploy_lock(model_name):
+            return False
+    except DeploymentFailed:
+        return True
+
+
+def facts(pipeline: Pipeline) -> Facts:
+    """What refers to the pipeline's items now: the ledger, `@champion` and the one promoted before it, every
+    registered version of its model, the local serving record."""
+    from nightshift import registry, tracking
+    from nightshift.deploy.local import read_record
+
+    finished, succeeded, promotions = _ledger_facts(pipeline.dag_id)
+    model = pipeline.model_name
+    try:
+        champion = registry.version_by_alias(model, registry.CHAMPION)
+        champion_version = str(champion.version) if champion is not None else None
+        promoted = [str(r["model_version"]) for r in promotions]
+        while promoted and promoted[-1] == champion_version:
+            promoted.pop()
+        previous = promoted[-1] if promoted else None
+        registered: dict[str, list[str]] = {}
+        for version in tracking.client().search_model_versions(f"name = '{model}'"):
+            registered.setdefault(str(version.run_id), []).append(str(version.version))
+        champion_run = _version_run(model, champion_version, pipeline.dag_id)
+        previous_run = _version_run(model, previous, pipeline.dag_id)
+    except Exception as err:
+        raise GcFailed(f"reading the registry of {model} failed ({type(err).__name__}: {err}); nothing was "
+                       f"removed: what the champion needs cannot be told") from err
+    if previous_run is None and previous is not None:
+        previous_run = next((str(r["run_id"]) for r in reversed(promotions) if str(r["model_version"]) == previous),
+                            None)
+    record = read_record(model) or {}
+    return Facts(finished=tuple(finished), succeeded=frozenset(succeeded), champion_run=champion_run,
+                 previous_champion_run=previous_run, champion=champion_version, previous_champion=previous,
+                 registered={k: tuple(sorted(v, key=int)) for k, v in registered.items()},
+                 served_paths=frozenset({str(record["model_path"])} if record.get("model_path") else ()),
+                 deploying=_deploying(model))
+
+
+def _mlflow_runs(pipeline: Pipeline, now: float) -> list[Item]:
+    from nightshift import tracking
+
+    client = tracking.client()
+    try:
+        experiment = client.get_experiment_by_name(pipeline.dag_id)
+        if experiment is None:
+            return []
+        runs: list[Any] = []
+        token: str | None = None
+        while True:
+            page = client.search_runs([experiment.experiment_id], max_results=1000, page_token=token)
+            runs.extend(page)
+            token = page.token
+            if not token:
+                break
+    except Exception as err:
+        raise GcFailed(f"listing the MLflow runs of experiment {pipeline.dag_id!r} failed "
+                       f"({type(err).__name__}: {err})") from err
+    items = []
+    for run in runs:
+        dag_run = run.data.tags.get(DAG_RUN_TAG)
+        if dag_run is None:
+            continue  # not a pipeline run's (logged by hand into the experiment): never collected
+        ended = (run.info.end_time or run.info.start_time or now * 1000) / 1000
+        items.append(Item(MLFLOW_RUN, str(run.info.run_id), dag_run, (now - ended) / DAY))
+    return items
+
+
+def _served_folders(pipeline: Pipeline) -> list[Item]:
+    root = settings.serving_dir() / "models"
+    name = re.escape(pipeline.model_name)
+    pattern = re.compile(rf"{name}-v(\d+)-\d+|\.{name}-v(\d+)\.[A-Za-z0-9_]+")
+    items = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else ():
+        found = pattern.fullmatch(entry.name)
+        if found and entry.is_dir() and not entry.is_symlink():
+            items.append(Item(SERVED_MODEL, str(entry), None, 0.0, _tree(entry)[1], found.group(1) or found.group(2)))
+    return items
+
+
+def inventory(pipeline: Pipeline, known: Facts, now: float) -> list[Item]:
+    """Every workspace, checkpoint folder, MLflow run and served-model folder of `pipeline`."""
+    runs = [*known.finished, *(r for r in (known.champion_run, known.previous_champion_run) if r)]
+    names = {safe_name(run_id): run_id for run_id in runs}
+    dag = safe_name(pipeline.dag_id)
+    return [*_run_folders(settings.workspaces_dir() / dag, WORKSPACE, names, now),
+            *_run_folders(settings.checkpoints_dir() / dag, CHECKPOINTS, names, now),
+            *_mlflow_runs(pipeline, now), *_served_folders(pipeline)]
+
+
+def _local_path(uri: str) -> Path | None:
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return Path(unquote(parsed.path))
+    return None
+
+
+def _rmtree(path: Path, root: Path) -> None:
+    """Remove the directory `path`, which must lie under `root` (never a link, never `root` itself)."""
+    if path.is_symlink() or not path.resolve().is_relative_to(root.resolve()) or path.resolve() == root.resolve():
+        raise GcFailed(f"refusing to remove {path}: it is not a folder under {root}")
+    if not path.exists():
+        return
+    try:
+        shutil.rmtree(path)
+    except OSError as err:
+        raise GcFailed(f"removing {path} failed ({err}); fix its permissions and run `nightshift gc` "
+                       f"again") from err
+
+
+def _remove_mlflow_run(run_id: str) -> None:
+    from nightshift import tracking
+
+    client = tracking.client()
+    artifacts = Path(settings.mlflow_artifact_root())
+    try:
+        if client.search_model_versions(f"run_id = '{run_id}'"):
+            raise GcFailed(f"refusing to remove MLflow run {run_id}: a registered model version names it")
+        run = client.get_run(run_id)
+        models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'")
+        for model in models:
+            local = _local_path(model.artifact_location)
+            if local is not None and local.resolve().is_relative_to(artifacts.resolve()):
+                _rmtree(local, artifacts)
+            client.delete_logged_model(model.model_id)
+        local = _local_path(run.info.artifact_uri)
+        if local is not None and local.resolve().is_relative_to(artifacts.resolve()):
+            _rmtree(local, artifacts)
+        client.delete_run(run_id)
+    except GcFailed:
+        raise
+    except Exception as err:
+        raise GcFailed(f"removing MLflow run {run_id} failed ({type(err).__name__}: {err}); run `nightshift gc` "
+                       f"again") from err
+
+
+def _remove(decision: Decision, pipeline: Pipeline) -> None:
+    item = decision.item
+    dag = safe_name(pipeline.dag_id)
+    if item.kind == WORKSPACE:
+        _rmtree(Path(item.ident), settings.workspaces_dir() / dag)
+    elif item.kind == CHECKPOINTS:
+        _rmtree(Path(item.ident), settings.checkpoints_dir() / dag)
+    elif item.kind == MLFLOW_RUN:
+        _remove_mlflow_run(item.ident)
+    else:
+        from nightshift.deploy.local import _deploy_lock
+        from nightshift.errors import DeploymentFailed
+
+        try:
+            with _deploy_lock(pipeline.model_name):  # a deploy renames and removes these folders itself
+                _rmtree(Path(item.ident), settings.serving_dir() / "models")
+        except DeploymentFailed:
+            pass  # a deploy started since the plan: its folders stay until the next collection
+
+
+def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = None) -> dict[str, Any]:
+    """Plan with the pipeline's retention and (unless `dry_run`) remove what the plan lets go.
+
+    Returns {"pipeline", "dry_run", "policy", "remove": [...], "keep": [...], "removed_bytes"}; each entry has
+    kind, what, run_id, size, action and reason. GcFailed when something could not be read or removed."""
+    now = time.time() if now is None else now
+    known = facts(pipeline)
+    decisions = plan(inventory(pipeline, known, now), known, pipeline.retention)
+    removed = [d for d in decisions if d.remove]
+    if not dry_run and removed:
+        fresh = facts(pipeline)  # read again: a run may have been promoted or registered since
+        for decision in plan([d.item for d in removed], fresh, pipeline.retention):
+            if decision.remove:
+                _remove(decision, pipeline)
+            else:
+                removed.remove(next(d for d in removed if d.item == decision.item))
+                decisions = [decision if d.item == decision.item else d for d in decisions]
+    return {"pipeline": pipeline.dag_id, "dry_run": dry_run, "policy": pipeline.retention.to_dict(),
+            "remove": [d.to_dict() for d in removed],
+            "keep": [d.to_dict() for d in decisions if not d.remove],
+            "removed_bytes": 0 if dry_run else sum(d.item.size for d in removed)}
+
+
+# ---- the subcommand ------------------------------------------------------------------------------------------
+
+def add_parser(subparsers: Any) -> None:
+    gc = subparsers.add_parser("gc", help="remove what a pipeline's retention policy lets go (--dry-run: say it)")
+    gc.add_argument("--pipeline", metavar="DAG_ID_OR_FILE",
+                    help="one pipeline: its dag_id (a declaration in --pipelines) or its declaration file; "
+                         "default: every declaration in --pipelines")
+    gc.add_argument("--pipelines", default=os.environ.get("NIGHTSHIFT_PIPELINES", "pipelines"), metavar="DIR",
+                    help="the folder of declarations (default: NIGHTSHIFT_PIPELINES, else ./pipelines)")
+    gc.add_argument("--dry-run", action="store_true", help="print the plan, remove nothing")
+    gc.set_defaults(func=_gc)
+
+
+def selected(pipeline: str | None, folder: str) -> list[Pipeline]:
+    """The pipelines `nightshift gc` works on; UsageError naming what is missing or not valid."""
+    from nightshift.errors import UsageError
+    from nightshift.pipelines import load_pipeline, load_pipelines
+
+    if pipeline and (pipeline.endswith((".yaml", ".yml")) or os.sep in pipeline):
+        return [load_pipeline(pipeline)]
+    if not Path(folder).is_dir():
+        raise UsageError(f"--pipelines {folder} is not a folder of pipeline declarations; pass the folder "
+                         f"(your DAG folder) or set NIGHTSHIFT_PIPELINES")
+    loaded, errors = load_pipelines(folder)
+    if pipeline:
+        found = [p for p in loaded if p.dag_id == pipeline]
+        if not found:
+            bad = "; ".join(str(e) for e in errors)
+            raise UsageError(f"no valid declaration of pipeline {pipeline!r} in {folder} (valid: "
+                             f"{', '.join(p.dag_id for p in loaded) or 'none'}){'; ' + bad if bad else ''}")
+        return found
+    if errors:  # collecting with an unreadable policy could remove what it means to keep
+        raise errors[0]
+    return loaded
+
+
+def _gc(args: Any) -> dict[str, Any]:
+    results = [collect(p, dry_run=args.dry_run) for p in selected(args.pipeline, args.pipelines)]
+    return {"pipelines": results}
