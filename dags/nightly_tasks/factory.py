@@ -513,7 +513,13 @@ def build_dag(pipeline: Pipeline) -> DAG:
             return steps.report(pipeline, context["dag"].dag_id, context["run_id"], dict(context["params"]),
                                 results)
 
+        # The pipeline's last task, not a maintenance DAG: the policy is the pipeline's own (its declaration), it
+        # never runs while the same pipeline trains (max_active_runs=1), and its removals show in that run's log.
+        @task(retries=1, execution_timeout=timedelta(minutes=30))
+        def collect_garbage() -> dict:
+            return steps.collect_garbage(pipeline)
+
         branch >> [train, skipped]
         registered >> approve >> deployed
-        [skipped, deployed] >> report()
+        [skipped, deployed] >> report() >> collect_garbage()
     return dag

@@ -338,6 +338,21 @@ def report(pipeline: Pipeline, dag_id: str, run_id: str, params: dict[str, Any],
     return summary
 
 
+def collect_garbage(pipeline: Pipeline) -> dict[str, Any]:
+    """The pipeline's last task: `nightshift gc` for this pipeline with its declared retention (nightshift.gc).
+    It runs after a run that completed, when its ledger record is written; a failure fails the task (GcFailed)."""
+    from nightshift.gc import collect
+    from nightshift.tracking import configure
+
+    configure()
+    result = collect(pipeline)
+    for entry in result["remove"]:
+        log.info("Removed %s %s (%d bytes): %s", entry["kind"], entry["what"], entry["size"], entry["reason"])
+    log.info("Retention %s: removed %d item(s), %d bytes; kept %d", result["policy"], len(result["remove"]),
+             result["removed_bytes"], len(result["keep"]))
+    return {"removed": len(result["remove"]), "removed_bytes": result["removed_bytes"], "kept": len(result["keep"])}
+
+
 def failure_summary(context: Any) -> None:
     """on_failure_callback: say in the task log what failed and why, and record the failed run."""
     ti = context.get("ti") or context.get("task_instance")

@@ -105,7 +105,7 @@ def test_nightly_retrain_shape_and_params(bag: dict) -> None:
     assert dag["default_args"]["retry_exponential_backoff"] not in ("0", "False")
     tasks = dag["tasks"]
     chain = ["validate_data", "stage_dataset", "check_changes", "train", "evaluate", "register", "approve",
-             "deploy", "report"]
+             "deploy", "report", "collect_garbage"]
     for upstream, downstream in itertools.pairwise(chain):
         assert downstream in tasks[upstream]["downstream"], f"{upstream} -> {downstream} missing"
     assert "skip_training" in tasks["check_changes"]["downstream"]

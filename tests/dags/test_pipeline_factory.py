@@ -26,7 +26,8 @@ EDGES = {
     "register": ["approve"],
     "approve": ["deploy"],
     "deploy": ["report"],
-    "report": [],
+    "report": ["collect_garbage"],
+    "collect_garbage": [],
 }
 PARAM_DEFAULTS = {
     "data_source": None, "epochs": 5, "learning_rate": None, "batch_size": None, "momentum": None,
