@@ -1,18 +1,31 @@
 """`nightshift suite init`: a first GX expectation suite drawn from a known-good sample, for a person to review.
 
-The suite has the format of the project's own (gx/expectations/*.json): one expectation per rule, the rules
-over many columns as one wide expectation (nightshift.data.expectations), each with `meta.rule` saying it in
-words. From the sample it takes:
+The suite must pass tomorrow's data when it comes from the same distribution as the sample, and refuse data
+that is broken. So it judges the distribution, not the sample's extremes: every bound is the sample's own
+statistic widened by how much that statistic varies between samples of the size that will be validated (a
+bootstrap of the sample), plus an allowance for gradual drift, which the pipeline retrains on rather than
+refuses. The suite has the format of the project's own (gx/expectations/*.json): one expectation per rule,
+rules over many columns as one wide expectation (nightshift.data.expectations), each with `meta.rule` naming
+the rule in words. From the sample it takes:
 
-- the columns, exactly, and each one's type;
-- nulls: a column with none may have none; a column with some may have up to its observed null share plus
-  NULL_SLACK (5 percentage points) — `mostly` is the non-null share it must keep;
-- value ranges of numeric columns, widened by RANGE_MARGIN (10%) of the observed range on each side (10% of
-  the value, or 1 for 0, when the column is constant), integer bounds rounded outward, and never below 0 for
-  a column whose sample has no negative value; columns with the same bounds share one expectation;
-- the label: its set of values when it is an integer, boolean or string column of at most MAX_LABEL_VALUES
-  values, else its range like any numeric column;
-- the row count of each file: from half the smallest file's rows to ten times the largest's.
+- schema: the columns, exactly, and each one's type;
+- nulls: a column with none may have none; a column with some may have up to its null share plus NULL_SLACK
+  (or four standard errors, when larger) — `mostly` is the non-null share it must keep;
+- range: numeric columns finite and within the sample's extremes widened by (1.5 + 20/sqrt(n)) times the
+  sample's range on each side (never below 0 for a column with no negative value, integers rounded
+  outward), at least OUTLIER_MOSTLY of the values (a few new extremes are what a fresh sample brings);
+- distribution: each numeric column's 5/25/50/75/95% quantiles and its standard deviation within their
+  bootstrap spread at the size of the smallest split (Z standard errors, at least the bootstrap's own
+  extremes), widened by DRIFT_ALLOWANCE of the column's 5-95% spread (the standard deviation by a factor of
+  at least SPREAD_FACTOR down and SPREAD_HIGH up). A column stuck at one value, or whose units changed, fails here;
+- the label, by task (`--task`; inferred when not given: an integer, boolean or string column of at most
+  MAX_LABEL_VALUES values is a class label, anything else a quantity): a classification label's set of
+  classes, at least two of them in every file, and each class's share at least its sampling lower bound; a
+  regression target only a range and a distribution like any numeric column, never a set of values;
+- duplicates: the share of duplicated rows at most the sample's (twice it) plus DUPLICATE_SLACK;
+- row count: every file is validated by the same suite, so one range covers every split: from ROW_COUNT_LOW
+  of the smallest split to ROW_COUNT_HIGH times the largest; a sample of one file (e.g. train.parquet alone)
+  stands for the largest split, and the smallest is taken as SMALLEST_SPLIT_SHARE of it.
 """
 
 from __future__ import annotations
@@ -27,11 +40,24 @@ import pandas as pd
 
 from nightshift.errors import DataError, UsageError
 from nightshift.fsutil import atomic_write_json
+from nightshift.tasks import BINARY, MULTICLASS, REGRESSION, TASKS
 
-RANGE_MARGIN = 0.10
 NULL_SLACK = 0.05
 MAX_LABEL_VALUES = 50
 ROW_COUNT_LOW, ROW_COUNT_HIGH = 0.5, 10
+SMALLEST_SPLIT_SHARE = 1 / 8   # a split the sample lacks: an 80/10/10 split's validation is 1/8 of train
+OUTLIER_MOSTLY = 0.99
+QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+BOOTSTRAP = 400                # resamples of the sample, seeded: the same sample draws the same suite
+BOOTSTRAP_ROWS = 2_000         # resamples larger than this are not drawn; their spread is scaled from it
+Z = 6.0                        # standard errors a statistic may move: ~300 checks a night stay under 1% false
+SHARE_Z = 4.5
+DRIFT_ALLOWANCE = 0.10
+SPREAD_FACTOR = 1.5
+SPREAD_HIGH = 4.0
+RANGE_WIDEN = 1.5
+DUPLICATE_SLACK = 0.05
+SEED = 0
 
 
 def _expectation(kind: str, rule: str, **kwargs: Any) -> dict[str, Any]:
@@ -42,22 +68,73 @@ def _number(value: float, integer: bool) -> float | int:
     return int(value) if integer else float(value)
 
 
-def value_range(values: pd.Series, integer: bool) -> tuple[float | int, float | int] | None:
-    """The allowed range of a numeric column from its finite sample values (see the module's rules), or None
-    when it has no finite value or holds an infinity (then no range is checked)."""
+def _round_out(low: float, high: float) -> tuple[float, float]:
+    """`low` and `high` to 6 significant digits, never moved inwards."""
+    return min(float(f"{low:.6g}"), low), max(float(f"{high:.6g}"), high)
+
+
+def _finite(values: pd.Series) -> np.ndarray | None:
+    """The column's values as float64 without nulls, or None when it holds no value or an infinity."""
     numbers = pd.to_numeric(values.dropna(), errors="coerce").dropna().to_numpy(np.float64)
     if numbers.size == 0 or not np.isfinite(numbers).all():
         return None
+    return numbers
+
+
+def value_range(values: pd.Series, integer: bool) -> tuple[float | int, float | int] | None:
+    """The allowed range of a numeric column from its finite sample values (see the module's rules), or None
+    when it has no finite value or holds an infinity (then no range is checked)."""
+    numbers = _finite(values)
+    if numbers is None:
+        return None
     smallest, largest = float(numbers.min()), float(numbers.max())
     spread = largest - smallest
-    margin = RANGE_MARGIN * spread if spread > 0 else (RANGE_MARGIN * abs(smallest) or 1.0)
-    low, high = float(f"{smallest - margin:.6g}"), float(f"{largest + margin:.6g}")
-    low, high = min(low, smallest), max(high, largest)  # rounding never moves a bound inside the sample
+    widen = RANGE_WIDEN + 20.0 / math.sqrt(numbers.size)
+    margin = widen * spread if spread > 0 else (0.1 * abs(smallest) or 1.0)
+    low, high = _round_out(smallest - margin, largest + margin)
     if smallest >= 0:
         low = max(low, 0.0)
     if integer:
         low, high = math.floor(low), math.ceil(high)
     return _number(low, integer), _number(high, integer)
+
+
+def _resample_size(sample: int, validated: float) -> tuple[int, float]:
+    """(rows per bootstrap resample, the factor that scales its spread) for a statistic compared between a
+    sample of `sample` rows and a file of `validated` rows: both vary, so the effective size is smaller."""
+    effective = 1.0 / (1.0 / max(validated, 1.0) + 1.0 / sample)
+    rows = max(2, min(BOOTSTRAP_ROWS, round(effective)))
+    return rows, math.sqrt(rows / effective)
+
+
+def distribution_bounds(values: np.ndarray, validated: float, rng: np.random.Generator
+                        ) -> tuple[list[list[float]], list[float]] | None:
+    """([low, high] of each of QUANTILES, [low, high] of the standard deviation) a file of `validated` rows
+    from the distribution of `values` keeps (see the module's rules); None for a constant column."""
+    if values.size < 2 or values.min() == values.max():
+        return None
+    rows, scale = _resample_size(values.size, validated)
+    resamples = values[rng.integers(0, values.size, size=(BOOTSTRAP, rows))]
+    quantiles = np.quantile(resamples, QUANTILES, axis=1).T           # (BOOTSTRAP, quantiles)
+    observed = np.quantile(values, QUANTILES)
+    error = quantiles.std(axis=0) * scale
+    width = float(observed[-1] - observed[0]) or float(values.max() - values.min())
+    allowance = DRIFT_ALLOWANCE * width
+    low = np.minimum(observed - Z * error, quantiles.min(axis=0)) - allowance
+    high = np.maximum(observed + Z * error, quantiles.max(axis=0)) + allowance
+    ranges = [list(_round_out(float(lo), float(hi))) for lo, hi in zip(low, high, strict=True)]
+
+    stdev = float(values.std(ddof=1))
+    spreads = resamples.std(axis=1, ddof=1)
+    stretch = math.log(SPREAD_FACTOR)
+    if (spreads > 0).all():
+        stretch = max(stretch, Z * float(np.log(spreads).std()) * scale)
+        low_stdev = min(stdev * math.exp(-stretch), float(spreads.min()))
+    else:
+        low_stdev = 0.0  # resamples with a single value: a column this sparse may be constant in a small file
+    # upwards at least SPREAD_HIGH: one outlier of a heavy tail in a small file inflates it that much
+    high_stdev = max(stdev * max(math.exp(stretch), SPREAD_HIGH), float(spreads.max()))
+    return ranges, list(_round_out(low_stdev, high_stdev))
 
 
 def _is_numeric(series: pd.Series) -> bool:
@@ -68,8 +145,11 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str) -> dict[str, Any]:
-    """The suite (as its JSON object) for tables like `frames` ((file name, table) pairs of one sample)."""
+def _shown(named: list[str]) -> str:
+    return ", ".join(named) if len(named) <= 4 else f"{named[0]}..{named[-1]} ({len(named)} columns)"
+
+
+def _check_frames(frames: list[tuple[str, pd.DataFrame]], label: str) -> list[str]:
     if not frames:
         raise DataError("no tables to draw a suite from")
     first_name, first = frames[0]
@@ -87,43 +167,85 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str) -
     if label not in columns:
         raise UsageError(f"label column {label!r} is not in {first_name} (columns: {', '.join(columns[:8])}"
                          f"{'…' if len(columns) > 8 else ''}); pass --label with the target column")
+    return columns
+
+
+def label_task(values: pd.Series, label: str, task: str | None) -> str:
+    """The task the label serves: `task` when given (checked against the values), else inferred."""
+    if task is not None and task not in TASKS:
+        raise UsageError(f"unknown task {task!r}; pass --task as one of {', '.join(TASKS)}")
+    distinct = values.dropna().nunique()
+    if task == REGRESSION:
+        if not _is_numeric(values):
+            raise DataError(f"label column {label!r} is {values.dtype}, not numeric: a regression target must be "
+                            f"a number")
+        return task
+    if task is not None:
+        if distinct > MAX_LABEL_VALUES:
+            raise DataError(f"label column {label!r} holds {distinct} distinct values: too many classes for a "
+                            f"{task} task (at most {MAX_LABEL_VALUES}); pass --task regression for a quantity")
+        return task
+    dtype = values.dtype
+    discrete = (pd.api.types.is_integer_dtype(dtype) or pd.api.types.is_bool_dtype(dtype)
+                or pd.api.types.is_string_dtype(dtype) or isinstance(dtype, pd.CategoricalDtype))
+    if discrete and distinct <= MAX_LABEL_VALUES:
+        return BINARY if distinct <= 2 else MULTICLASS
+    if not _is_numeric(values):
+        raise DataError(f"label column {label!r} holds {distinct} distinct {dtype} values; a suite can only "
+                        f"check a set of at most {MAX_LABEL_VALUES} labels or a numeric range")
+    return REGRESSION
+
+
+def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *,
+                task: str | None = None) -> dict[str, Any]:
+    """The suite (as its JSON object) for tables like `frames` ((file name, table) pairs of one sample);
+    `task` (binary, multiclass, regression) says what the label is, inferred from it when None."""
+    columns = _check_frames(frames, label)
     table = pd.concat([frame for _, frame in frames], ignore_index=True)
     rows = [len(frame) for _, frame in frames]
+    task = label_task(table[label], label, task)
+    # Every file is validated by the same suite: the smallest split is what a statistic must hold for.
+    smallest = min(rows) if len(frames) > 1 else max(1, math.floor(rows[0] * SMALLEST_SPLIT_SHARE))
+    rng = np.random.default_rng(SEED)
     expectations = [
         _expectation("expect_table_columns_to_match_set", f"schema: exactly the {len(columns)} columns of the "
                      f"sample", column_set=columns),
         _expectation("expect_table_column_types_to_be", "schema: each column keeps the sample's type",
-                     column_types=types),
+                     column_types={c: str(table[c].dtype) for c in columns}),
+        *_null_expectations(table, columns, smallest),
+        *_range_expectations(table, [c for c in columns if c != label]),
     ]
-    null_share = {c: float(table[c].isna().mean()) for c in columns}
-    never_null = [c for c in columns if null_share[c] == 0]
-    if never_null:
-        expectations.append(_expectation("expect_columns_values_to_not_be_null", "no nulls or NaN "
-                                          "(none in the sample)", column_list=never_null))
-    for column in (c for c in columns if null_share[c] > 0):
-        mostly = round(max(0.0, 1 - null_share[column] - NULL_SLACK), 4)
-        expectations.append(_expectation(
-            "expect_column_values_to_not_be_null",
-            f"{column}: at most {1 - mostly:.0%} nulls (the sample has {null_share[column]:.1%})",
-            column=column, mostly=mostly))
-    ranges: dict[tuple[float | int, float | int], list[str]] = {}
-    for column in columns:
-        if column == label or not _is_numeric(table[column]):
+    numeric = [c for c in columns if _is_numeric(table[c]) and (c != label or task == REGRESSION)]
+    quantiles: dict[str, list[list[float]]] = {}
+    stdevs: dict[str, list[float]] = {}
+    for column in numeric:
+        values = _finite(table[column])
+        if values is None:
             continue
-        bounds = value_range(table[column], pd.api.types.is_integer_dtype(table[column].dtype))
+        validated = smallest * values.size / len(table)  # a file's non-null values
+        bounds = distribution_bounds(values, validated, rng)
         if bounds is not None:
-            ranges.setdefault(bounds, []).append(column)
-    for (low, high), named in ranges.items():
-        shown = ", ".join(named) if len(named) <= 4 else f"{named[0]}..{named[-1]} ({len(named)} columns)"
-        expectations.append(_expectation("expect_columns_values_to_be_finite_between",
-                                         f"{shown} finite and within {low}..{high} (the sample's range plus "
-                                         f"{RANGE_MARGIN:.0%})", column_list=named, min_value=low, max_value=high))
-    expectations.append(_label_expectation(table[label], label))
-    low_rows = max(1, math.floor(min(rows) * ROW_COUNT_LOW))
+            quantiles[column], stdevs[column] = bounds
+    if quantiles:
+        expectations.append(_expectation(
+            "expect_columns_quantiles_to_be_between",
+            f"distribution: the 5/25/50/75/95% quantiles of {_shown(list(quantiles))} within their spread "
+            f"between samples of {math.floor(smallest):,} rows, plus {DRIFT_ALLOWANCE:.0%} of the 5-95% range "
+            f"for drift", quantiles=list(QUANTILES), column_ranges=quantiles))
+        expectations.append(_expectation(
+            "expect_columns_stdev_to_be_between",
+            f"spread: the standard deviation of {_shown(list(stdevs))} within its spread between samples, at "
+            f"least /{SPREAD_FACTOR:g}..x{SPREAD_FACTOR:g} (not stuck at one value, units unchanged)",
+            column_ranges=stdevs))
+    expectations.extend(_label_expectations(table[label], label, task, smallest, rng))
+    expectations.append(_duplicate_expectation(frames, columns))
+    low_rows = max(1, math.floor(smallest * ROW_COUNT_LOW))
     high_rows = math.ceil(max(rows) * ROW_COUNT_HIGH)
+    seen = f"the sample's files have {min(rows):,}..{max(rows):,}" if len(rows) > 1 else \
+        f"one file of {rows[0]:,} rows, the smallest split taken as {SMALLEST_SPLIT_SHARE:.1%} of it"
     expectations.append(_expectation("expect_table_row_count_to_be_between",
-                                     f"row count within {low_rows:,}..{high_rows:,} (the sample's files have "
-                                     f"{min(rows):,}..{max(rows):,})", min_value=low_rows, max_value=high_rows))
+                                     f"row count: every split within {low_rows:,}..{high_rows:,} ({seen})",
+                                     min_value=low_rows, max_value=high_rows))
     try:
         version = metadata.version("great-expectations")
     except metadata.PackageNotFoundError:
@@ -131,34 +253,88 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str) -
     return {
         "name": name,
         "expectations": expectations,
-        "meta": {"great_expectations_version": version,
+        "meta": {"great_expectations_version": version, "nightshift": {"task": task, "label": label},
                  "notes": f"Drawn by `nightshift suite init` from a sample of {sum(rows):,} rows in "
-                          f"{len(frames)} file(s) (label {label!r}). Review every rule before relying on it."},
+                          f"{len(frames)} file(s) (label {label!r}, task {task}). Review every rule before "
+                          f"relying on it."},
         "notes": None,
     }
 
 
-def _label_expectation(values: pd.Series, label: str) -> dict[str, Any]:
-    dtype = values.dtype
-    distinct = pd.unique(values.dropna())
-    discrete = (pd.api.types.is_integer_dtype(dtype) or pd.api.types.is_bool_dtype(dtype)
-                or pd.api.types.is_string_dtype(dtype) or isinstance(dtype, pd.CategoricalDtype))
-    if discrete and len(distinct) <= MAX_LABEL_VALUES:
-        value_set = sorted((_plain(v) for v in distinct), key=lambda v: (str(type(v)), v))
-        shown = ", ".join(map(str, value_set[:10])) + (", …" if len(value_set) > 10 else "")
-        return _expectation("expect_column_values_to_be_in_set",
-                            f"labels are one of the sample's {len(value_set)} values ({shown})", column=label,
-                            value_set=value_set)
-    if not _is_numeric(values):
-        raise DataError(f"label column {label!r} holds {len(distinct)} distinct {dtype} values; a suite can only "
-                        f"check a set of at most {MAX_LABEL_VALUES} labels or a numeric range")
-    bounds = value_range(values, pd.api.types.is_integer_dtype(dtype))
-    if bounds is None:
-        raise DataError(f"label column {label!r} has no finite values, or infinite ones; fix the sample")
-    low, high = bounds
-    return _expectation("expect_columns_values_to_be_finite_between",
-                        f"label {label} finite and within {low}..{high} (the sample's range plus "
-                        f"{RANGE_MARGIN:.0%})", column_list=[label], min_value=low, max_value=high)
+def _null_expectations(table: pd.DataFrame, columns: list[str], smallest: float) -> list[dict[str, Any]]:
+    null_share = {c: float(table[c].isna().mean()) for c in columns}
+    never_null = [c for c in columns if null_share[c] == 0]
+    found = []
+    if never_null:
+        found.append(_expectation("expect_columns_values_to_not_be_null", "nulls: no nulls or NaN (none in the "
+                                  "sample)", column_list=never_null))
+    for column in (c for c in columns if null_share[c] > 0):
+        share = null_share[column]
+        slack = max(NULL_SLACK, 4 * math.sqrt(share * (1 - share) / max(smallest, 1)))
+        mostly = round(max(0.0, 1 - share - slack), 4)
+        found.append(_expectation(
+            "expect_column_values_to_not_be_null",
+            f"nulls: {column} at most {1 - mostly:.0%} nulls (the sample has {share:.1%})",
+            column=column, mostly=mostly))
+    return found
+
+
+def _range_expectations(table: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
+    ranges: dict[tuple[float | int, float | int], list[str]] = {}
+    for column in columns:
+        if not _is_numeric(table[column]):
+            continue
+        bounds = value_range(table[column], pd.api.types.is_integer_dtype(table[column].dtype))
+        if bounds is not None:
+            ranges.setdefault(bounds, []).append(column)
+    return [_expectation("expect_columns_values_to_be_finite_between",
+                         f"range: {_shown(named)} finite and, for {OUTLIER_MOSTLY:.0%} of values, within "
+                         f"{low}..{high} (the sample's extremes widened by its range)", column_list=named,
+                         min_value=low, max_value=high, mostly=OUTLIER_MOSTLY)
+            for (low, high), named in ranges.items()]
+
+
+def _label_expectations(values: pd.Series, label: str, task: str, smallest: float,
+                        rng: np.random.Generator) -> list[dict[str, Any]]:
+    if task == REGRESSION:
+        bounds = value_range(values, pd.api.types.is_integer_dtype(values.dtype))
+        if bounds is None:
+            raise DataError(f"label column {label!r} has no finite values, or infinite ones; fix the sample")
+        low, high = bounds
+        return [_expectation("expect_columns_values_to_be_finite_between",
+                             f"label: {label} (a regression target) finite and, for {OUTLIER_MOSTLY:.0%} of "
+                             f"values, within {low}..{high}", column_list=[label], min_value=low, max_value=high,
+                             mostly=OUTLIER_MOSTLY)]
+    counts = values.dropna().value_counts()
+    value_set = sorted((_plain(v) for v in counts.index), key=lambda v: (str(type(v)), v))
+    shown = ", ".join(map(str, value_set[:10])) + (", …" if len(value_set) > 10 else "")
+    found = [
+        _expectation("expect_column_values_to_be_in_set",
+                     f"labels: one of the sample's {len(value_set)} classes ({shown})", column=label,
+                     value_set=value_set),
+        _expectation("expect_column_unique_value_count_to_be_between",
+                     f"labels: at least {min(2, len(value_set))} distinct classes in every file (a {task} "
+                     f"label)", column=label, min_value=min(2, len(value_set)), max_value=len(value_set)),
+    ]
+    shares = counts / counts.sum()
+    rows = max(smallest * counts.sum() / len(values), 1.0)
+    rarest = float(shares.min())
+    lower = rarest - SHARE_Z * math.sqrt(rarest * (1 - rarest) / rows) - DRIFT_ALLOWANCE * rarest
+    if lower >= 0.005 and len(value_set) > 1:
+        min_share = math.floor(lower * 1000) / 1000
+        found.append(_expectation(
+            "expect_column_value_shares_to_be_at_least",
+            f"class balance: every class at least {min_share:.1%} of a file's labels (the rarest has "
+            f"{rarest:.1%} of the sample)", column=label, value_set=value_set, min_share=min_share))
+    return found
+
+
+def _duplicate_expectation(frames: list[tuple[str, pd.DataFrame]], columns: list[str]) -> dict[str, Any]:
+    share = max((float(frame.duplicated(keep=False).mean()) if len(frame) else 0.0) for _, frame in frames)
+    allowed = min(1.0, 2 * share + DUPLICATE_SLACK)
+    return _expectation("expect_compound_columns_to_be_unique_by_hash",
+                        f"duplicates: at most {allowed:.0%} of rows repeat another (the sample has {share:.1%})",
+                        column_list=columns, mostly=round(1 - allowed, 4))
 
 
 def describe(suite: dict[str, Any]) -> list[str]:
@@ -167,7 +343,7 @@ def describe(suite: dict[str, Any]) -> list[str]:
 
 
 def init_suite(data: str | Path, label: str, out: str | Path, *, force: bool = False,
-               name: str | None = None) -> dict[str, Any]:
+               name: str | None = None, task: str | None = None) -> dict[str, Any]:
     """Draw a suite from the sample `data` (a Parquet file or a directory of them) and write it to `out`
     atomically; UsageError when `out` exists and `force` is not set. Returns what was written."""
     from nightshift.data.validate import parquet_files, read_table
@@ -178,10 +354,11 @@ def init_suite(data: str | Path, label: str, out: str | Path, *, force: bool = F
     if not out.parent.is_dir():
         raise UsageError(f"the folder of {out} does not exist; create it first")
     frames = [(file.name, read_table(file)) for file in parquet_files(data)]
-    suite = build_suite(frames, label, name or out.stem)
+    suite = build_suite(frames, label, name or out.stem, task=task)
     try:
         atomic_write_json(out, suite, overwrite=force)
     except FileExistsError as err:
         raise UsageError(f"{out} appeared while the suite was drawn; pass --force to replace it") from err
     return {"out": str(out), "suite": suite["name"], "rows": sum(len(f) for _, f in frames),
-            "files": [file for file, _ in frames], "expectations": describe(suite)}
+            "files": [file for file, _ in frames], "task": suite["meta"]["nightshift"]["task"],
+            "expectations": describe(suite)}

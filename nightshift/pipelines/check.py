@@ -15,7 +15,7 @@ from nightshift.pipelines.spec import TABULAR, Pipeline
 # Expectation kwargs that name columns (GX's and nightshift.data.expectations').
 _COLUMN_KEYS = ("column", "column_A", "column_B")
 _COLUMN_LIST_KEYS = ("column_list", "column_set")
-_COLUMN_MAP_KEYS = ("column_types",)
+_COLUMN_MAP_KEYS = ("column_types", "column_ranges")
 
 
 def suite_columns(suite: dict[str, Any]) -> dict[str, list[str]]:

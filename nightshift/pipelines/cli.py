@@ -25,6 +25,9 @@ def add_parser(subparsers: Any) -> None:
     init.add_argument("--label", required=True, help="the label column")
     init.add_argument("--out", required=True, help="the suite JSON file to write")
     init.add_argument("--name", help="the suite's name (default: the file name without .json)")
+    init.add_argument("--task", choices=("binary", "multiclass", "regression"),
+                      help="what the label is (the declaration's task): a class label gets its set of classes, a "
+                           "regression target a range and a distribution (default: inferred from the label)")
     init.add_argument("--force", action="store_true", help="replace --out when it exists")
     init.set_defaults(func=_init)
 
@@ -76,7 +79,8 @@ def _check(args: argparse.Namespace) -> dict[str, Any] | int:
 def _init(args: argparse.Namespace) -> dict[str, Any]:
     from nightshift.data.suite_init import init_suite
 
-    written = init_suite(args.data, args.label, args.out, force=args.force, name=args.name)
+    written = init_suite(args.data, args.label, args.out, force=args.force, name=args.name,
+                         task=getattr(args, "task", None))
     print(f"wrote {written['out']} ({len(written['expectations'])} expectations from {written['rows']} rows); "
           f"review it before use:", file=sys.stderr)
     for line in written["expectations"]:

@@ -251,7 +251,8 @@ def test_suite_init_drew_a_suite_for_the_users_table(user: UserRepo) -> None:
 def label_rule(suite: dict[str, Any], label: str) -> dict[str, Any]:
     """The kwargs of the expectation about the label column alone."""
     (kwargs,) = [e["kwargs"] for e in suite["expectations"]
-                 if e["kwargs"].get("column") == label or e["kwargs"].get("column_list") == [label]]
+                 if e["type"] in ("expect_column_values_to_be_in_set", "expect_columns_values_to_be_finite_between")
+                 and (e["kwargs"].get("column") == label or e["kwargs"].get("column_list") == [label])]
     return dict(kwargs)
 
 
