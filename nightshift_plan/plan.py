@@ -119,8 +119,8 @@ def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None)
     context = {"params": params, "run_id": run_id, "dag": dag, "ti": ti, "task_instance": ti, "task": task}
     task.render_template_fields(context)  # type: ignore[arg-type]
     try:
-        backend = kind(task)
         task.settle()
+        backend = task.make_backend("kubernetes" if name == AUTO else name)
         task.check_elastic(backend)  # as execute refuses before submitting: elastic with Kueue, say
         return [backend.render(task.identity_from(context))]
     except InvalidJobConfig as err:

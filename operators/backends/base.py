@@ -177,12 +177,7 @@ class TrainingBackend(ABC):
     # backend that does not say so: a plugin backend must declare it (True) and run the elastic launcher.
     supports_elastic: ClassVar[bool] = False
 
-    def __init__(self, run: BackendRun | HorovodKubernetesOperator) -> None:
-        if not isinstance(run, BackendRun):
-            # Only for nightshift plan (nightshift_plan/plan.py), which still makes a backend from the operator
-            # itself, backend_class(name)(operator), to render its MPIJob: given the run the operator would give.
-            # A backend made so has no `name`; operator.make_backend(name) is the way to make one.
-            run = run.backend_run("")
+    def __init__(self, run: BackendRun) -> None:
         self.run = run
         self.log = run.log
 
