@@ -56,6 +56,7 @@ class PodFilesystem:
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
         self.overlays: list[Path] = []
+        self.private: list[Path] = []  # this pod's own tmpfs mounts (its fresh homes): written directly
         _mount("tmpfs", str(scratch), "tmpfs", 0, "mode=0755")
 
     def _overlay(self, lower: Path) -> None:
@@ -84,7 +85,7 @@ class PodFilesystem:
         parent = target.parent
         while not parent.exists():
             parent = parent.parent
-        if not any(parent.is_relative_to(o) for o in self.overlays):
+        if not any(parent.is_relative_to(o) for o in [*self.overlays, *self.private]):
             self._overlay(parent)
         if is_dir:
             target.mkdir(parents=True, exist_ok=True)
@@ -107,6 +108,7 @@ class PodFilesystem:
     def tmpfs(self, target: Path) -> None:
         self.ensure(target, is_dir=True)
         _mount("tmpfs", str(target), "tmpfs", 0, "mode=0755")
+        self.private.append(target)
 
     def bind(self, source: Path, target: Path, read_only: bool) -> None:
         if not source.exists():
@@ -135,6 +137,7 @@ def set_up(spec: dict) -> None:
             pod.ensure(target, is_dir=bool(mount.get("dir", True)))
         else:
             pod.bind(Path(mount["source"]), target, bool(mount.get("read_only")))
+    pod.ensure(Path(spec["cwd"]), is_dir=True)  # as a container runtime creates a missing workingDir
     os.chdir(spec["cwd"])
 
 

@@ -333,7 +333,11 @@ class LocalRun:
         where = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
                  Path(sys.executable).resolve().parent.parent, Path(self.python_bin).resolve().parent,
                  Path(__file__).resolve().parents[2]}  # and this project's code (an editable install)
-        fresh = sorted({h for h in (home, pwd.getpwuid(0).pw_dir) if h != "/" and Path(h) not in where})
+        # A home is mounted over where it resolves to (a symlinked home: its target), and one holding this run's
+        # own directory (TMPDIR under it) stays this machine's: the pods' scratch and views live in that directory.
+        homes = {str(Path(h).resolve()) for h in (home, pwd.getpwuid(0).pw_dir)}
+        fresh = sorted(h for h in homes
+                       if h != "/" and Path(h) not in where and not self.tmp.resolve().is_relative_to(h))
         inside = sorted(p for p in where if any(p.is_relative_to(h) for h in fresh))
         outermost = [p for p in inside if not any(p != o and p.is_relative_to(o) for o in inside)]
         return home, fresh, [str(p) for p in outermost]

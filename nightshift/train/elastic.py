@@ -119,30 +119,52 @@ def set_collective_timeout(seconds: int, join_seconds: int) -> None:
 JOIN_ATTEMPTS = 3
 
 
-def join(hvd: Any, attempts: int = JOIN_ATTEMPTS) -> None:
-    """`hvd.init()`, again after a failed rendezvous, at most `attempts` times in all.
+def join(hvd: Any, attempts: int | None = JOIN_ATTEMPTS) -> None:
+    """`hvd.init()`, again after a failed rendezvous: at most `attempts` times in all (None: until it joins).
 
     A rendezvous fails when a process of the round does not come within the join timeout (a host that joins late
-    or never) or a peer it found has gone. Trying again asks the elastic driver for this rank's place in the next
-    round (Horovod's reset protocol: every rank of the round reports ready, or its process exits, and the driver
-    drops the hosts whose process failed): the ranks left go on without a joiner that never came, and a late
-    joiner, failing its own first rendezvous, joins the next round. So a host that joins late or never costs the
-    ranks a pause of about a join timeout, not the job. A process that is alive but never reaches `hvd.init()`
-    still holds the round (Horovod waits for every process of a round to report)."""
-    for attempt in range(1, attempts + 1):
+    or never) or a peer it found has gone; the rank then takes its address back from the store (the patch), so a
+    late joiner does not wait on it. Trying again asks the elastic driver for this rank's place in the next round
+    (Horovod's reset protocol: every rank of the round reports ready, or its process exits, and the driver drops
+    the hosts whose process failed): the ranks left go on without a joiner that never came, and a late joiner,
+    failing its own first rendezvous, joins the next round. A joiner late by L costs the ranks a pause of about
+    L plus a join timeout, one that never comes about a join timeout. The ranks already training try without
+    limit (a failed round is never theirs to end the job over: the driver decides); a process joining for the
+    first time gives up after `attempts`, and its host is blacklisted. A process that is alive but never reaches
+    `hvd.init()` holds the round until it does or dies: Horovod waits for every process of a round."""
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             hvd.init()
             return
         except ValueError as err:  # Horovod's "initialization failed" (its log names the rendezvous error)
-            if attempt == attempts:
+            if attempts is not None and attempt >= attempts:
                 raise JoinFailed(f"Horovod's rendezvous failed {attempts} times in a row (the reason is in the log "
                                  f"above): a process of the job did not come within the join timeout "
                                  f"(HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS="
                                  f"{os.environ.get('HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS', 'unset')}); raise "
                                  f"--join-timeout if processes take longer to start") from err
-            log.warning("Horovod's rendezvous failed (attempt %d of %d: a process of the job did not come in time, "
-                        "or a peer has gone): joining the elastic driver's next round", attempt, attempts)
+            log.warning("Horovod's rendezvous failed (attempt %d%s: a process of the job did not come in time, "
+                        "or a peer has gone): joining the elastic driver's next round", attempt,
+                        f" of {attempts}" if attempts is not None else "")
             hvd.shutdown()
+
+
+def horovod_has_join_patch() -> bool:
+    """Whether the installed Horovod is built with images/trainer/horovod-0.28.1-elastic-join.patch (its torch
+    extension knows HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS): without it a joiner slower than the collective
+    timeout terminates every rank, failing the job."""
+    import glob
+
+    import horovod.torch
+
+    libraries = glob.glob(os.path.join(os.path.dirname(horovod.torch.__file__), "mpi_lib_v2*.so"))
+    for library in libraries:
+        with open(library, "rb") as binary:
+            if b"HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS" in binary.read():
+                return True
+    return False
 
 
 def _seed_rank(seed: int, step: int, rank: int) -> None:
@@ -290,7 +312,7 @@ class ElasticTrainer(Trainer):
 
     def _reset(self) -> None:
         self.hvd.shutdown()
-        join(self.hvd)
+        join(self.hvd, attempts=None)
 
     def summary_extra(self) -> dict[str, Any]:
         return {"elastic": {"resets": self.resets, "world_sizes": self.sizes, "commit_every": self.config.commit_every}}

@@ -377,10 +377,14 @@ def test_pin_cpus_gives_each_worker_host_a_core_of_its_own(site: Site, links_bef
         pytest.skip("one core: nothing to pin apart")
     ask = "grep Cpus_allowed_list /proc/self/status"
     script = f"{ask} | sed 's/^/launcher /'; for w in 0 1; do ssh pinned-worker-$w \"{ask}\" | sed \"s/^/w$w /\"; done"
-    job = _job("pinned", ["sh", "-c", script])
+    job = _job("pinned", ["sh", "-c", f"pwd; {script}"])
+    # Also: a workingDir that does not exist is created, as a container runtime does (here in the pod's fresh home)
+    workdir = f"{pwd.getpwuid(0).pw_dir}/nightshift-test-workdir-{os.getpid()}"
+    job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["workingDir"] = workdir
     proc = site.run_mpijob(site.write(job, "pinned"), "--pin-cpus")
     code, out, err = finish(proc, timeout=120)
     assert code == 0, err
+    assert f"[pinned-launcher] {workdir}\n" in out and not Path(workdir).exists()
     seen = dict(re.findall(r"\] (\w+) Cpus_allowed_list:\s+(\S+)", out))
     assert seen["w0"] == str(cores[0]) and seen["w1"] == str(cores[1]), out
     assert seen["launcher"] != seen["w0"], out  # every core this machine gives, not one

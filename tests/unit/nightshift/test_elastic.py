@@ -190,11 +190,25 @@ def test_a_failed_rendezvous_is_tried_again_a_bounded_number_of_times(monkeypatc
     assert hvd.calls == ["init", "shutdown"] * (JOIN_ATTEMPTS - 1) + ["init"]
     assert f"attempt {JOIN_ATTEMPTS - 1} of {JOIN_ATTEMPTS}" in caplog.text
 
+    # The ranks already training (their reset) try until they join: a run of failed rounds (a new host each, every
+    # one late) must not end the job from the healthy hosts (review finding: their exit blacklisted them).
+    hvd = _Horovod(failures=5 * JOIN_ATTEMPTS)
+    join(hvd, attempts=None)
+    assert hvd.calls.count("init") == 5 * JOIN_ATTEMPTS + 1
+
     monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS", "15")
     hvd = _Horovod(failures=JOIN_ATTEMPTS)
     with pytest.raises(JoinFailed, match=r"failed 3 times in a row .*RENDEZVOUS_TIMEOUT_SECONDS=15.*--join-timeout"):
         join(hvd)
     assert hvd.calls.count("init") == JOIN_ATTEMPTS
+
+
+def test_the_installed_horovod_carries_the_elastic_join_patch() -> None:
+    """make setup builds Horovod with images/trainer/horovod-0.28.1-elastic-join.patch; the trainer warns when a
+    Horovod lacks it (a slow joiner then terminates every rank)."""
+    from nightshift.train.elastic import horovod_has_join_patch
+
+    assert horovod_has_join_patch()
 
 
 def test_the_join_and_collective_timeouts_are_set_apart_unless_the_launcher_set_them(

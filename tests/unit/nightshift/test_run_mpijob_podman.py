@@ -347,5 +347,15 @@ def test_a_pod_home_over_the_interpreter_is_fresh_with_the_interpreter_bound_int
             root_home)]
         monkeypatch.setattr(sys, "prefix", str(home))  # the installation is the home: kept as it is
         assert str(home) not in run._homes()[1]
+        monkeypatch.setattr(sys, "prefix", str(venv))
+        tmp = run.tmp
+        monkeypatch.setattr(run, "tmp", home / "tmp" / "run")  # TMPDIR in the home: the pods' views live there
+        assert str(home) not in run._homes()[1]
+        monkeypatch.setattr(run, "tmp", tmp)
+        link = tmp_path / "link-home"  # a symlinked home: the tmpfs goes over its target, the pyenv bound back
+        link.symlink_to(home)
+        run.job = parse_job(manifest(ssh_auth_mount_path=f"{link}/.ssh"), claims=CLAIMS, gpus_available=0)
+        monkeypatch.setattr(sys, "base_prefix", str(base))
+        assert run._homes()[1:] == (sorted([str(home), root_home]), [str(base)])
     finally:
         run.close()
