@@ -61,13 +61,17 @@ def _run_folders(root: Path, kind: str, names: dict[str, str], now: float) -> li
 
 def _ledger_facts(dag_id: str) -> tuple[list[str], set[str], list[dict[str, Any]]]:
     last: dict[str, dict[str, Any]] = {}
-    for record in ledger.read_records(dag_id):
+    try:
+        records = ledger.read_records(dag_id, strict=True)
+    except ledger.LedgerUnreadable as err:
+        raise GcFailed(f"{err}; nothing was removed: which runs finished cannot be told") from err
+    for record in records:
         if isinstance(record.get("run_id"), str):
             last.pop(record["run_id"], None)  # a run recorded again counts at its last record
             last[record["run_id"]] = record
     finished = list(last)
     succeeded = {run_id for run_id, record in last.items() if record.get("status") == "success"}
-    promotions = [r for r in ledger.read_records(dag_id)
+    promotions = [r for r in records
                   if r.get("status") == "success" and r.get("deploy_status") in PROMOTED and r.get("model_version")]
     return finished, succeeded, promotions
 
@@ -188,9 +192,12 @@ def _local_path(uri: str) -> Path | None:
 
 
 def _rmtree(path: Path, root: Path) -> None:
-    """Remove the directory `path`, which must lie under `root` (never a link, never `root` itself)."""
-    if path.is_symlink() or not path.resolve().is_relative_to(root.resolve()) or path.resolve() == root.resolve():
-        raise GcFailed(f"refusing to remove {path}: it is not a folder under {root}")
+    """Remove the directory `path`, which must lie under `root` as written, with no link on the way from `root`
+    (inclusive) to it: a link planted there (or `root` itself a link) would lead the removal elsewhere."""
+    links = [p for p in (path, *path.parents) if p.is_relative_to(root) and p.is_symlink()]
+    if path == root or not path.is_relative_to(root) or links:
+        raise GcFailed(f"refusing to remove {path}: it is not a folder under {root}"
+                       f"{f' ({links[0]} is a link)' if links else ''}")
     if not path.exists():
         return
     try:
@@ -200,14 +207,17 @@ def _rmtree(path: Path, root: Path) -> None:
                        f"again") from err
 
 
-def _remove_mlflow_run(run_id: str) -> None:
+def _remove_mlflow_run(run_id: str) -> str | None:
+    """Remove the run and its artifacts; or, when a registered version (of any model) names it, keep it and say
+    why."""
     from nightshift import tracking
 
     client = tracking.client()
     artifacts = Path(settings.mlflow_artifact_root())
     try:
-        if client.search_model_versions(f"run_id = '{run_id}'"):
-            raise GcFailed(f"refusing to remove MLflow run {run_id}: a registered model version names it")
+        versions = client.search_model_versions(f"run_id = '{run_id}'")
+        if versions:
+            return "registered as " + ", ".join(f"{v.name} v{v.version}" for v in versions) + ": kept"
         run = client.get_run(run_id)
         models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'")
         for model in models:
@@ -219,6 +229,7 @@ def _remove_mlflow_run(run_id: str) -> None:
         if local is not None and local.resolve().is_relative_to(artifacts.resolve()):
             _rmtree(local, artifacts)
         client.delete_run(run_id)
+        return None
     except GcFailed:
         raise
     except Exception as err:
@@ -226,7 +237,8 @@ def _remove_mlflow_run(run_id: str) -> None:
                        f"again") from err
 
 
-def _remove(decision: Decision, pipeline: Pipeline) -> None:
+def _remove(decision: Decision, pipeline: Pipeline) -> str | None:
+    """Remove the item; or None when removed, else why it was kept after all."""
     item = decision.item
     dag = safe_name(pipeline.dag_id)
     if item.kind == WORKSPACE:
@@ -234,7 +246,7 @@ def _remove(decision: Decision, pipeline: Pipeline) -> None:
     elif item.kind == CHECKPOINTS:
         _rmtree(Path(item.ident), settings.checkpoints_dir() / dag)
     elif item.kind == MLFLOW_RUN:
-        _remove_mlflow_run(item.ident)
+        return _remove_mlflow_run(item.ident)
     else:
         from nightshift.deploy.local import _deploy_lock
         from nightshift.errors import DeploymentFailed
@@ -242,8 +254,9 @@ def _remove(decision: Decision, pipeline: Pipeline) -> None:
         try:
             with _deploy_lock(pipeline.model_name):  # a deploy renames and removes these folders itself
                 _rmtree(Path(item.ident), settings.serving_dir() / "models")
-        except DeploymentFailed:
-            pass  # a deploy started since the plan: its folders stay until the next collection
+        except DeploymentFailed:  # a deploy started since the plan: its folders stay until the next collection
+            return "a deployment of this model started: kept until the next collection"
+    return None
 
 
 def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = None) -> dict[str, Any]:
@@ -252,15 +265,19 @@ def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = No
     Returns {"pipeline", "dry_run", "policy", "remove": [...], "keep": [...], "removed_bytes"}; each entry has
     kind, what, run_id, size, action and reason. GcFailed when something could not be read or removed."""
     now = time.time() if now is None else now
+    if not pipeline.retention.enabled:  # nothing to read either: a registry that is down does not matter
+        return {"pipeline": pipeline.dag_id, "dry_run": dry_run, "policy": pipeline.retention.to_dict(),
+                "remove": [], "keep": [], "removed_bytes": 0}
     known = facts(pipeline)
     decisions = plan(inventory(pipeline, known, now), known, pipeline.retention)
     removed = [d for d in decisions if d.remove]
     if not dry_run and removed:
         fresh = facts(pipeline)  # read again: a run may have been promoted or registered since
         for decision in plan([d.item for d in removed], fresh, pipeline.retention):
-            if decision.remove:
-                _remove(decision, pipeline)
-            else:
+            kept = _remove(decision, pipeline) if decision.remove else None
+            if kept is not None:
+                decision = Decision(decision.item, False, kept)
+            if not decision.remove:
                 removed.remove(next(d for d in removed if d.item == decision.item))
                 decisions = [decision if d.item == decision.item else d for d in decisions]
     return {"pipeline": pipeline.dag_id, "dry_run": dry_run, "policy": pipeline.retention.to_dict(),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nightshift import settings
-from nightshift.errors import CodeVersionUnknown
+from nightshift.errors import CodeVersionUnknown, NightshiftError
 
 LEDGER_NAME = "runs.jsonl"
 # Code that shapes a trained model; a change here means a retrain even on the same data.
@@ -47,10 +47,13 @@ def append_record(dag_id: str, record: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({"recorded_at": datetime.now(UTC).isoformat(timespec="seconds"), **record},
                       sort_keys=True, default=str)
-    with path.open("a") as handle:
+    with path.open("a+b") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            handle.write(line + "\n")
+            # A record torn by a crash or a full disk must not take the next one with it: start on a line of its own.
+            end = handle.seek(0, os.SEEK_END)
+            torn = end > 0 and handle.seek(end - 1) >= 0 and handle.read(1) != b"\n"
+            handle.write((("\n" if torn else "") + line + "\n").encode())
             handle.flush()
             os.fsync(handle.fileno())
         finally:
@@ -58,17 +61,27 @@ def append_record(dag_id: str, record: dict[str, Any]) -> Path:
     return path
 
 
-def read_records(dag_id: str, newest: int | None = None) -> list[dict[str, Any]]:
-    """Every record of the ledger (or the `newest` ones), oldest first; a torn line is ignored."""
+class LedgerUnreadable(NightshiftError):
+    """A line of the run ledger is not a record (torn by a crash or a full disk, or edited by hand)."""
+
+
+def read_records(dag_id: str, newest: int | None = None, *, strict: bool = False) -> list[dict[str, Any]]:
+    """Every record of the ledger (or the `newest` ones), oldest first; a torn line is ignored, or with `strict`
+    raises LedgerUnreadable naming it (for what removes files on the ledger's word: nightshift.gc)."""
+    path = ledger_path(dag_id)
     try:
-        lines = ledger_path(dag_id).read_text().splitlines()
+        lines = path.read_text().splitlines()
     except FileNotFoundError:
         return []
     records = []
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as err:
+            if strict:
+                raise LedgerUnreadable(f"{path} line {number} is not a run record ({err.msg}): a record torn by a "
+                                       f"crash or a full disk? Repair or delete that line; what it said about its "
+                                       f"run cannot be told") from err
             continue
     return records[-newest:] if newest else records
 

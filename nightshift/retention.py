@@ -123,8 +123,10 @@ def _days(value: float) -> str:
     return f"{value:.1f} d"
 
 
-def _run_reason(item: Item, policy: RetentionPolicy, facts: Facts, recent: frozenset[str]) -> tuple[bool, str]:
-    """(remove?, why) for a workspace or a checkpoint folder of DAG run `item.run_id`."""
+def _run_reason(item: Item, policy: RetentionPolicy, facts: Facts, recent: frozenset[str],
+                age_days: float) -> tuple[bool, str]:
+    """(remove?, why) for a workspace or a checkpoint folder of DAG run `item.run_id`; `age_days`: since the
+    newest write to any folder of that run (its workspace and its checkpoints are judged as one)."""
     run_id = item.run_id
     if run_id is not None and run_id == facts.champion_run:
         return False, f"the champion's run (v{facts.champion})"
@@ -134,13 +136,17 @@ def _run_reason(item: Item, policy: RetentionPolicy, facts: Facts, recent: froze
         return False, "the last successful run"
     if run_id is not None and run_id in recent:
         return False, f"within the last {policy.keep_runs} finished runs"
+    # Whatever the ledger's last word on it: a run written to lately may be running again (a cleared Airflow run
+    # keeps its run id and its old success record) or about to be retried.
+    state = ("succeeded" if run_id in facts.succeeded else "failed" if run_id in facts.finished
+             else "not finished (running, or killed)")
+    if age_days < policy.resumable_days:
+        return False, (f"resumable or running: {state}, last written {_days(age_days)} ago "
+                       f"(within {policy.resumable_days:g} d)")
     if run_id is None or run_id not in facts.succeeded:
-        state = "failed" if run_id in facts.finished else "not finished (running, or killed)"
-        if item.age_days < policy.resumable_days:
-            return False, (f"resumable: {state}, last written {_days(item.age_days)} ago "
-                           f"(within {policy.resumable_days:g} d)")
-        return True, f"{state}, nothing written for {_days(item.age_days)} (over {policy.resumable_days:g} d)"
-    return True, f"a successful run older than the last {policy.keep_runs} finished runs"
+        return True, f"{state}, nothing written for {_days(age_days)} (over {policy.resumable_days:g} d)"
+    return True, (f"a successful run older than the last {policy.keep_runs} finished runs, nothing written for "
+                  f"{_days(age_days)}")
 
 
 def _mlflow_reason(item: Item, policy: RetentionPolicy, facts: Facts) -> tuple[bool, str]:
@@ -168,7 +174,12 @@ def _served_reason(item: Item, facts: Facts) -> tuple[bool, str]:
 
 def plan(items: Iterable[Item], facts: Facts, policy: RetentionPolicy) -> list[Decision]:
     """A Decision for each item, in the order given: removed with the reason, or kept with why."""
+    items = list(items)
     recent = frozenset(list(facts.finished)[-policy.keep_runs:])
+    run_age: dict[str | None, float] = {}
+    for item in items:
+        if item.kind in (WORKSPACE, CHECKPOINTS):
+            run_age[item.run_id] = min(item.age_days, run_age.get(item.run_id, item.age_days))
     decisions = []
     for item in items:
         if item.kind not in KINDS:
@@ -176,7 +187,8 @@ def plan(items: Iterable[Item], facts: Facts, policy: RetentionPolicy) -> list[D
         if not policy.enabled:
             remove, reason = False, "retention is disabled for this pipeline (retention.enabled: false)"
         elif item.kind in (WORKSPACE, CHECKPOINTS):
-            remove, reason = _run_reason(item, policy, facts, recent)
+            age = item.age_days if item.run_id is None else run_age[item.run_id]
+            remove, reason = _run_reason(item, policy, facts, recent, age)
         elif item.kind == MLFLOW_RUN:
             remove, reason = _mlflow_reason(item, policy, facts)
         else:

@@ -369,6 +369,9 @@ def failure_summary(context: Any) -> None:
         "evaluate": "the new model or the champion could not be scored",
         "register": "the MLflow registry refused the version",
         "deploy": "the new version did not become healthy or answer correctly; the previous one keeps serving",
+        "collect_garbage": "retention could not read or remove something (nothing it could not read was removed); "
+                           "the run itself completed, its ledger record stands; `nightshift gc --dry-run` shows "
+                           "the plan",
     }
     gate = None
     try:
@@ -386,6 +389,8 @@ def failure_summary(context: Any) -> None:
                      f"{'; '.join(gate.get('reasons', []))}")
     lines.append("=" * 72)
     log.error("\n".join(lines))
+    if task_id == "collect_garbage":
+        return  # housekeeping after the run's own record (success or not) was written: that record stands
     try:
         from nightshift import ledger as lineage
 

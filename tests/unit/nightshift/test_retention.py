@@ -35,7 +35,8 @@ def test_workspaces_beyond_the_last_n_go_and_every_referenced_run_stays() -> Non
     items = [Item(WORKSPACE, f"ws/{r}", r, age_days=40.0) for r in FACTS.finished]
     items.append(Item(CHECKPOINTS, "ck/r9", "r9", age_days=0.1))  # running now: no ledger record
     result = decided(items)
-    assert result["ws/r1"] == (True, "a successful run older than the last 2 finished runs")
+    assert result["ws/r1"] == (True, "a successful run older than the last 2 finished runs, nothing written for "
+                                      "40.0 d")
     assert result["ws/r4"][0] is True
     assert result["ws/r5"] == (True, "failed, nothing written for 40.0 d (over 7 d)")
     assert result["ws/r2"] == (False, "the previous champion's run (v1): a rollback may need it")
@@ -43,7 +44,7 @@ def test_workspaces_beyond_the_last_n_go_and_every_referenced_run_stays() -> Non
     assert result["ws/r6"][0] is True  # succeeded, not the last success (r7), not within the last 2 (r7, r8)
     assert result["ws/r7"] == (False, "the last successful run")
     assert result["ws/r8"] == (False, "within the last 2 finished runs")  # r8 has no success record but is recent
-    assert result["ck/r9"][0] is False and result["ck/r9"][1].startswith("resumable: not finished")
+    assert result["ck/r9"][0] is False and result["ck/r9"][1].startswith("resumable or running: not finished")
 
 
 def test_a_failed_or_killed_run_stays_resumable_for_resumable_days() -> None:
@@ -53,8 +54,8 @@ def test_a_failed_or_killed_run_stays_resumable_for_resumable_days() -> None:
                       Item(CHECKPOINTS, "killed", "killed", age_days=6.9),
                       Item(CHECKPOINTS, "old-killed", "old-killed", age_days=7.5)], facts, policy)
     assert result["failed"] == (False, "within the last 1 finished runs")
-    assert result["killed"] == (False, "resumable: not finished (running, or killed), last written 6.9 d ago "
-                                       "(within 7 d)")
+    assert result["killed"] == (False, "resumable or running: not finished (running, or killed), last written "
+                                       "6.9 d ago (within 7 d)")
     assert result["old-killed"][0] is True
 
 
@@ -112,3 +113,19 @@ def test_a_declaration_carries_its_retention_with_defaults_for_what_it_leaves_ou
     with pytest.raises(PipelineInvalid) as caught:
         load_pipeline(tmp_path / "a.yaml")
     assert any("retention.months: unknown key" in line for line in caught.value.problems)
+
+
+def test_a_successful_run_written_lately_is_kept_however_old_its_record() -> None:
+    """Review finding: a cleared Airflow run keeps its run id and its old success record; while it stages and
+    trains again, a gc (the CLI, or another run's last task) removed its live workspace and checkpoints."""
+    result = decided([Item(WORKSPACE, "ws/r1", "r1", age_days=0.0), Item(CHECKPOINTS, "ck/r1", "r1", age_days=0.0)])
+    assert result["ws/r1"][0] is False and result["ws/r1"][1].startswith("resumable or running: succeeded")
+    assert result["ck/r1"][0] is False
+
+
+def test_a_runs_workspace_and_checkpoints_are_judged_by_its_newest_write() -> None:
+    """Review finding: a failed run staged 8 days ago and retried yesterday lost its workspace (8 d old) while its
+    checkpoints (1 d) stayed: the next retry's --data was gone."""
+    result = decided([Item(WORKSPACE, "ws/r5", "r5", age_days=8.0), Item(CHECKPOINTS, "ck/r5", "r5", age_days=1.0)])
+    assert result["ws/r5"] == result["ck/r5"] == (
+        False, "resumable or running: failed, last written 1.0 d ago (within 7 d)")
