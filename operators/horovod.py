@@ -440,11 +440,25 @@ class HorovodKubernetesOperator(BaseOperator):
             return super().resume_execution(next_method, next_kwargs, context)
         except (TaskDeferralTimeout, TaskDeferralError) as err:
             # The backend that deferred, as its result names it: "auto" resolved again could now answer otherwise.
-            deferred = ((next_kwargs or {}).get("result") or {}).get("backend")
+            # Airflow replaces the deferral's kwargs with the error when it times out or the trigger fails: the
+            # result is read back from the XCom run.defer kept it in.
+            result = (next_kwargs or {}).get("result") or self._deferred_result(context)
+            deferred = (result or {}).get("backend")
             self.settle()
             backend = self._backend = self.make_backend(str(deferred) if deferred else self.resolve_backend())
-            backend.deferral_failed(context, err)  # an on_kill meanwhile cancels this backend's job
+            backend.deferral_failed(context, err, result)  # an on_kill meanwhile cancels this backend's job
             raise
+
+    def _deferred_result(self, context: Context) -> dict[str, Any] | None:
+        from operators.backends.base import DEFERRED_XCOM
+
+        ti = context["ti"]
+        try:
+            value = ti.xcom_pull(task_ids=ti.task_id, key=DEFERRED_XCOM)
+        except Exception as err:  # the job's name is then derived from the run, as before
+            self.log.warning("Could not read back the deferred job's result (XCom %s): %s", DEFERRED_XCOM, err)
+            return None
+        return dict(value) if isinstance(value, Mapping) else None
 
     def deferral_timeout(self, context: Context | Mapping[str, Any] | None) -> timedelta | None:
         """What is left of execution_timeout (from the try's start_date): Airflow applies only the deferral's

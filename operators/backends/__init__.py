@@ -103,10 +103,10 @@ def elastic_backends() -> tuple[str, ...]:
     for name in backend_names():
         try:
             cls = backend_class(name)
-        except UsageError as err:
+        except Exception as err:  # a plugin's module may fail with anything at import
             if name in BUILTIN_BACKENDS:
                 raise
-            log.warning("training backend %r left out of the elastic ones: %s", name, err)
+            log.warning("training backend %r left out of the elastic ones: %s: %s", name, type(err).__name__, err)
             continue
         if cls.supports_elastic:
             names.append(name)
@@ -136,16 +136,21 @@ def create_backend(name: str, run: BackendRun) -> TrainingBackend:
     cls = backend_class(name)
     where = f"{cls.__module__}.{cls.__qualname__}"
     try:
-        backend = cls(run)
-    except TypeError as err:  # abstract methods left out, or a constructor of another shape
+        backend = cls.__new__(cls)
+    except TypeError as err:  # abstract methods left out
         raise UnknownBackend(f"training backend {name!r} ({where}) cannot be made: {err}; a backend implements "
                              f"submit, wait, cancel and cleanup, and takes the BackendRun (operators.backends."
                              f"base) as its one argument") from err
     try:
-        backend.name = name
+        backend.name = name  # before __init__: a constructor may use it
     except AttributeError as err:  # a read-only `name` (a property) of the class's own
         raise UnknownBackend(f"training backend {name!r} ({where}) has a read-only `name`; leave `name` to the "
                              f"registry, which sets it to the registered name") from err
+    try:
+        backend.__init__(run)  # type: ignore[misc]
+    except TypeError as err:  # a constructor of another shape
+        raise UnknownBackend(f"training backend {name!r} ({where}) cannot be made: {err}; a backend takes the "
+                             f"BackendRun (operators.backends.base) as its one argument") from err
     return backend
 
 

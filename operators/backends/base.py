@@ -20,9 +20,10 @@ backend registered under `result["backend"]` (the name `run.defer` wrote there: 
 subclass registered as "gke" is resumed as "gke", never as the class it extends), in another process, and
 calls `complete(result, event, context)`, which judges the trigger's event as `wait` judges the job; then it
 cleans up as above. When the deferral itself ended badly (it timed out, the trigger failed) that fresh
-instance's `deferral_failed(context, error)` is called instead. So everything `complete`, `cleanup` and
-`deferral_failed` need after a deferral must be in `result` (JSON-serialisable), or be derivable from
-`context` (`run.identity_of(context)`).
+instance's `deferral_failed(context, error, result)` is called instead: Airflow then replaces the deferral's
+kwargs with its error, so `run.defer` also keeps `result` in the task instance's XCom (key DEFERRED_XCOM) and the
+operator hands it back from there. So everything `complete`, `cleanup` and `deferral_failed` need after a
+deferral must be in `result` (JSON-serialisable), or be derivable from `context` (`run.identity_of(context)`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
+
+# The XCom key under which `BackendRun.defer` keeps the deferral's result (for `deferral_failed`).
+DEFERRED_XCOM = "nightshift_deferred"
 
 if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -105,10 +109,12 @@ class BackendRun:
 
     def defer(self, trigger: Any, *, result: Mapping[str, Any], context: Mapping[str, Any]) -> None:
         """Hand the wait to `trigger` (an Airflow BaseTrigger) and leave the worker (raises Airflow's
-        TaskDeferred). `result` travels with the deferral, its "backend" set to this run's backend; the
+        TaskDeferred). `result` travels with the deferral, its "backend" set to this run's backend, and is kept in
+        the task instance's XCom for a deferral that times out or fails (Airflow then drops the kwargs); the
         deferral times out when the task's execution_timeout would have."""
-        self._operator.defer(trigger=trigger, method_name="execute_complete",
-                             kwargs={"result": {**result, "backend": self.backend}},
+        carried = {**result, "backend": self.backend}
+        context["ti"].xcom_push(key=DEFERRED_XCOM, value=carried)
+        self._operator.defer(trigger=trigger, method_name="execute_complete", kwargs={"result": carried},
                              timeout=self._operator.deferral_timeout(context))
 
     def record_job(self, name: str | None, namespace: str | None = None) -> None:
@@ -208,7 +214,9 @@ class TrainingBackend(ABC):
         a failure). `result` is what `run.defer` carried."""
         raise NotImplementedError(f"the {self.name} backend never defers: it has no trigger event to complete")
 
-    def deferral_failed(self, context: Mapping[str, Any], error: BaseException) -> None:
+    def deferral_failed(self, context: Mapping[str, Any], error: BaseException,
+                        result: Mapping[str, Any] | None = None) -> None:
         """After a deferral that ended without an event (it timed out, or the trigger failed), on a fresh
-        instance; `error` is re-raised after this returns. Default: nothing to do."""
+        instance; `result`: what `run.defer` carried (None when it could not be read back); `error` is re-raised
+        after this returns. Default: nothing to do."""
         return None

@@ -164,13 +164,19 @@ class KubernetesBackend(TrainingBackend):
         force = error is not None and not isinstance(error, MPIJobFailed)
         self._cleanup(self.launcher(namespace), name, succeeded=succeeded, error=error, force=force)
 
-    def deferral_failed(self, context: Mapping[str, Any], error: BaseException) -> None:
+    def deferral_failed(self, context: Mapping[str, Any], error: BaseException,
+                        result: Mapping[str, Any] | None = None) -> None:
         """When the deferral timed out (execution_timeout passed while the trigger waited), delete the job: a
         timed-out task leaves nothing running. When the trigger itself failed on the last try, delete it too:
-        no next try would."""
+        no next try would. The job is the one the deferral's `result` names (a subclass may name its jobs its own
+        way), else the one this run's identity gives."""
         from airflow.sdk.exceptions import TaskDeferralTimeout
 
-        name, namespace = self._job_of(context)
+        if result and result.get("name") and result.get("namespace"):
+            name, namespace = str(result["name"]), str(result["namespace"])
+            self.run.record_job(name, namespace)
+        else:
+            name, namespace = self._job_of(context)
         if isinstance(error, TaskDeferralTimeout):
             self.log.error("Timed out while MPIJob %s/%s was followed by the triggerer: deleting it", namespace, name)
             try:

@@ -44,8 +44,29 @@ def make_context(
     try_number: int = 1,
     map_index: int = -1,
 ) -> dict[str, Any]:
-    ti = SimpleNamespace(dag_id=dag_id, task_id=task_id, run_id=run_id, try_number=try_number, map_index=map_index)
+    ti = FakeTI(dag_id=dag_id, task_id=task_id, run_id=run_id, try_number=try_number, map_index=map_index)
     return {"ti": ti, "run_id": run_id}
+
+
+XCOMS: dict[tuple[str, str, str, str], Any] = {}  # (dag_id, run_id, task_id, key): what a task pushed, as the
+# metadata DB keeps it across a deferral (a test's contexts of one try share it)
+
+
+class FakeTI(SimpleNamespace):
+    """A task instance's identity and its XCom (push and pull by task and key), as the Task SDK's."""
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        XCOMS[(self.dag_id, self.run_id, self.task_id, key)] = value
+
+    def xcom_pull(self, task_ids: str, key: str = "return_value") -> Any:
+        return XCOMS.get((self.dag_id, self.run_id, task_ids, key))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_xcoms() -> Any:
+    XCOMS.clear()
+    yield
+    XCOMS.clear()
 
 
 def horovod_operator(**arguments: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import runpy
 import subprocess
 import sys
+import types
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,9 +188,15 @@ def gke_class() -> type[TrainingBackend]:
             CALLS.append(("cleanup", self.name, type(self).__name__))
             super().cleanup(result, succeeded=succeeded, error=error)
 
-        def deferral_failed(self, context: Mapping[str, Any], error: BaseException) -> None:
+        def render(self, identity: Any, namespace: str | None = None) -> dict[str, Any]:
+            job = super().render(identity, namespace)  # a team's own naming of its jobs
+            job["metadata"]["name"] = "gke-" + job["metadata"]["name"][:40]
+            return job
+
+        def deferral_failed(self, context: Mapping[str, Any], error: BaseException,
+                            result: Mapping[str, Any] | None = None) -> None:
             CALLS.append(("deferral_failed", self.name, type(self).__name__))
-            super().deferral_failed(context, error)
+            super().deferral_failed(context, error, result)
 
     return GkeBackend
 
@@ -234,7 +241,7 @@ def test_a_failed_deferral_of_gke_is_given_to_gke(registered: Any, cluster_env: 
 
     registered("gke", gke_class())
     cluster = fk.FakeCluster(lambda name: fk.running_forever(name, ["step 1"]))
-    with pytest.raises(TaskDeferred) as deferred:
+    with pytest.raises(TaskDeferred):
         gke_operator(cluster).execute(make_context())
     from airflow.sdk import BaseOperator
 
@@ -243,10 +250,14 @@ def test_a_failed_deferral_of_gke_is_given_to_gke(registered: Any, cluster_env: 
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(BaseOperator, "resume_execution", timed_out)
+        # What the scheduler really writes on a timeout: the deferral's kwargs replaced by the error (Airflow 3.3,
+        # scheduler_job_runner: next_kwargs = {"error": ...}); the result comes back from the XCom defer kept.
         with pytest.raises(TaskDeferralTimeout):
-            gke_operator(cluster).resume_execution("execute_complete", deferred.value.kwargs, make_context())
+            gke_operator(cluster).resume_execution("execute_complete", {"error": "TRIGGER_TIMEOUT"}, make_context())
     assert CALLS == [("deferral_failed", "gke", "GkeBackend")]
-    assert [deleted[1] for deleted in cluster.deleted] == cluster.created  # a timed-out task leaves nothing running
+    assert cluster.created and all(name.startswith("gke-") for name in cluster.created)
+    # a timed-out task leaves nothing running: the job gke named its own way, not the default name
+    assert [deleted[1] for deleted in cluster.deleted] == cluster.created
 
 
 # --- names and refusals ---------------------------------------------------------------------------------------------
@@ -313,14 +324,40 @@ def test_a_built_in_that_cannot_be_imported_is_an_error_a_broken_plugin_a_warnin
     from operators.backends import elastic_backends
 
     registered("broken", "no_such_module_anywhere:Backend")
+    # Review finding: a plugin whose module raises something else than ImportError at import escaped the elastic
+    # refusal's message as that error.
+    module = types.ModuleType("nightshift_test_exploding_plugin")
+    module.__getattr__ = lambda name: (_ for _ in ()).throw(RuntimeError("the plugin's import exploded"))
+    monkeypatch.setitem(sys.modules, "nightshift_test_exploding_plugin", module)
+    registered("exploding", "nightshift_test_exploding_plugin:Backend")
     with caplog.at_level("WARNING", logger="operators.backends"):
         assert elastic_backends() == ("hosts", "kubernetes", "local")
-    assert "training backend 'broken' left out of the elastic ones: cannot import training backend 'broken'" \
-        in caplog.text
+    assert "training backend 'broken' left out of the elastic ones: UnknownBackend: cannot import training " \
+           "backend 'broken'" in caplog.text
+    assert "training backend 'exploding' left out of the elastic ones: RuntimeError: the plugin's import " \
+           "exploded" in caplog.text
     monkeypatch.setitem(sys.modules, "operators.backends.hosts", None)  # import fails with ImportError
     with pytest.raises(UsageError, match="cannot import training backend 'hosts'") as raised:
         elastic_backends()
     assert isinstance(raised.value.__cause__.__cause__, ImportError)  # type: ignore[union-attr]
+
+
+class NamedInInit(ShellBackend):
+    """Reads its registered name in its constructor."""
+
+    def __init__(self, run: Any) -> None:
+        super().__init__(run)
+        self.label = f"backend {self.name}"
+
+
+def test_a_backends_constructor_already_knows_its_registered_name(registered: Any, home: Path) -> None:
+    """Review finding: `name` was set after __init__, so a constructor using it failed with AttributeError."""
+    from operators.backends import create_backend
+
+    registered("named", NamedInInit)
+    op = shell_operator(backend="named")
+    backend = create_backend("named", op.backend_run("named"))
+    assert backend.name == "named" and backend.label == "backend named"  # type: ignore[attr-defined]
 
 
 def test_the_backend_params_describe_exactly_the_registered_choices(registered: Any,

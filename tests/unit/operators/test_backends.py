@@ -273,7 +273,7 @@ def test_a_failed_deferral_is_given_to_the_backend_that_deferred(toy_plugin: Mod
 
     seen: list[str] = []
     monkeypatch.setattr(toy_plugin.ToyBackend, "deferral_failed",
-                        lambda self, context, err: (seen.append(self.name), op.on_kill()), raising=False)
+                        lambda self, context, err, result=None: (seen.append(self.name), op.on_kill()), raising=False)
 
     def timed_out(*args: object, **kwargs: object) -> None:
         raise TaskDeferralTimeout("deferral timed out")
