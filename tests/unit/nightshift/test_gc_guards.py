@@ -42,7 +42,7 @@ def test_a_torn_ledger_line_takes_no_other_record_with_it_and_stops_gc(nightshif
     assert [r["run_id"] for r in ledger.read_records("p")] == ["a1", "a3"]
     with pytest.raises(ledger.LedgerUnreadable, match="line 2 is not a run record"):
         ledger.read_records("p", strict=True)
-    with pytest.raises(gc.GcFailed, match="line 2 is not a run record.*nothing was removed"):
+    with pytest.raises(gc.GcFailed, match=r"line 2 is not a run record.*nothing was removed"):
         gc._ledger_facts("p")
 
 
