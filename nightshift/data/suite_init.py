@@ -13,19 +13,31 @@ the rule in words. From the sample it takes:
   (or four standard errors, when larger) — `mostly` is the non-null share it must keep;
 - range: numeric columns finite and within the sample's extremes widened by (1.5 + 20/sqrt(n)) times the
   sample's range on each side (never below 0 for a column with no negative value, integers rounded
-  outward), at least OUTLIER_MOSTLY of the values (a few new extremes are what a fresh sample brings);
+  outward), at least OUTLIER_MOSTLY of the values, and never fewer than OUTLIER_COUNT values, outside (a
+  few new extremes are what a fresh sample brings: one in a file of 60 rows is already 1.7%);
 - distribution: each numeric column's 5/25/50/75/95% quantiles and its standard deviation within their
   bootstrap spread at the size of the smallest split (Z standard errors, at least the bootstrap's own
   extremes), widened by DRIFT_ALLOWANCE of the column's 5-95% spread (the standard deviation by a factor of
-  at least SPREAD_FACTOR down and SPREAD_HIGH up). A column stuck at one value, or whose units changed, fails here;
+  at least SPREAD_FACTOR down and SPREAD_HIGH up). A column stuck at one value, or whose units changed, fails here.
+  The standard deviation's upper bound is at least half the width of the column's allowed range (values the
+  range rule allows never fail on their spread: a near-empty column whose sample holds one rare value would
+  refuse a file holding two). A column dominated by one value (MODE_SHARE of the sample or more) has no lower
+  bound on its standard deviation: such a column stuck at its common value cannot be told from a sparse one;
 - the label, by task (`--task`; inferred when not given: an integer, boolean or string column of at most
   MAX_LABEL_VALUES values is a class label, anything else a quantity): a classification label's set of
-  classes, at least two of them in every file, and each class's share at least its sampling lower bound; a
+  classes, every one of them in every file when the rarest is expected MIN_CLASS_COUNT times or more in the
+  smallest file the row-count rule allows (then its absence has a probability under 1%; otherwise at least
+  two classes), and each class's share at least its sampling lower bound; a
   regression target only a range and a distribution like any numeric column, never a set of values;
-- duplicates: the share of duplicated rows at most the sample's (twice it) plus DUPLICATE_SLACK;
+- duplicates: only for a table whose sample has almost none (under MAX_DUPLICATE_SHARE of its rows, as with
+  continuous features): the share of duplicated rows at most the sample's (twice it) plus DUPLICATE_SLACK. A
+  table with natural duplicates (few discrete values) gets no duplicate rule: its share of duplicated rows
+  grows with the file's size, so no bound drawn from the sample holds for a larger file;
 - row count: every file is validated by the same suite, so one range covers every split: from ROW_COUNT_LOW
   of the smallest split to ROW_COUNT_HIGH times the largest; a sample of one file (e.g. train.parquet alone)
-  stands for the largest split, and the smallest is taken as SMALLEST_SPLIT_SHARE of it.
+  stands for the largest split, its statistics are drawn for a smallest split of SMALLEST_SPLIT_SHARE of it,
+  and its row count's floor is MIN_ROWS rows or MIN_ROWS_SHARE of it, whichever is more (a 90/5/5 split's
+  validation file passes; a truncated or empty one does not).
 """
 
 from __future__ import annotations
@@ -47,6 +59,11 @@ MAX_LABEL_VALUES = 50
 ROW_COUNT_LOW, ROW_COUNT_HIGH = 0.5, 10
 SMALLEST_SPLIT_SHARE = 1 / 8   # a split the sample lacks: an 80/10/10 split's validation is 1/8 of train
 OUTLIER_MOSTLY = 0.99
+OUTLIER_COUNT = 2              # values a file may have outside the range however small it is (with mostly < 1)
+MODE_SHARE = 0.95              # a column this dominated by one value gets no lower bound on its spread
+MIN_CLASS_COUNT = 6            # expected count of the rarest class above which every class must be present
+MAX_DUPLICATE_SHARE = 0.01     # a sample with more duplicated rows than this gets no duplicate rule
+MIN_ROWS, MIN_ROWS_SHARE = 10, 0.01  # row-count floor of a one-file sample
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 BOOTSTRAP = 400                # resamples of the sample, seeded: the same sample draws the same suite
 BOOTSTRAP_ROWS = 2_000         # resamples larger than this are not drawn; their spread is scaled from it
@@ -107,10 +124,11 @@ def _resample_size(sample: int, validated: float) -> tuple[int, float]:
     return rows, math.sqrt(rows / effective)
 
 
-def distribution_bounds(values: np.ndarray, validated: float, rng: np.random.Generator
-                        ) -> tuple[list[list[float]], list[float]] | None:
+def distribution_bounds(values: np.ndarray, validated: float, rng: np.random.Generator,
+                        allowed_width: float = 0.0) -> tuple[list[list[float]], list[float]] | None:
     """([low, high] of each of QUANTILES, [low, high] of the standard deviation) a file of `validated` rows
-    from the distribution of `values` keeps (see the module's rules); None for a constant column."""
+    from the distribution of `values` keeps (see the module's rules); None for a constant column.
+    `allowed_width` is the width of the column's allowed range: the standard deviation may reach half of it."""
     if values.size < 2 or values.min() == values.max():
         return None
     rows, scale = _resample_size(values.size, validated)
@@ -132,8 +150,12 @@ def distribution_bounds(values: np.ndarray, validated: float, rng: np.random.Gen
         low_stdev = min(stdev * math.exp(-stretch), float(spreads.min()))
     else:
         low_stdev = 0.0  # resamples with a single value: a column this sparse may be constant in a small file
-    # upwards at least SPREAD_HIGH: one outlier of a heavy tail in a small file inflates it that much
-    high_stdev = max(stdev * max(math.exp(stretch), SPREAD_HIGH), float(spreads.max()))
+    _, counts = np.unique(values, return_counts=True)
+    if counts.max() >= MODE_SHARE * values.size:
+        low_stdev = 0.0  # dominated by one value: stuck at it and sparse look the same
+    # upwards at least SPREAD_HIGH: one outlier of a heavy tail in a small file inflates it that much; and at
+    # least half the allowed range, which values the range rule lets through can reach
+    high_stdev = max(stdev * max(math.exp(stretch), SPREAD_HIGH), float(spreads.max()), allowed_width / 2)
     return ranges, list(_round_out(low_stdev, high_stdev))
 
 
@@ -223,7 +245,9 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *
         if values is None:
             continue
         validated = smallest * values.size / len(table)  # a file's non-null values
-        bounds = distribution_bounds(values, validated, rng)
+        allowed = value_range(table[column], pd.api.types.is_integer_dtype(table[column].dtype))
+        width = float(allowed[1] - allowed[0]) if allowed is not None else 0.0
+        bounds = distribution_bounds(values, validated, rng, width)
         if bounds is not None:
             quantiles[column], stdevs[column] = bounds
     if quantiles:
@@ -235,14 +259,19 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *
         expectations.append(_expectation(
             "expect_columns_stdev_to_be_between",
             f"spread: the standard deviation of {_shown(list(stdevs))} within its spread between samples, at "
-            f"least /{SPREAD_FACTOR:g}..x{SPREAD_FACTOR:g} (not stuck at one value, units unchanged)",
+            f"least /{SPREAD_FACTOR:g}..x{SPREAD_FACTOR:g} and up to half the allowed range (not stuck at one "
+            f"value, units unchanged; no lower bound for a column {MODE_SHARE:.0%} one value)",
             column_ranges=stdevs))
-    expectations.extend(_label_expectations(table[label], label, task, smallest, rng))
-    expectations.append(_duplicate_expectation(frames, columns))
-    low_rows = max(1, math.floor(smallest * ROW_COUNT_LOW))
+    if len(frames) > 1:
+        low_rows = max(1, math.floor(smallest * ROW_COUNT_LOW))
+    else:  # a real small split (90/5/5) is 1/18 of train or less; a truncated or empty file is still refused
+        low_rows = max(1, min(MIN_ROWS, math.floor(rows[0] * ROW_COUNT_LOW)),
+                       math.floor(rows[0] * MIN_ROWS_SHARE))
     high_rows = math.ceil(max(rows) * ROW_COUNT_HIGH)
+    expectations.extend(_label_expectations(table[label], label, task, smallest, rng, low_rows))
+    expectations.extend(_duplicate_expectation(frames, columns))
     seen = f"the sample's files have {min(rows):,}..{max(rows):,}" if len(rows) > 1 else \
-        f"one file of {rows[0]:,} rows, the smallest split taken as {SMALLEST_SPLIT_SHARE:.1%} of it"
+        f"one file of {rows[0]:,} rows, the smallest split at least {low_rows:,} rows"
     expectations.append(_expectation("expect_table_row_count_to_be_between",
                                      f"row count: every split within {low_rows:,}..{high_rows:,} ({seen})",
                                      min_value=low_rows, max_value=high_rows))
@@ -288,37 +317,48 @@ def _range_expectations(table: pd.DataFrame, columns: list[str]) -> list[dict[st
         if bounds is not None:
             ranges.setdefault(bounds, []).append(column)
     return [_expectation("expect_columns_values_to_be_finite_between",
-                         f"range: {_shown(named)} finite and, for {OUTLIER_MOSTLY:.0%} of values, within "
-                         f"{low}..{high} (the sample's extremes widened by its range)", column_list=named,
+                         f"range: {_shown(named)} finite and, but for {1 - OUTLIER_MOSTLY:.0%} of values (at "
+                         f"least {OUTLIER_COUNT}), within {low}..{high} (the sample's extremes widened by its "
+                         f"range)", column_list=named,
                          min_value=low, max_value=high, mostly=OUTLIER_MOSTLY)
             for (low, high), named in ranges.items()]
 
 
 def _label_expectations(values: pd.Series, label: str, task: str, smallest: float,
-                        rng: np.random.Generator) -> list[dict[str, Any]]:
+                        rng: np.random.Generator, fewest_rows: int) -> list[dict[str, Any]]:
+    """The label's rules; `smallest` is the split its statistics are drawn for, `fewest_rows` the fewest rows
+    a file may have (the row-count rule's floor)."""
     if task == REGRESSION:
         bounds = value_range(values, pd.api.types.is_integer_dtype(values.dtype))
         if bounds is None:
             raise DataError(f"label column {label!r} has no finite values, or infinite ones; fix the sample")
         low, high = bounds
         return [_expectation("expect_columns_values_to_be_finite_between",
-                             f"label: {label} (a regression target) finite and, for {OUTLIER_MOSTLY:.0%} of "
-                             f"values, within {low}..{high}", column_list=[label], min_value=low, max_value=high,
+                             f"label: {label} (a regression target) finite and, but for "
+                             f"{1 - OUTLIER_MOSTLY:.0%} of values (at least {OUTLIER_COUNT}), within {low}..{high}",
+                             column_list=[label], min_value=low, max_value=high,
                              mostly=OUTLIER_MOSTLY)]
     counts = values.dropna().value_counts()
     value_set = sorted((_plain(v) for v in counts.index), key=lambda v: (str(type(v)), v))
     shown = ", ".join(map(str, value_set[:10])) + (", …" if len(value_set) > 10 else "")
+    shares = counts / counts.sum()
+    rarest = float(shares.min())
+    # every class present when even the smallest allowed file expects MIN_CLASS_COUNT of the rarest (its
+    # absence then has a probability under e^-6, 0.25%); else only that the label is not stuck at one class
+    fewest_labels = fewest_rows * counts.sum() / len(values)
+    every = rarest * fewest_labels >= MIN_CLASS_COUNT
+    min_classes = len(value_set) if every else min(2, len(value_set))
+    why = (f"the rarest expected {rarest * fewest_labels:.0f} times in a file of {fewest_rows:,} rows" if every
+           else f"a {task} label")
     found = [
         _expectation("expect_column_values_to_be_in_set",
                      f"labels: one of the sample's {len(value_set)} classes ({shown})", column=label,
                      value_set=value_set),
         _expectation("expect_column_unique_value_count_to_be_between",
-                     f"labels: at least {min(2, len(value_set))} distinct classes in every file (a {task} "
-                     f"label)", column=label, min_value=min(2, len(value_set)), max_value=len(value_set)),
+                     f"labels: at least {min_classes} distinct classes in every file ({why})", column=label,
+                     min_value=min_classes, max_value=len(value_set)),
     ]
-    shares = counts / counts.sum()
     rows = max(smallest * counts.sum() / len(values), 1.0)
-    rarest = float(shares.min())
     lower = rarest - SHARE_Z * math.sqrt(rarest * (1 - rarest) / rows) - DRIFT_ALLOWANCE * rarest
     if lower >= 0.005 and len(value_set) > 1:
         min_share = math.floor(lower * 1000) / 1000
@@ -329,12 +369,15 @@ def _label_expectations(values: pd.Series, label: str, task: str, smallest: floa
     return found
 
 
-def _duplicate_expectation(frames: list[tuple[str, pd.DataFrame]], columns: list[str]) -> dict[str, Any]:
+def _duplicate_expectation(frames: list[tuple[str, pd.DataFrame]], columns: list[str]) -> list[dict[str, Any]]:
+    """The duplicate-row rule, or none for a table with natural duplicates (see the module's rules)."""
     share = max((float(frame.duplicated(keep=False).mean()) if len(frame) else 0.0) for _, frame in frames)
+    if share >= MAX_DUPLICATE_SHARE:
+        return []
     allowed = min(1.0, 2 * share + DUPLICATE_SLACK)
-    return _expectation("expect_compound_columns_to_be_unique_by_hash",
+    return [_expectation("expect_compound_columns_to_be_unique_by_hash",
                         f"duplicates: at most {allowed:.0%} of rows repeat another (the sample has {share:.1%})",
-                        column_list=columns, mostly=round(1 - allowed, 4))
+                        column_list=columns, mostly=round(1 - allowed, 4))]
 
 
 def describe(suite: dict[str, Any]) -> list[str]:

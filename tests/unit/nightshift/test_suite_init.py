@@ -288,3 +288,119 @@ def test_row_count_bounds_scale_with_the_split(gx_validate: Any, tmp_path: Path,
         failures = gx_validate(part, train_only)
         assert not [f for f in failures if f["expectation"] == "expect_table_row_count_to_be_between"], file
     assert gx_validate(sample[0][1].iloc[:5], train_only)  # a truncated split is still refused
+
+
+# ---- review of issue 34 item 6: false refusals of fresh samples (findings A1-A5) -----------------------------
+
+def cut(table: pd.DataFrame) -> Splits:
+    """`table` cut 60/20/20 into train/validation/test."""
+    first, second = round(0.6 * len(table)), round(0.8 * len(table))
+    return [("train.parquet", table.iloc[:first]), ("validation.parquet", table.iloc[first:second]),
+            ("test.parquet", table.iloc[second:])]
+
+
+def test_a_near_empty_column_is_not_refused_for_holding_more_of_its_rare_values(
+        gx_validate: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A1: digits' pixel_6_0 has 4 nonzero values in 1,797 rows; a sample holding one of them bounded the
+    # standard deviation so that a fresh file holding the other three was refused (13 of 30 nights).
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    frame = sklearn_table("digits")
+    rare = frame.index[frame["pixel_6_0"] != 0]
+    rest = frame.index.difference(rare)[np.random.default_rng(0).permutation(len(frame) - len(rare))]
+    sample = frame.loc[list(rest[:880]) + list(rare[:1])].sample(frac=1.0, random_state=0)
+    suite = build_suite(cut(sample.reset_index(drop=True)), "target", "s", task="multiclass")
+    fresh = frame.loc[list(rest[880:1056]) + list(rare[1:])].reset_index(drop=True)
+    assert [f["column"] for f in gx_validate(fresh, suite)
+            if f["expectation"] == "expect_columns_stdev_to_be_between"] == []
+    (stdevs,) = by_type(suite, "expect_columns_stdev_to_be_between")
+    ranges = {tuple(k["column_list"]): (k["min_value"], k["max_value"])
+              for k in by_type(suite, "expect_columns_values_to_be_finite_between")}
+    allowed = {c: high - low for columns, (low, high) in ranges.items() for c in columns}
+    for column, (low, high) in stdevs["column_ranges"].items():
+        assert high >= allowed[column] / 2, column  # what the range rule allows never fails on its spread
+        if sample[column].value_counts(normalize=True).iloc[0] >= 0.95:
+            assert low == 0.0, column  # stuck at its common value cannot be told from sparse
+    # a column stuck at one value where it varies is still refused
+    stuck = fresh.assign(pixel_2_2=fresh["pixel_2_2"].median())
+    assert "pixel_2_2" in {f["column"] for f in gx_validate(stuck, suite)}
+
+
+def test_a_few_new_extremes_pass_a_small_file_unless_the_range_is_strict(gx_validate: Any, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A2: mostly=0.99 tolerated no value outside in a file under 100 rows (heavy tails refused on 5/40 nights).
+    from nightshift.data.suite_init import _expectation
+
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+
+    def refused(outside: int, mostly: float) -> bool:
+        values = np.linspace(1.0, 9.0, 60)
+        values[:outside] = 50.0
+        suite: dict[str, Any] = {"name": "s", "meta": {}, "notes": None, "expectations": [_expectation(
+            "expect_columns_values_to_be_finite_between", "range", column_list=["x"], min_value=0.0,
+            max_value=10.0, mostly=mostly)]}
+        return bool(gx_validate(pd.DataFrame({"x": values}), suite))
+
+    assert not refused(1, 0.99) and not refused(2, 0.99)
+    assert refused(3, 0.99)
+    assert refused(1, 1.0)  # mostly 1 (the repository's digits.json) stays strict
+    values = pd.DataFrame({"x": np.r_[np.linspace(1.0, 9.0, 59), np.inf]})
+    suite: dict[str, Any] = {"name": "s", "meta": {}, "notes": None, "expectations": [_expectation(
+        "expect_columns_values_to_be_finite_between", "range", column_list=["x"], min_value=0.0, max_value=10.0,
+        mostly=0.99)]}
+    assert gx_validate(values, suite)  # an infinity never passes
+
+
+def test_every_class_must_be_present_when_the_rarest_is_expected_often_enough(
+        gx_validate: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A3: digits drew no class-share floor and only "at least 2 classes": a split missing a digit passed.
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    sample, fresh = halves(sklearn_table("digits"), 0)
+    suite = build_suite(sample, "target", "s", task="multiclass")
+    (count,) = by_type(suite, "expect_column_unique_value_count_to_be_between")
+    assert count == {"column": "target", "min_value": 10, "max_value": 10}
+    validation = fresh[1][1]
+    assert not [f for f in gx_validate(validation, suite) if f["column"] == "target"]
+    failures = gx_validate(validation[validation["target"] != 7], suite)
+    assert ("expect_column_unique_value_count_to_be_between", "target") in {
+        (f["expectation"], f["column"]) for f in failures}
+    # wine's splits of ~18 rows expect its rarest class ~5 times: absent too often to require; at least 2
+    sample, _ = halves(sklearn_table("wine"), 0)
+    (count,) = by_type(build_suite(sample, "target", "s", task="multiclass"),
+                       "expect_column_unique_value_count_to_be_between")
+    assert count["min_value"] == 2
+
+
+def test_a_suite_from_train_alone_passes_a_90_5_5_validation_split(gx_validate: Any, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A4: the floor was 1/16 of the sample (101 rows of 1,617): the 90-row validation split was refused.
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    frame = sklearn_table("digits").sample(frac=1.0, random_state=0).reset_index(drop=True)
+    train, validation = frame.iloc[: int(0.9 * len(frame))], frame.iloc[int(0.9 * len(frame)): int(0.95 * len(frame))]
+    suite = build_suite([("train.parquet", train)], "target", "s", task="multiclass")
+    (count,) = by_type(suite, "expect_table_row_count_to_be_between")
+    assert count["min_value"] == 16 and count["min_value"] <= len(validation)  # max(10, 1% of 1,617)
+    assert not [f for f in gx_validate(validation, suite)
+                if f["expectation"] == "expect_table_row_count_to_be_between"]
+    for truncated in (validation.iloc[:5], validation.iloc[:0]):
+        assert ("expect_table_row_count_to_be_between", None) in {
+            (f["expectation"], f["column"]) for f in gx_validate(truncated, suite)}
+
+
+def test_a_table_with_natural_duplicates_gets_no_duplicate_rule(gx_validate: Any, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A5: the share of duplicated rows of a low-cardinality table grows with the file: a sample's 24% allowed
+    # 53%, and a file of 2,000 rows of the same distribution had 73%.
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    rng = np.random.default_rng(0)
+
+    def table(rows: int) -> pd.DataFrame:
+        return pd.DataFrame({**{f"b{i}": rng.integers(0, 2, rows) for i in range(7)},
+                             "k": rng.integers(0, 4, rows), "target": rng.integers(0, 3, rows)})
+
+    suite = build_suite([("train.parquet", table(400))], "target", "s", task="multiclass")
+    assert not by_type(suite, "expect_compound_columns_to_be_unique_by_hash")
+    assert gx_validate(table(2000), suite) == []
+    # continuous features keep it
+    suite = build_suite([("cancer.parquet", sklearn_table("breast_cancer"))], "target", "s", task="binary")
+    (duplicates,) = by_type(suite, "expect_compound_columns_to_be_unique_by_hash")
+    assert duplicates["mostly"] == 0.95
