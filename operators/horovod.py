@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -330,6 +331,8 @@ class HorovodKubernetesOperator(BaseOperator):
         volumes = [volume, *(v for v in plain_objects(self.cluster.volumes or ()) if v.get("name") != SHARED_VOLUME)]
         mounts = [mount, *(m for m in plain_objects(self.cluster.volume_mounts or ())
                            if m.get("name") != SHARED_VOLUME)]
+        if self.job.elastic_range() is not None:
+            self._check_elastic_paths(command, str(mount["mountPath"]))
         outside = paths_outside_mounts(command, [str(m["mountPath"]) for m in mounts])
         if outside:
             raise InvalidJobConfig(
@@ -341,6 +344,24 @@ class HorovodKubernetesOperator(BaseOperator):
                                queue_name=self.resolve_queue(), volumes=volumes, volume_mounts=mounts,
                                env={**env, **(self.job.env or {})})
         return build_mpijob(config, identity)
+
+    @staticmethod
+    def _check_elastic_paths(command: Sequence[str], shared: str) -> None:
+        """An elastic job's data, outputs and checkpoints on the shared claim, as absolute paths: rank 0 moves to
+        another host when its host is lost, and a relative path (each pod's working directory) or another volume
+        (a pod's own) would split the outputs and checkpoints across hosts."""
+        bad = []
+        for flag in ("--data", "--out", "--checkpoint-dir"):
+            for i, arg in enumerate(command):
+                value = arg.split("=", 1)[1] if arg.startswith(f"{flag}=") else (
+                    command[i + 1] if arg == flag and i + 1 < len(command) else None)
+                if value is not None and not PurePosixPath(value).is_relative_to(shared):
+                    bad.append(f"{flag} {value}")
+        if bad:
+            raise InvalidJobConfig(
+                f"an elastic job's data, outputs and checkpoints must be on the shared claim, as absolute paths "
+                f"under {shared}: {', '.join(bad)} would be each host's own (rank 0 moves to another host when "
+                f"its host is lost); put them under NIGHTSHIFT_HOME ({shared})")
 
     def dry_run(self) -> None:
         """Print the MPIJob this task would submit, as YAML, without a cluster or a task instance."""

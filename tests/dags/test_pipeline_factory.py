@@ -157,7 +157,7 @@ def test_a_second_declaration_gives_a_second_dag_sharing_nothing(tmp_path: Path,
     run_id = "scheduled__2026-06-01T02:00:00+00:00"
     workspaces = {steps.workspace_for(p.dag_id, run_id) for p in pipelines}
     checkpoints = {train.resolve_checkpoint_dir(TaskIdentity(dag_id=dag.dag_id, task_id="train", run_id=run_id,
-                                                             try_number=1), "local")
+                                                             try_number=1))
                    for dag, train in zip((digits, churn), trains, strict=True)}
     assert len(workspaces) == len(checkpoints) == 2
     assert len({ledger_path(p.dag_id) for p in pipelines}) == 2  # lineage rows, and the last-success check

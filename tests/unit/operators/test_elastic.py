@@ -82,6 +82,26 @@ def test_the_operator_builds_the_elastic_mpijob_and_ignores_num_workers(cluster_
     assert op.job.num_workers == 4 and op.job.elastic_range() == (2, 4)
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--out", "model"), ("--out", "/scratch/model"),
+                                             ("--checkpoint-dir", "ckpt"), ("--data", "data/digits")])
+def test_an_elastic_job_off_the_shared_claim_is_refused(cluster_env: None, flag: str, value: str) -> None:
+    """Issue 35 item 7: a relative path (each pod's working directory) or a pod's own volume split an elastic
+    job's outputs and checkpoints across hosts when rank 0's host was lost."""
+    command = ["python", "-m", "nightshift.train", "--data", "/nightshift/data", "--out", "/nightshift/model"]
+    command = [*command, flag, value] if flag == "--checkpoint-dir" else [
+        value if i > 0 and command[i - 1] == flag else arg for i, arg in enumerate(command)]
+    op = operator(command=command, elastic={"min_workers": 1, "max_workers": 2},
+                  volumes=[{"name": "scratch", "emptyDir": {}}], volume_mounts=[{"name": "scratch",
+                                                                                 "mountPath": "/scratch"}])
+    with pytest.raises(InvalidJobConfig, match=rf"must be on the shared claim, as absolute paths under /nightshift: "
+                                               rf"{flag} {value} would be each host's own"):
+        op.build_manifest(IDENTITY)
+    fixed = operator(command=command, volumes=[{"name": "scratch", "emptyDir": {}}],
+                     volume_mounts=[{"name": "scratch", "mountPath": "/scratch"}])
+    if value.startswith("/"):
+        fixed.build_manifest(IDENTITY)  # a fixed-size job's pods keep their own outputs: no refusal
+
+
 def test_the_builder_takes_the_elastic_range_from_the_job_config() -> None:
     from operators.horovod_config import ClusterConfig, ExecutionConfig, mpijob_config
 
