@@ -15,8 +15,9 @@ from tests.dags.conftest import REPO, run_json
 HEAVY = ("torch", "horovod", "great_expectations", "dvc", "dvc_data", "mlflow", "sklearn", "pandas",
          "nightshift", "kubernetes")
 # What of nightshift a DAG file may import at parse time: the pipeline declaration reader (PyYAML, jsonschema) and
-# what it needs (the retention policy a declaration carries: dataclasses only), and the registries the backend and deploy_target Params list (nightshift.plugins; nightshift.deploy's
-# package module, which imports no target). Anything else of nightshift (the ML library) is imported by the tasks.
+# what it needs (the retention policy a declaration carries: dataclasses only), and the registries the backend and
+# deploy_target Params list (nightshift.plugins; nightshift.deploy's package module, which imports no target).
+# Anything else of nightshift (the ML library) is imported by the tasks.
 PARSE_TIME_NIGHTSHIFT = {"nightshift", "nightshift.errors", "nightshift.settings", "nightshift.tasks",
                          "nightshift.pipelines", "nightshift.pipelines.check", "nightshift.pipelines.load",
                          "nightshift.pipelines.spec", "nightshift.plugins", "nightshift.deploy",
