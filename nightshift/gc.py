@@ -191,10 +191,12 @@ def _local_path(uri: str) -> Path | None:
     return None
 
 
-def _rmtree(path: Path, root: Path) -> None:
-    """Remove the directory `path`, which must lie under `root` as written, with no link on the way from `root`
-    (inclusive) to it: a link planted there (or `root` itself a link) would lead the removal elsewhere."""
-    links = [p for p in (path, *path.parents) if p.is_relative_to(root) and p.is_symlink()]
+def _rmtree(path: Path, root: Path, base: Path | None = None) -> None:
+    """Remove the directory `path`, which must lie under `root` as written, with no link on the way from `base`
+    (the configured folder, `root` by default: it may itself be a link, onto another disk) to it: a link planted
+    there (`<checkpoints>/<dag>` made a link) would lead the removal elsewhere."""
+    base = root if base is None else base
+    links = [p for p in (path, *path.parents) if p.is_relative_to(base) and p != base and p.is_symlink()]
     if path == root or not path.is_relative_to(root) or links:
         raise GcFailed(f"refusing to remove {path}: it is not a folder under {root}"
                        f"{f' ({links[0]} is a link)' if links else ''}")
@@ -242,9 +244,9 @@ def _remove(decision: Decision, pipeline: Pipeline) -> str | None:
     item = decision.item
     dag = safe_name(pipeline.dag_id)
     if item.kind == WORKSPACE:
-        _rmtree(Path(item.ident), settings.workspaces_dir() / dag)
+        _rmtree(Path(item.ident), settings.workspaces_dir() / dag, settings.workspaces_dir())
     elif item.kind == CHECKPOINTS:
-        _rmtree(Path(item.ident), settings.checkpoints_dir() / dag)
+        _rmtree(Path(item.ident), settings.checkpoints_dir() / dag, settings.checkpoints_dir())
     elif item.kind == MLFLOW_RUN:
         return _remove_mlflow_run(item.ident)
     else:

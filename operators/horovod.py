@@ -475,7 +475,7 @@ class HorovodKubernetesOperator(BaseOperator):
 
         ti = context["ti"]
         try:
-            value = ti.xcom_pull(task_ids=ti.task_id, key=DEFERRED_XCOM)
+            value = ti.xcom_pull(task_ids=ti.task_id, key=DEFERRED_XCOM, map_indexes=ti.map_index)
         except Exception as err:  # the job's name is then derived from the run, as before
             self.log.warning("Could not read back the deferred job's result (XCom %s): %s", DEFERRED_XCOM, err)
             return None

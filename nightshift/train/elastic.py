@@ -116,22 +116,25 @@ def set_collective_timeout(seconds: int, join_seconds: int) -> None:
     os.environ.setdefault("HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS", str(join_seconds))
 
 
-JOIN_ATTEMPTS = 3
+JOIN_ATTEMPTS = 3  # a process joining for the first time
+RESET_JOIN_ATTEMPTS = 10  # a rank already training: failed rounds in a row before it gives up
 
 
 def join(hvd: Any, attempts: int | None = JOIN_ATTEMPTS) -> None:
     """`hvd.init()`, again after a failed rendezvous: at most `attempts` times in all (None: until it joins).
 
     A rendezvous fails when a process of the round does not come within the join timeout (a host that joins late
-    or never) or a peer it found has gone; the rank then takes its address back from the store (the patch), so a
-    late joiner does not wait on it. Trying again asks the elastic driver for this rank's place in the next round
-    (Horovod's reset protocol: every rank of the round reports ready, or its process exits, and the driver drops
-    the hosts whose process failed): the ranks left go on without a joiner that never came, and a late joiner,
-    failing its own first rendezvous, joins the next round. A joiner late by L costs the ranks a pause of about
-    L plus a join timeout, one that never comes about a join timeout. The ranks already training try without
-    limit (a failed round is never theirs to end the job over: the driver decides); a process joining for the
-    first time gives up after `attempts`, and its host is blacklisted. A process that is alive but never reaches
-    `hvd.init()` holds the round until it does or dies: Horovod waits for every process of a round."""
+    or never) or a peer it found has gone. Trying again asks the elastic driver for this rank's place in the next
+    round (Horovod's reset protocol: every rank of the round reports ready, or its process exits, and the driver
+    drops the hosts whose process failed): the ranks left go on without a joiner that never came, and a late
+    joiner, failing its own first rendezvous, joins the next round. A joiner that never comes costs the ranks a
+    pause of about a join timeout. A joiner late by L costs L plus its own failed rendezvous: at most a join
+    timeout where it finds nobody, up to five (Gloo's wait for a peer to connect) where it finds the addresses the
+    ranks that gave up left in the round's store. The ranks already training try up to RESET_JOIN_ATTEMPTS rounds
+    in a row (a run of late joiners must not end the job from its healthy hosts, nor a round that can never form
+    hold it for hours); a process joining for the first time gives up after JOIN_ATTEMPTS, and its host is
+    blacklisted. A process that is alive but never reaches `hvd.init()` holds the round until it does or dies:
+    Horovod waits for every process of a round."""
     attempt = 0
     while True:
         attempt += 1
@@ -312,7 +315,7 @@ class ElasticTrainer(Trainer):
 
     def _reset(self) -> None:
         self.hvd.shutdown()
-        join(self.hvd, attempts=None)
+        join(self.hvd, attempts=RESET_JOIN_ATTEMPTS)
 
     def summary_extra(self) -> dict[str, Any]:
         return {"elastic": {"resets": self.resets, "world_sizes": self.sizes, "commit_every": self.config.commit_every}}

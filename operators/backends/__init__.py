@@ -151,6 +151,7 @@ def create_backend(name: str, run: BackendRun) -> TrainingBackend:
     except TypeError as err:  # a constructor of another shape
         raise UnknownBackend(f"training backend {name!r} ({where}) cannot be made: {err}; a backend takes the "
                              f"BackendRun (operators.backends.base) as its one argument") from err
+    backend.name = name  # the registered name, whatever a constructor set
     return backend
 
 

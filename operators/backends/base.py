@@ -113,7 +113,12 @@ class BackendRun:
         the task instance's XCom for a deferral that times out or fails (Airflow then drops the kwargs); the
         deferral times out when the task's execution_timeout would have."""
         carried = {**result, "backend": self.backend}
-        context["ti"].xcom_push(key=DEFERRED_XCOM, value=carried)
+        try:  # the job is submitted: failing here would leave it to nothing; without the XCom, a deferral that
+            # times out falls back to the job name the run's identity gives
+            context["ti"].xcom_push(key=DEFERRED_XCOM, value=carried)
+        except Exception as err:
+            self.log.warning("Could not keep the deferred job's result in XCom %s (%s): a deferral that times "
+                             "out then deletes the job its run's identity names", DEFERRED_XCOM, err)
         self._operator.defer(trigger=trigger, method_name="execute_complete", kwargs={"result": carried},
                              timeout=self._operator.deferral_timeout(context))
 

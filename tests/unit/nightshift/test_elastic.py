@@ -190,11 +190,16 @@ def test_a_failed_rendezvous_is_tried_again_a_bounded_number_of_times(monkeypatc
     assert hvd.calls == ["init", "shutdown"] * (JOIN_ATTEMPTS - 1) + ["init"]
     assert f"attempt {JOIN_ATTEMPTS - 1} of {JOIN_ATTEMPTS}" in caplog.text
 
-    # The ranks already training (their reset) try until they join: a run of failed rounds (a new host each, every
-    # one late) must not end the job from the healthy hosts (review finding: their exit blacklisted them).
-    hvd = _Horovod(failures=5 * JOIN_ATTEMPTS)
-    join(hvd, attempts=None)
-    assert hvd.calls.count("init") == 5 * JOIN_ATTEMPTS + 1
+    # The ranks already training (their reset) try RESET_JOIN_ATTEMPTS rounds: a run of failed rounds (a new host
+    # each, every one late) must not end the job from the healthy hosts (review finding: after 3 their exit
+    # blacklisted them), nor a round that can never form hold the job for hours (second review).
+    from nightshift.train.elastic import RESET_JOIN_ATTEMPTS
+
+    hvd = _Horovod(failures=RESET_JOIN_ATTEMPTS - 1)
+    join(hvd, attempts=RESET_JOIN_ATTEMPTS)
+    assert hvd.calls.count("init") == RESET_JOIN_ATTEMPTS
+    with pytest.raises(JoinFailed):
+        join(_Horovod(failures=RESET_JOIN_ATTEMPTS), attempts=RESET_JOIN_ATTEMPTS)
 
     monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS", "15")
     hvd = _Horovod(failures=JOIN_ATTEMPTS)

@@ -22,8 +22,15 @@ def test_a_link_on_the_way_from_the_root_is_never_followed(tmp_path: Path) -> No
     checkpoints.mkdir(parents=True)
     (checkpoints / "nightly").symlink_to(tmp_path / "outside")
     with pytest.raises(gc.GcFailed, match=r"not a folder under .*nightly \(.*nightly is a link\)"):
-        gc._rmtree(checkpoints / "nightly" / "precious", checkpoints / "nightly")
+        gc._rmtree(checkpoints / "nightly" / "precious", checkpoints / "nightly", checkpoints)
     assert outside.is_dir()
+    # The configured folder itself may be a link (onto another disk): what lies under it is removed (second review:
+    # a symlinked MLflow artifact root made every removal refused, failing every night's collection).
+    disk = tmp_path / "disk" / "artifacts"
+    (disk / "1" / "run" / "artifacts").mkdir(parents=True)
+    (tmp_path / "artifacts").symlink_to(disk)
+    gc._rmtree(tmp_path / "artifacts" / "1" / "run", tmp_path / "artifacts")
+    assert not (disk / "1" / "run").exists() and disk.is_dir()
     real = tmp_path / "home" / "workspaces" / "nightly"
     (real / "run-1" / "data").mkdir(parents=True)
     (real / "run-1" / "data" / "link").symlink_to(outside)  # a link inside: removed as a link, its target stays

@@ -48,7 +48,7 @@ def make_context(
     return {"ti": ti, "run_id": run_id}
 
 
-XCOMS: dict[tuple[str, str, str, str], Any] = {}  # (dag_id, run_id, task_id, key): what a task pushed, as the
+XCOMS: dict[tuple[str, str, str, int, str], Any] = {}  # (dag_id, run_id, task_id, key): what a task pushed, as the
 # metadata DB keeps it across a deferral (a test's contexts of one try share it)
 
 
@@ -56,10 +56,15 @@ class FakeTI(SimpleNamespace):
     """A task instance's identity and its XCom (push and pull by task and key), as the Task SDK's."""
 
     def xcom_push(self, key: str, value: Any) -> None:
-        XCOMS[(self.dag_id, self.run_id, self.task_id, key)] = value
+        XCOMS[(self.dag_id, self.run_id, self.task_id, self.map_index, key)] = value
 
-    def xcom_pull(self, task_ids: str, key: str = "return_value") -> Any:
-        return XCOMS.get((self.dag_id, self.run_id, task_ids, key))
+    def xcom_pull(self, task_ids: str, key: str = "return_value", map_indexes: int | None = None) -> Any:
+        """As the Task SDK's: without map_indexes, every map index's value of that task (a list when mapped)."""
+        found = [v for (d, r, t, m, k), v in XCOMS.items() if (d, r, t, k) == (self.dag_id, self.run_id, task_ids,
+                                                                               key) and map_indexes in (None, m)]
+        if map_indexes is None and len({m for (_, _, t, m, _) in XCOMS if t == task_ids}) > 1:
+            return found
+        return found[0] if found else None
 
 
 @pytest.fixture(autouse=True)

@@ -379,3 +379,28 @@ def test_the_backend_params_describe_exactly_the_registered_choices(registered: 
     from operators.backends import BUILTIN_BACKENDS, BUILTIN_SUMMARIES
 
     assert set(BUILTIN_SUMMARIES) == set(BUILTIN_BACKENDS)  # every built-in is described
+
+
+def test_a_mapped_tries_deferred_result_is_its_own() -> None:
+    """Second review: without map_indexes, a mapped task (the model search's trials) pulled every instance's
+    deferred result, a list, and lost its own: its timed-out job was then looked for under the default name."""
+    from operators.backends.base import DEFERRED_XCOM
+
+    for index in (0, 1):
+        make_context(map_index=index)["ti"].xcom_push(key=DEFERRED_XCOM, value={"name": f"job-{index}"})
+    op = horovod_operator(task_id="train", command=["true"], backend="local")
+    assert op._deferred_result(make_context(map_index=1)) == {"name": "job-1"}
+
+
+class RenamesItself(ShellBackend):
+    def __init__(self, run: Any) -> None:
+        super().__init__(run)
+        self.name = "something-else"
+
+
+def test_the_registered_name_wins_over_a_constructors(registered: Any, home: Path) -> None:
+    from operators.backends import create_backend
+
+    registered("mine", RenamesItself)
+    op = shell_operator(backend="mine")
+    assert create_backend("mine", op.backend_run("mine")).name == "mine"
