@@ -604,6 +604,8 @@ class LocalRun:
         whether its sshd listens yet, nor its link: Horovod finds those out by itself, and blacklists the host."""
         if worker.restart_at is not None:
             return True
+        if worker.name in self.gone:  # its death was handled (a podman run client may outlive its container)
+            return False
         return worker.proc is not None and worker.proc.poll() is None
 
     def accepts_connections(self, worker: RunningPod) -> bool:

@@ -87,12 +87,13 @@ def test_first_run_shows_one_line_per_task_and_keeps_the_full_log(demo: dict[str
     run = demo["first_run"]
     tasks = progress(run.progress)
     assert set(tasks) == {"validate_data", "stage_dataset", "check_changes", "skip_training", "train", "evaluate",
-                          "register", "approve", "deploy", "report"}, run.progress
-    for name in ("validate_data", "stage_dataset", "train", "evaluate", "register", "deploy", "report"):
+                          "register", "approve", "deploy", "report", "collect_garbage"}, run.progress
+    for name in ("validate_data", "stage_dataset", "train", "evaluate", "register", "deploy", "report",
+                 "collect_garbage"):
         state, seconds = tasks[name]
         assert state == "success" and seconds is not None and 0 <= seconds < 900, (name, tasks[name])
     assert tasks["skip_training"][0] == "skipped" and tasks["approve"][0] == "skipped"
-    assert run.progress[-1].split()[0] == "report"  # in the order the tasks ended
+    assert run.progress[-1].split()[0] == "collect_garbage"  # in the order the tasks ended: retention last
     assert tasks["train"][1] > tasks["check_changes"][1]  # seconds are each task's own
     log = run.log.read_text()
     assert "[DAG TEST] end task task_id=report" in log and len(log.splitlines()) > 100
