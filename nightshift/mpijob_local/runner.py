@@ -638,22 +638,30 @@ class LocalRun:
         return (f"restartPolicy {self.job.worker_restart_policy}: the kubelet restarts its container in place in "
                 f"{delay:.0f}s (restart {worker.restarts + 1}); its pod stays Running, listed in discover_hosts.sh")
 
-    def restart_in_place(self, worker: RunningPod) -> None:
+    def start_again(self, worker: RunningPod, back_by: str) -> str | None:
+        """Start a dead worker's pod again in its host (a --chaos restore, or the kubelet's in-place restart):
+        its dead container removed first; what could not be removed, else None once it is started."""
         left = self.remove_dead_container(worker) if worker.container else None
         if left:
-            worker.restart_at = time.monotonic() + RESTART_BACKOFF_S
-            self.say(f"worker {worker.name} not restarted: {left}; trying again in {RESTART_BACKOFF_S:.0f}s")
-            return
+            return left
         if worker.pump is not None:
             worker.pump.join(timeout=5)
         spec = next(w for w in self.job.workers if w.name == worker.name)
         worker.tail.clear()
         self.start_pod(worker, spec=spec)
-        worker.restarts += 1
-        worker.restart_at = None
         worker.restored_at = time.monotonic()
-        worker.back_by = "restart"
+        worker.restart_at = None
+        worker.back_by = back_by
         self.gone.discard(worker.name)
+        return None
+
+    def restart_in_place(self, worker: RunningPod) -> None:
+        left = self.start_again(worker, "restart")
+        if left:
+            worker.restart_at = time.monotonic() + RESTART_BACKOFF_S
+            self.say(f"worker {worker.name} not restarted: {left}; trying again in {RESTART_BACKOFF_S:.0f}s")
+            return
+        worker.restarts += 1
         self.say(f"worker {worker.name}: the kubelet restarted its container in place (restart {worker.restarts})")
 
     def refresh_discover_hosts(self, workers: Sequence[RunningPod], event: str | None = None) -> None:
@@ -692,19 +700,10 @@ class LocalRun:
             if worker.restart_at is None and worker.proc is not None and worker.proc.poll() is None:
                 self.say(f"{what}: not restored: it runs (the kubelet restarted it in place)")
                 return
-            left = self.remove_dead_container(worker) if worker.container else None
+            left = self.start_again(worker, "restore")
             if left:
                 self.say(f"{what}: not restored: {left}")
                 return
-            if worker.pump is not None:
-                worker.pump.join(timeout=5)
-            spec = next(w for w in self.job.workers if w.name == worker.name)
-            worker.tail.clear()
-            self.start_pod(worker, spec=spec)
-            worker.restored_at = time.monotonic()
-            worker.restart_at = None
-            worker.back_by = "restore"
-            self.gone.discard(worker.name)
             new = f" as a new container {podman.container_name(self.owner, worker.name)}" if worker.container else ""
             said = (f"{what}: restored {worker.name}{new} in its host {worker.namespace} ({worker.ip}), listed "
                     f"again as its pod runs")
