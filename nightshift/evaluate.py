@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from nightshift import tracking
+from nightshift import decision_page, tracking
 from nightshift.datasets import read_split_frame
 from nightshift.errors import EvaluationError, UsageError
 from nightshift.tasks import (
@@ -285,7 +285,9 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
             raise EvaluationError(f"{path}: the target column {label_column!r} has no variance (every value is "
                                   f"{target[0]:g}): R² is undefined and every model scores alike; evaluate on a "
                                   f"split whose target varies")
-        return {**head, **regression_metrics(target, out[tracking.VALUE_COLUMN].to_numpy(np.float64))}
+        predicted = out[tracking.VALUE_COLUMN].to_numpy(np.float64)
+        return {**head, **regression_metrics(target, predicted),
+                "residuals": decision_page.residual_sample(target, predicted)}
     prob_columns = [c for c in out.columns if str(c).startswith("prob_")]
     if not prob_columns:
         raise EvaluationError(f"model {model_uri} answers no class probabilities (prob_*): is it a regression "
@@ -390,7 +392,8 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     "split", "challenger": metrics, "champion": metrics + "version" or None, "gate": config,
     "needs_approval", "confusion_matrix_artifact" (None for regression)}. The test metrics (prefixed
     `<split>_`), the share of rows beyond the training range (`<split>_rows_outside_train_range`), the
-    confusion-matrix PNG (classification) and `evaluation.json` go to the training run.
+    confusion-matrix PNG (classification), `evaluation.json` and the decision page (nightshift.decision_page:
+    `decision_page` says where) go to the training run.
 
     A champion is compared only with a challenger that can stand in for it: the same task and label column, its
     feature columns in tonight's data, every class it knew still known to the challenger; both are then scored on
@@ -428,8 +431,10 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
             "the decision goes to a person: approve or reject the new model in the approval step" if needs_approval
             else "the challenger is rejected on its own; nothing to approve"]
     decision["needs_approval"] = needs_approval
-    return _log_evaluation(decision, run_id=run_id, model_name=model_name, split=split, task=task,
-                           challenger=challenger, champion=champion, gate=gate)
+    result = _log_evaluation(decision, run_id=run_id, model_name=model_name, split=split, task=task,
+                             challenger=challenger, champion=champion, gate=gate)
+    result["decision_page"] = decision_page.publish(result, data_dir=data_dir, label_column=label_column)
+    return result
 
 
 def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger: dict[str, Any],

@@ -109,6 +109,7 @@ def test_a_champion_trained_for_another_label_task_or_features_is_no_champion(
     for name in ("log_metrics", "set_tags", "log_artifact"):
         monkeypatch.setattr(mlflow, name, lambda *a, **k: None)
     monkeypatch.setattr(mlflow, "start_run", lambda **k: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(ev.decision_page, "publish", lambda *a, **k: None)  # it reads the run: test_decision_page*
     result = ev.evaluate("new", data_dir="/d", model_name="churn", label_column="spend",
                          gate={"task": "regression", "floor": 3.0, "primary": "rmse"})
     assert scored == ["runs:/new/model"] and result["champion"] is None
