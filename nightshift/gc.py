@@ -291,7 +291,10 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float,
     from nightshift.data import collect as data
 
     try:
-        decisions = plan(data.inventory(now), _data_facts(leaving), policy)
+        items = data.inventory(now)
+        if not items:
+            return []
+        decisions = plan(items, _data_facts(leaving), policy)
         if not any(d.remove for d in decisions):
             return decisions
         with data.store() as opened:

@@ -115,17 +115,33 @@ def in_use(skip: frozenset[str] = frozenset()) -> dict[str, str]:
     return staged
 
 
+def _run_dataset(client: Any, run_id: str | None) -> str | None:
+    """The dataset version the training run `run_id` was tagged with (the DAG's train task tags it), if any."""
+    from nightshift.registry import _is_missing
+
+    if not run_id:
+        return None
+    try:
+        return client.get_run(run_id).data.tags.get(DATASET_TAG)
+    except Exception as err:
+        if _is_missing(err):
+            return None  # the run was purged: what it trained on cannot be told from it
+        raise
+
+
 def registered_data() -> dict[str, list[str]]:
-    """Dataset version -> the registered model versions (of every model) whose lineage tag names it."""
+    """Dataset version -> the registered model versions (of every model) whose lineage tag names it, or, for a
+    version registered without one (`nightshift register` by hand), whose training run's tag does."""
     from nightshift import tracking
 
     named: dict[str, list[str]] = {}
     token: str | None = None
+    client = tracking.client()
     try:
         while True:
-            page = tracking.client().search_model_versions(max_results=1000, page_token=token)
+            page = client.search_model_versions(max_results=1000, page_token=token)
             for version in page:
-                data = (version.tags or {}).get(DATASET_TAG)
+                data = (version.tags or {}).get(DATASET_TAG) or _run_dataset(client, version.run_id)
                 if data:
                     named.setdefault(str(data), []).append(f"{version.name} v{version.version}")
             token = page.token

@@ -163,3 +163,16 @@ def test_a_workspace_whose_dataset_record_is_unreadable_stops_the_collection(sto
     (settings.workspaces_dir() / DAG / "current" / "dataset.json").write_text("{torn")
     with pytest.raises(gc.GcFailed, match=r"current: its dataset record cannot be read"):
         gc.collect(store["pipeline"], dry_run=True)
+
+
+def test_a_version_registered_without_its_lineage_tag_keeps_the_data_its_training_run_was_tagged_with(
+        store: dict[str, Any], trained: Path, tmp_path: Path) -> None:  # noqa: F811
+    """`nightshift register` by hand tags no dataset version; the DAG's train task tagged the training run with
+    it: the version's data is kept all the same."""
+    old = store["versions"]["old"]
+    run = log_run(trained, tmp_path, "by-hand", 40)
+    tracking.client().set_tag(run, "nightshift.dataset_version", old)
+    registry.register(run, model_name="by-hand-model")
+    kept = data_entries(gc.collect(store["pipeline"]), "keep")
+    assert kept[old] == "named by registered by-hand-model v1: a rollback or a retrain of it needs its data"
+    assert (project_dir() / "versions" / f"{old}.json").is_file()
