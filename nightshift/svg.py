@@ -140,9 +140,10 @@ def plot(series: Sequence[Series], *, title: str, x_label: str = "", y_label: st
             path = "".join(f"{'M' if n == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for n, (x, y, _) in enumerate(shown))
             dash = " stroke-dasharray='5,3'" if s.dashed else ""
             parts.append(f"<path d='{path}' fill='none' stroke='{s.color}' stroke-width='1.8'{dash}/>")
+        size = 3.5 if len(shown) <= 40 else 2.2  # a long curve's points would hide its line
         for x, y, i in shown:
             tip = s.tips[i] if s.tips is not None else f"{s.name}: {_tick_text(x)}, {_tick_text(y)}"
-            parts.append(marker(s.marker, px(x), py(y), s.color, tip, size=3.5))
+            parts.append(marker(s.marker, px(x), py(y), s.color, tip, size=size))
     parts.append(f"<text x='{left + inner_w / 2:.1f}' y='{height - 4}' text-anchor='middle'>{text(x_label)}</text>")
     parts.append(f"<text x='12' y='{top + inner_h / 2:.1f}' text-anchor='middle' "
                  f"transform='rotate(-90 12 {top + inner_h / 2:.1f})'>{text(y_label)}</text>")
@@ -183,7 +184,7 @@ def hbars(rows: Sequence[tuple[str, Sequence[float | None]]], names: Sequence[st
             parts.append(f"<g><title>{text(label)} {text(names[k])}: {shown}</title><rect x='{x:.1f}' "
                          f"y='{top_k:.1f}' width='{max(length, 0.5):.1f}' height='{bar_h - 1}' fill='{color}'/></g>"
                          f"<text x='{width - value_w + 4}' y='{top_k + 9:.1f}'>{shown}</text>")
-    body = "".join(parts) + (legend([(n, c, "square") for n, c in zip(names, colors, strict=True)], label_w, 30)
+    body = "".join(parts) + (legend([(n, c, "square") for n, c in zip(names, colors, strict=True)], 4, 30)
                              if len(names) > 1 else "")
     return _frame(width, height, title, body)
 
@@ -194,7 +195,7 @@ def heatmap(matrix: Sequence[Sequence[float]], labels: Sequence[str], *, title: 
     changes, coloured by what they mean: more on the diagonal or fewer off it green, the reverse red."""
     n = len(labels)
     left, top = 70, 52
-    width, height = left + n * cell + 10, top + n * cell + 10
+    width, height = max(left + n * cell + 10, 8 + 7 * len(title)), top + n * cell + 10
     peak = max((abs(v) for row in matrix for v in row), default=0) or 1
     parts = [f"<text x='{left + n * cell / 2:.1f}' y='{top - 22}' text-anchor='middle'>predicted</text>",
              f"<text x='12' y='{top + n * cell / 2:.1f}' text-anchor='middle' "
