@@ -61,8 +61,8 @@ test-fast: setup
 		--dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # The trainer (CPU), serving and Airflow images, built with podman from images/*/Dockerfile on local
-# equivalents of the official base images (scripts/images.py; images/README.md, "Build and try the images on
-# one machine"). Layers are cached: a second run with nothing changed takes well under a minute.
+# equivalents of the official base images (scripts/images.py; docs/how-to/images.md).
+# Layers are cached: a second run with nothing changed takes well under a minute.
 # IMAGES_ARGS="--only trainer,serving" builds a subset.
 IMAGES_ARGS ?=
 images: system-packages
