@@ -37,8 +37,9 @@ GENERATED = ("reference/cli.md", "reference/pipeline.md", "reference/operator.md
 
 
 def text(value: str) -> str:
-    """`value` as Markdown inline text: HTML and emphasis characters escaped outside `code spans`."""
-    parts = value.split("`")
+    """`value` as Markdown inline text: HTML and emphasis characters escaped outside `code spans` (reST's
+    ``double`` backticks become single ones)."""
+    parts = re.sub(r"``(.+?)``", r"`\1`", value).split("`")
     for i in range(0, len(parts), 2):
         parts[i] = html.escape(parts[i], quote=False).replace("*", r"\*").replace("_", r"\_")
     return "`".join(parts) if len(parts) % 2 else value.replace("`", "'")
@@ -246,10 +247,13 @@ def operator_page() -> str:
     for group, kind in CONFIG_TYPES.items():
         summary, params = _param_texts(kind.__doc__ or "")
         lines += [f"## `{group}`: `{kind.__name__}`", "", text(summary), ""]
+        group_of: str | None = None  # a `:param x: ... and the others` covers the fields after it
         for f in dataclasses.fields(kind):  # type: ignore[arg-type]
             description = params.get(f.name)
-            if description is None:
-                owner = next((name for name, body in params.items() if f"`{f.name}`" in body), None)
+            if description is not None:
+                group_of = f.name if description.startswith("...") else None
+            else:
+                owner = next((name for name, body in params.items() if f"`{f.name}`" in body), group_of)
                 description = f"see `{owner}`" if owner else "see the notes above"
             templated = "templated" if f.metadata.get("templated") else "not templated"
             kind_text = str(f.type)
