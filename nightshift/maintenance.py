@@ -120,7 +120,8 @@ def clean_metadata(days: float, *, floor_days: float = 0.0, dry_run: bool = Fals
 def prune_logs(folder: str | Path, days: float, *, now: float | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Remove the files under `folder` last written over `days` ago, and the folders that leaves empty; links are
     neither followed nor removed. Returns {"folder", "removed", "removed_bytes", "kept", "links"}."""
-    root = Path(folder)
+    # The configured folder may itself be a link (onto another disk): walk its target. Below it, no link is followed.
+    root = Path(os.path.realpath(folder))
     if not root.is_dir():
         return {"folder": str(root), "removed": [], "removed_bytes": 0, "kept": 0, "links": 0}
     cutoff = (time.time() if now is None else now) - float(days) * DAY

@@ -52,6 +52,13 @@ def test_old_task_logs_go_new_ones_stay_and_no_link_is_followed_or_removed(tmp_p
     assert logs.is_dir()
 
 
+def test_a_configured_log_folder_that_is_a_link_is_pruned_in_its_target(tmp_path: Path) -> None:
+    """base_log_folder on another disk, reached through a link: fwalk alone yields nothing for a link."""
+    old = write(tmp_path / "disk" / "logs" / "dag_id=a" / "old.log", 40)
+    (tmp_path / "logs").symlink_to(tmp_path / "disk" / "logs", target_is_directory=True)
+    assert maintenance.prune_logs(tmp_path / "logs", 30)["removed"] == [str(old)] and not old.exists()
+
+
 def test_a_new_empty_folder_stays_a_task_may_be_about_to_write_into_it(tmp_path: Path) -> None:
     (tmp_path / "logs" / "dag_id=a" / "run_id=now").mkdir(parents=True)
     assert maintenance.prune_logs(tmp_path / "logs", 30)["removed"] == []
