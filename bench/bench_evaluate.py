@@ -13,7 +13,8 @@ outside the train split's range) over the nights, and the nights on which the se
 evaluation used before the fix (any value beyond the train range widened by RANGE_MARGIN ranges: refused) would
 have refused the split for the challenger or the champion: what failed before.
 
-Run: `python -m bench evaluate` (NIGHTSHIFT_BENCH_EVALUATE_NIGHTS, default 1000).
+Run: `python -m bench evaluate` (NIGHTSHIFT_BENCH_EVALUATE_NIGHTS, default 1000; ..._FIRST_NIGHT, default 0: the
+models are trained the same way every run, so runs of consecutive nights add up).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> None:
     from tests.tabular_data import crown, train, write_splits
 
     nights = int(os.environ.get("NIGHTSHIFT_BENCH_EVALUATE_NIGHTS", "1000"))
+    first = int(os.environ.get("NIGHTSHIFT_BENCH_EVALUATE_FIRST_NIGHT", "0"))
     data = write_splits(heavy_tailed(600, seed=0), home / "data")
     tracking.configure()
     champion = train(data, home / "champion", task="binary", label=LABEL, seed=0)
@@ -62,7 +64,7 @@ def main() -> None:
     completed, errors, guarded = 0, Counter[str](), 0
     drift: list[float] = []
     seconds: list[float] = []
-    for night in range(nights):
+    for night in range(first, first + nights):
         test = heavy_tailed(TEST_ROWS, seed=10_000 + night)
         test.to_parquet(data / "test.parquet")
         guarded += any(beyond_guard(model, test) for model in models)
@@ -76,19 +78,20 @@ def main() -> None:
             seconds.append(time.perf_counter() - started)
         completed += 1
         drift.append(float((result["challenger"].get("drift") or {}).get("rows", 0.0)))
-        if (night + 1) % 100 == 0:
-            print(json.dumps({"nights": night + 1, "completed": completed, "errors": sum(errors.values())}),
+        if (night + 1 - first) % 100 == 0:
+            print(json.dumps({"nights": night + 1 - first, "completed": completed, "errors": sum(errors.values())}),
                   flush=True)
     shares = np.asarray(drift) if drift else np.zeros(1)
     print(json.dumps({
-        "nights": nights, "completed": completed, "errors": dict(errors.most_common(5)),
+        "nights": nights, "first_night": first, "completed": completed, "errors": dict(errors.most_common(5)),
         "nights_the_old_range_guard_refused": guarded,
         "seconds_per_night": round(float(np.mean(seconds)), 3),
         "drift_rows_outside_train_range": {
             "nights_with_any": round(float((shares > 0).mean()), 4), "mean": round(float(shares.mean()), 4),
             "median": round(float(np.median(shares)), 4), "p90": round(float(np.quantile(shares, 0.9)), 4),
             "p99": round(float(np.quantile(shares, 0.99)), 4), "max": round(float(shares.max()), 4)},
-    }, indent=1), flush=True)
+        "drift_per_night": [round(v, 4) for v in drift],
+    }), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ generated heavy-tailed table) and per night (seeded, so a rerun gives the same n
    seen, 1.125 and 2.125, which is not drift but a re-coding).
 
 Run: `python -m bench suite [TABLE...]` (NIGHTSHIFT_BENCH_SUITE_NIGHTS, default 100 nights;
-..._CORRUPT_NIGHTS, default 30; ..._BASELINE_NIGHTS for the baseline drawing, default 0).
+..._CORRUPT_NIGHTS, default 30; ..._FIRST_NIGHT, default 0, to add nights to an earlier run;
+..._BASELINE_NIGHTS for the baseline drawing, default 0).
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def columns_for(kind: str, sample: pd.DataFrame, features: list[str], whole: pd.
 
 def run_table(name: str, nights: int, corrupt_nights: int, baseline_nights: int,
               drawers: dict[str, Callable[..., dict[str, Any]]], validator: Validator,
-              folder: Path) -> dict[str, Any]:
+              folder: Path, first: int = 0) -> dict[str, Any]:
     frame = table(name)
     task = TABLES[name][1]
     features = [c for c in frame.columns if c != LABEL]
@@ -221,7 +222,7 @@ def run_table(name: str, nights: int, corrupt_nights: int, baseline_nights: int,
         reasons: dict[str, int] = {}
         started = time.perf_counter()
         runs, validating = validator.runs, validator.seconds
-        for night in range(count):
+        for night in range(first, first + count):
             rng = np.random.default_rng(night)
             order = rng.permutation(len(frame))
             half = len(frame) // 2
@@ -256,6 +257,7 @@ def run_table(name: str, nights: int, corrupt_nights: int, baseline_nights: int,
         false = int(np.sum(tally["fresh"]))
         results[drawer] = {
             "nights": count,
+            "first_night": first,
             "seconds": round(time.perf_counter() - started, 1),
             "seconds_per_validation": round((validator.seconds - validating) / max(validator.runs - runs, 1), 3),
             "false_refusals": false,
@@ -277,6 +279,7 @@ def main() -> None:
     nights = int(os.environ.get("NIGHTSHIFT_BENCH_SUITE_NIGHTS", "100"))
     corrupt_nights = int(os.environ.get("NIGHTSHIFT_BENCH_SUITE_CORRUPT_NIGHTS", "30"))
     baseline_nights = int(os.environ.get("NIGHTSHIFT_BENCH_SUITE_BASELINE_NIGHTS", "0"))
+    first = int(os.environ.get("NIGHTSHIFT_BENCH_SUITE_FIRST_NIGHT", "0"))
     drawers: dict[str, Callable[..., dict[str, Any]]] = {
         "new": lambda frames, task: build_suite(frames, LABEL, "new", task=task)}
     if baseline_nights:
@@ -285,8 +288,8 @@ def main() -> None:
     wanted = [a for a in sys.argv[1:] if a in TABLES] or list(TABLES)
     with tempfile.TemporaryDirectory() as tmp:
         validator = Validator(Path(tmp))
-        summary = {name: run_table(name, nights, corrupt_nights, baseline_nights, drawers, validator, Path(tmp))
-                   for name in wanted}
+        summary = {name: run_table(name, nights, corrupt_nights, baseline_nights, drawers, validator, Path(tmp),
+                                   first) for name in wanted}
     print(json.dumps(summary, indent=1))
 
 
