@@ -276,8 +276,8 @@ def _source_files() -> Iterator[Path]:
                               and p.suffix in {".py", ".sh", ".yaml", ".yml", ".conf", ""})
 
 
-def _python_reads(path: Path) -> Iterator[tuple[str, str]]:
-    """(variable, the function or module it is read in): string constants that are exactly a variable's name."""
+def _python_reads(path: Path) -> Iterator[tuple[str, str, int]]:
+    """(variable, the function or class it is read in, line): string constants that are exactly a variable's name."""
     try:
         tree = ast.parse(path.read_text())
     except (SyntaxError, UnicodeDecodeError):
@@ -289,25 +289,36 @@ def _python_reads(path: Path) -> Iterator[tuple[str, str]]:
                 scopes.setdefault(id(child), node.name)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and VARIABLE.fullmatch(node.value):
-            yield node.value, scopes.get(id(node), "")
+            yield node.value, scopes.get(id(node), ""), node.lineno
 
 
 _SHELL_USE = re.compile(r"(?<![A-Za-z0-9_])(?:\$\{|\$\(|\$|ENV |ARG |export |- name: )(NIGHTSHIFT_[A-Z0-9_]*[A-Z0-9])"
                         r"|^\s*(?:export )?(NIGHTSHIFT_[A-Z0-9_]*[A-Z0-9]) *[?:]?=", re.M)
 
 
-def _other_reads(path: Path) -> Iterator[str]:
-    """Variables a shell script, Makefile, Dockerfile or chart sets or expands."""
+def _other_reads(path: Path) -> Iterator[tuple[str, str, int]]:
+    """Variables a shell script, Makefile, Dockerfile or chart sets or expands, as `_python_reads` gives them."""
     try:
         content = path.read_text()
     except UnicodeDecodeError:
         return
     for match in _SHELL_USE.finditer(content):
-        yield match[1] or match[2]
+        yield match[1] or match[2], "", content.count("\n", 0, match.start()) + 1
+
+
+def _comment_above(lines: list[str], line: int) -> str:
+    """The `#` comment lines right above line `line` (1-based), joined."""
+    found: list[str] = []
+    i = line - 2
+    while i >= 0 and lines[i].strip().startswith("#"):
+        found.insert(0, lines[i].strip().lstrip("#").strip())
+        i -= 1
+    return " ".join(found)
 
 
 def variables() -> dict[str, dict[str, Any]]:
-    """Every NIGHTSHIFT_* variable the project reads: where, and (settings.py's) the docstring that says what."""
+    """Every NIGHTSHIFT_* variable the project reads: where; the line that reads it first (settings.py's first);
+    and what it is for: settings.py's docstring of the function reading it, else the comment above that line."""
     found: dict[str, dict[str, Any]] = {}
     settings_docs: dict[str, str] = {}
     tree = ast.parse(SETTINGS.read_text())
@@ -318,17 +329,21 @@ def variables() -> dict[str, dict[str, Any]]:
                 if isinstance(child, ast.Constant) and isinstance(child.value, str) \
                         and VARIABLE.fullmatch(child.value) and doc:
                     settings_docs.setdefault(child.value, doc.split("\n\n")[0])
-    for path in _source_files():
+    for path in sorted(_source_files(), key=lambda p: p != SETTINGS):
         where = str(path.relative_to(REPO))
-        reads = ([(name, scope) for name, scope in _python_reads(path)] if path.suffix == ".py"
-                 else [(name, "") for name in _other_reads(path)])
-        for name, scope in reads:
-            entry = found.setdefault(name, {"where": {}, "doc": settings_docs.get(name, "")})
+        lines = path.read_text(errors="replace").splitlines()
+        reads = _python_reads(path) if path.suffix == ".py" else _other_reads(path)
+        for name, scope, line in reads:
+            entry = found.setdefault(name, {"where": {}, "doc": settings_docs.get(name, ""), "code": ""})
             entry["where"].setdefault(where, set())
             if scope:
                 entry["where"][where].add(scope)
+            if not entry["code"] and 0 < line <= len(lines):
+                entry["code"] = lines[line - 1].strip()
+                entry["doc"] = entry["doc"] or _comment_above(lines, line)
     for name in VARIABLE.findall(SETTINGS.read_text()):  # settings.py's own, whatever form they take there
-        found.setdefault(name, {"where": {"nightshift/settings.py": set()}, "doc": settings_docs.get(name, "")})
+        found.setdefault(name, {"where": {"nightshift/settings.py": set()}, "doc": settings_docs.get(name, ""),
+                                "code": ""})
     return dict(sorted(found.items()))
 
 
@@ -351,6 +366,8 @@ def environment_page(docs: Path = DOCS) -> str:
         where = [f"`{path}`" + (f" ({', '.join(f'`{s}`' for s in sorted(scopes))})" if scopes else "")
                  for path, scopes in sorted(entry["where"].items())]
         lines += ["Read in " + ", ".join(where) + ".", ""]
+        if entry["code"] and len(entry["code"]) <= 200:
+            lines += [f"In the code: {code(entry['code'])}", ""]
         pages = _pages_mentioning(name, docs)
         if pages:
             lines += ["Described in " + ", ".join(f"[{page.removesuffix('.md')}](../{page})" for page in pages)
