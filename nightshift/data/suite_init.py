@@ -452,9 +452,13 @@ def describe(suite: dict[str, Any]) -> list[str]:
 
 
 def init_suite(data: str | Path, label: str, out: str | Path, *, force: bool = False,
-               name: str | None = None, task: str | None = None) -> dict[str, Any]:
+               name: str | None = None, task: str | None = None, nulls: bool = True,
+               loader: str = "the pipeline's") -> dict[str, Any]:
     """Draw a suite from the sample `data` (a Parquet file or a directory of them) and write it to `out`
-    atomically; UsageError when `out` exists and `force` is not set. Returns what was written."""
+    atomically; UsageError when `out` exists and `force` is not set. Returns what was written.
+
+    `nulls` False: the pipeline's `loader` takes no missing value, so a sample holding any is a DataError naming
+    its columns, never a suite that lets nulls through to a training that refuses them."""
     from nightshift.data.validate import parquet_files, read_table
 
     out = Path(out)
@@ -463,6 +467,15 @@ def init_suite(data: str | Path, label: str, out: str | Path, *, force: bool = F
     if not out.parent.is_dir():
         raise UsageError(f"the folder of {out} does not exist; create it first")
     frames = [(file.name, read_table(file)) for file in parquet_files(data)]
+    if not nulls:
+        counts = pd.concat([frame.isna().sum() for _, frame in frames], axis=1).sum(axis=1)
+        named = [f"{column} ({int(n)} rows)" for column, n in counts.items() if n]
+        if named:
+            raise DataError(f"the sample has missing values in {', '.join(named[:8])}"
+                            f"{', …' if len(named) > 8 else ''}, and the {loader} loader takes none: a suite drawn "
+                            f"from it would let nulls through that training then refuses. Fill or drop them (in "
+                            f"the sample and in the data the pipeline gets), or pass --loader with one that takes "
+                            f"missing values")
     suite = build_suite(frames, label, name or out.stem, task=task)
     try:
         atomic_write_json(out, suite, overwrite=force)

@@ -109,7 +109,9 @@ def test_init_refuses_to_overwrite_without_force(tmp_path: Path, capsys: pytest.
         init_suite(data, "label", out)
     assert out.read_text() == "keep me"
 
-    args = cli.argparse.Namespace(data=str(data), label="label", out=str(out), force=True, name="mine")
+    # the sample's `reading` has nulls: drawn for a loader that takes them (tabular, the default, refuses them)
+    args = cli.argparse.Namespace(data=str(data), label="label", out=str(out), force=True, name="mine",
+                                  loader="tests.unit.nightshift.test_pipeline_check:loader_taking_nulls")
     written = cli._init(args)
     suite = json.loads(out.read_text())
     assert suite["name"] == "mine" and written["out"] == str(out) and written["rows"] == 200
