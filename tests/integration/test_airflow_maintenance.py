@@ -5,6 +5,7 @@ older than the retention go, recent ones stay; a command that fails fails the ca
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from nightshift import maintenance
-from tests.integration.airflow_helpers import airflow_database, database_url
+from tests.integration.airflow_helpers import REPO, airflow_database, database_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,8 +45,6 @@ with create_session() as session:
 
 @pytest.fixture(scope="module")
 def metadata(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    import os
-
     home = tmp_path_factory.mktemp("airflow-home")
     with airflow_database("nightshift_maint") as db:
         url = database_url(db.name) if db.kind == "postgres" else f"sqlite:///{home / 'airflow.db'}"
@@ -89,3 +88,22 @@ def test_a_db_clean_that_fails_fails_loudly_with_what_airflow_said(tmp_path: Pat
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
     with pytest.raises(maintenance.AirflowCleanFailed, match=r"exited with status [1-9]"):
         maintenance.clean_metadata(30, url=f"sqlite:///{tmp_path / 'missing' / 'airflow.db'}", floor_days=0)
+
+
+def test_the_maintenance_dag_cleans_and_prunes_through_airflow(metadata: dict[str, Any], tmp_path: Path) -> None:
+    """`airflow dags test nightshift_maintenance`: the DAG file parses among the project's DAGs and both tasks run,
+    reading Airflow's own configuration (its base_log_folder, its DAG folder's declarations)."""
+    logs = tmp_path / "logs"
+    old = logs / "dag_id=nightly_retrain" / "run_id=old" / "task_id=train" / "attempt=1.log"
+    old.parent.mkdir(parents=True)
+    old.write_text("old\n")
+    then = (NOW - timedelta(days=40)).timestamp()
+    os.utime(old, (then, then))
+    env = dict(metadata["env"], AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
+               AIRFLOW__LOGGING__BASE_LOG_FOLDER=str(logs), NIGHTSHIFT_PIPELINES=str(REPO / "pipelines"))
+    done = subprocess.run([AIRFLOW, "dags", "test", "nightshift_maintenance"], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    assert "airflow db clean before" in said and "Removed 1 log file(s)" in said, said[-4000:]
+    assert not old.exists() and not old.parent.exists()
