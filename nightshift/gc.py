@@ -294,9 +294,12 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float,
         items = data.inventory(now)
         if not items:
             return []
-        decisions = plan(items, _data_facts(leaving), policy)
-        if not any(d.remove for d in decisions):
-            return decisions
+        try:
+            decisions = plan(items, _data_facts(leaving), policy)
+            if not any(d.remove for d in decisions):
+                return decisions
+        except data.DataCollectionFailed:
+            pass  # read without the lock: a staging may be writing a workspace's record; read it again under it
         with data.store() as opened:
             items = data.inventory(now)  # under the lock: no staging records or uses a version meanwhile
             decisions = plan(items, _data_facts(leaving), policy)
