@@ -243,7 +243,8 @@ def run_table(name: str, nights: int, corrupt_nights: int, baseline_nights: int,
             whole_sample = pd.concat([part for _, part in sample], ignore_index=True)
             for kind in kinds:
                 _, part = fresh[int(rng.integers(len(fresh)))]
-                candidates = columns_for(kind, whole_sample, features, frame)
+                # a column that varies in the split it corrupts (x1000 or a median of a constant changes nothing)
+                candidates = [c for c in columns_for(kind, whole_sample, features, frame) if part[c].nunique() > 1]
                 if not candidates:
                     continue
                 column = str(rng.choice(candidates))
