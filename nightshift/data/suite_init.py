@@ -468,7 +468,11 @@ def init_suite(data: str | Path, label: str, out: str | Path, *, force: bool = F
         raise UsageError(f"the folder of {out} does not exist; create it first")
     frames = [(file.name, read_table(file)) for file in parquet_files(data)]
     if not nulls:
-        counts = pd.concat([frame.isna().sum() for _, frame in frames], axis=1).sum(axis=1)
+        # Only what such a loader reads: the label and numbers (tabular refuses any other column as a feature, so
+        # a free-text column with gaps is left out of dataset.features, and its nulls harm no training).
+        counts = pd.concat([frame[[column for column, kind in frame.dtypes.items() if column == label or
+                                   pd.api.types.is_numeric_dtype(kind) or pd.api.types.is_bool_dtype(kind)]]
+                            .isna().sum() for _, frame in frames], axis=1).sum(axis=1)
         named = [f"{column} ({int(n)} rows)" for column, n in counts.items() if n]
         if named:
             raise DataError(f"the sample has missing values in {', '.join(named[:8])}"

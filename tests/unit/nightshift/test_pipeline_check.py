@@ -130,6 +130,23 @@ def test_suite_init_for_a_loader_refusing_nulls_never_draws_a_suite_letting_them
                for e in suite["expectations"])
 
 
+def test_suite_init_for_a_loader_refusing_nulls_takes_gaps_in_a_column_it_cannot_read(tmp_path: Path) -> None:
+    """A free-text column can be no feature of the tabular loader (it is left out of dataset.features): its nulls
+    refused the whole sample, and no suite could be drawn for a table holding such a column."""
+    from sklearn.datasets import load_breast_cancer
+
+    frame = load_breast_cancer(as_frame=True).frame.rename(columns=lambda c: c.replace(" ", "_"))
+    frame["notes"] = ["seen twice" if i % 7 else None for i in range(len(frame))]
+    data = tmp_path / "sample.parquet"
+    frame.to_parquet(data, index=False)
+    out = tmp_path / "suite.json"
+    assert main(["suite", "init", str(data), "--label", "target", "--out", str(out)]) == 0
+    frame.loc[::20, "mean_radius"] = None
+    frame.to_parquet(data, index=False)
+    with pytest.raises(DataError, match=r"missing values in mean_radius \(29 rows\), and the tabular loader"):
+        main(["suite", "init", str(data), "--label", "target", "--out", str(out), "--force"])
+
+
 # ---- the positive class ----------------------------------------------------------------------------------------
 
 def test_a_declared_positive_class_must_be_one_of_the_labels(folder: Path, cancer: Path) -> None:
