@@ -173,7 +173,7 @@ def test_page_path_takes_only_ids(nightshift_home: Any) -> None:
 
 
 def test_ticks_are_round_numbers() -> None:
-    assert svg.ticks(0.0, 1.0) == [0.0, 0.25, 0.5, 0.75, 1.0]
-    assert svg.ticks(0.93, 0.97, 4) == pytest.approx([0.94, 0.96])
-    assert svg.ticks(-3.0, 7.0) == [-2.5, 0.0, 2.5, 5.0]
+    assert svg.ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert svg.ticks(0.9504, 0.9682, 4) == pytest.approx([0.955, 0.96, 0.965])  # a close season: 3 ticks, not 1
+    assert svg.ticks(-3.0, 7.0) == [-2.0, 0.0, 2.0, 4.0, 6.0]
     assert svg.ticks(5.0, 5.0) == [5.0]
