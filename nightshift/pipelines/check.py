@@ -187,8 +187,11 @@ def check_against_data(pipeline: Pipeline, *, home: str | Path | None = None,
     if pipeline.task == BINARY and pipeline.gate.positive_class is not None and label in columns:
         labels = label_values(train, label)
         if labels is not None and pipeline.gate.positive_class not in labels:
+            boolean = pipeline.gate.positive_class in ("True", "False")
             problem("gate.positive_class", f"{pipeline.gate.positive_class!r} is not a label of {train}: its labels "
-                                           f"are {_listing(labels)}; declare one of them as it is written there")
+                                           f"are {_listing(labels)}; declare one of them as it is written there"
+                                           + (" (YAML reads an unquoted yes, no, on, off, true or false as a "
+                                              "boolean: quote it, e.g. 'yes')" if boolean else ""))
     if pipeline.dataset.loader == TABULAR:
         for name in (c for c in features if c in columns):
             kind = arrow_schema.field(name).type

@@ -157,6 +157,21 @@ def test_a_declared_positive_class_must_be_one_of_the_labels(folder: Path, cance
         f"declare one of them as it is written there"]
 
 
+def test_a_positive_class_yaml_read_as_a_boolean_is_told_to_be_quoted(folder: Path, cancer: Path) -> None:
+    """`positive_class: yes` over no/yes labels: YAML reads yes as true, and the check said only that 'True' is not
+    a label, naming a value nobody wrote."""
+    frame = pd.read_parquet(cancer / "train.parquet")
+    frame["diagnosis"] = frame["diagnosis"].map({0: "no", 1: "yes"})
+    frame.to_parquet(cancer / "train.parquet", index=False)
+    path = folder / "cancer.yaml"
+    path.write_text(declare(folder).read_text().replace("primary: roc_auc", "primary: roc_auc\n  positive_class: yes"))
+    (line,) = check_against_data(load_pipeline(path))
+    assert line.startswith(f"{path}: gate.positive_class: 'True' is not a label of ") and line.endswith(
+        "(YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote it, e.g. 'yes')")
+    path.write_text(path.read_text().replace("positive_class: yes", "positive_class: 'yes'"))
+    assert check_against_data(load_pipeline(path)) == []
+
+
 def test_only_a_binary_task_has_a_positive_class(folder: Path) -> None:
     path = declare(folder, task="multiclass", gate={"primary": "accuracy", "positive_class": 1})
     assert problems_of(path) == (f"{path}: gate.positive_class: only a binary task has a positive class, this one "
