@@ -274,7 +274,12 @@ def run_table(name: str, nights: int, corrupt_nights: int, baseline_nights: int,
 
 
 def main() -> None:
-    os.environ.setdefault("NIGHTSHIFT_HOME", tempfile.mkdtemp(prefix="bench-suite-"))
+    with tempfile.TemporaryDirectory(prefix="bench-suite-") as home:
+        os.environ.setdefault("NIGHTSHIFT_HOME", home)
+        run(home)
+
+
+def run(home: str) -> None:
     from nightshift.data.suite_init import build_suite
 
     nights = int(os.environ.get("NIGHTSHIFT_BENCH_SUITE_NIGHTS", "100"))
@@ -287,10 +292,9 @@ def main() -> None:
         old = baseline_module()
         drawers["baseline"] = lambda frames, task: old.build_suite(frames, LABEL, "baseline")
     wanted = [a for a in sys.argv[1:] if a in TABLES] or list(TABLES)
-    with tempfile.TemporaryDirectory() as tmp:
-        validator = Validator(Path(tmp))
-        summary = {name: run_table(name, nights, corrupt_nights, baseline_nights, drawers, validator, Path(tmp),
-                                   first) for name in wanted}
+    validator = Validator(Path(home))
+    summary = {name: run_table(name, nights, corrupt_nights, baseline_nights, drawers, validator, Path(home), first)
+               for name in wanted}
     print(json.dumps(summary, indent=1))
 
 
