@@ -341,3 +341,14 @@ def test_explain_of_a_declared_gate_and_no_guards(folder: Path) -> None:
     assert result["require_approval"]["from"] == "default"
     with pytest.raises(PipelineInvalid):
         explain(declare(folder, gate={"primary": "rmse"}))
+
+
+def test_explain_of_an_invalid_declaration_names_every_problem(folder: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The first problem alone asked for a floor for rmse, when rmse is no metric of a binary task at all."""
+    path = declare(folder, gate={"primary": "rmse", "floor": None})
+    path.write_text(path.read_text().replace("  floor: null\n", ""))
+    assert main(["pipeline", "explain", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: gate.primary: metric 'rmse' does not fit a binary task" in err
+    assert len(err.splitlines()) == len(problems_of(path)) >= 2
