@@ -65,6 +65,20 @@ def test_an_unknown_loader_or_model_is_named_with_the_file_key_and_known_choices
     assert line.startswith(f"{path}: model.name: cannot import model 'no_such.module:Net'")
 
 
+def test_a_plugin_module_failing_at_import_is_a_problem_line_not_a_crash(
+        folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model module with a syntax error (or raising at import) crashed pipeline check with a traceback, and the
+    other declarations went unchecked."""
+    (tmp_path / "broken_net.py").write_text("def net(:\n")
+    (tmp_path / "raising_loader.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = declare(folder, model={"name": "broken_net:net"}, dataset={"loader": "raising_loader:load"})
+    loader, model = check_declaration(load_pipeline(path))
+    assert loader == (f"{path}: dataset.loader: cannot import 'raising_loader:load': RuntimeError: no GPU here; "
+                      f"fix the plugin module")
+    assert model.startswith(f"{path}: model.name: cannot import 'broken_net:net': SyntaxError: ")
+
+
 def test_model_arguments_its_constructor_does_not_take_are_named_with_those_it_takes(folder: Path) -> None:
     path = declare(folder, model={"name": "mlp", "kwargs": {"hidden": 16, "width": 3, "num_classes": 2}})
     assert check_declaration(load_pipeline(path)) == [
