@@ -304,7 +304,10 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float,
             items = data.inventory(now)  # under the lock: no staging records or uses a version meanwhile
             decisions = plan(items, _data_facts(leaving), policy)
             freed = data.objects_to_remove(opened, [d.item.ident for d in decisions if d.remove])
-            decisions = [dataclasses.replace(d, item=dataclasses.replace(d.item, size=opened.size(freed[d.item.ident])))
+            where = "" if opened.exclusive else ("; from the staging cache only: the DVC remote is kept (it may be "
+                                                 "shared; NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 collects it too)")
+            decisions = [dataclasses.replace(d, reason=d.reason + where,
+                                             item=dataclasses.replace(d.item, size=opened.size(freed[d.item.ident])))
                          if d.remove else d for d in decisions]
             if not dry_run:
                 for decision in (d for d in decisions if d.remove):
