@@ -593,9 +593,13 @@ def declared_elsewhere(pipeline: Pipeline, folders: Iterable[str | Path], *, sib
     mine = _unique_values(pipeline.dag_id, pipeline.model_name, pipeline.dataset.asset)
     problems: list[str] = []
     for other in files:
-        if other.resolve() in seen:
+        try:
+            resolved = other.resolve()
+        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13): no declaration
             continue
-        seen.add(other.resolve())
+        if resolved in seen:
+            continue
+        seen.add(resolved)
         theirs = _declared_keys(other, mine.values())
         if theirs is None:
             continue

@@ -299,6 +299,15 @@ def test_yaml_in_the_dag_folder_that_cannot_name_the_pipelines_values_is_not_par
     assert parsed == ["escaped.yaml"]
 
 
+def test_a_symlink_loop_in_the_dag_folder_breaks_no_dag(folder: Path, dags: Path) -> None:
+    """`a.yml -> b.yml -> a.yml` anywhere in the DAG folder raised RuntimeError (Symlink loop) out of every declared
+    DAG file's clash check: every such DAG failed to import, with a traceback naming no declaration."""
+    mine = load_pipeline(declare(folder, "cancer.yaml"))
+    (dags / "a.yml").symlink_to("b.yml")
+    (dags / "b.yml").symlink_to("a.yml")
+    check_unique(mine, declaration_folders(dags))
+
+
 def test_a_fifo_in_the_dag_folder_is_never_read(folder: Path, dags: Path) -> None:
     """Only regular files are read: a FIFO named *.yaml blocked the parse of every declared DAG file (and a link
     to /dev/zero read forever). Here a writer waits on the FIFO with a clashing declaration: reading it would
