@@ -11,7 +11,8 @@ Airflow, so the rows are cleaned by the `airflow` command of this environment, a
 - `prune_logs(folder, days)` removes the files under Airflow's `base_log_folder` last written over `days` ago,
   and the folders that leaves empty. It walks with directory descriptors and never follows a link: a link in
   the folder (to a file or folder anywhere) is neither followed nor removed. A file that cannot be removed is
-  LogPruneFailed naming it.
+  LogPruneFailed naming it. A folder that is not a local absolute path (`s3://...`, a relative path), or that holds
+  NIGHTSHIFT_HOME, AIRFLOW_HOME or the home folder (`/`, `~`), is LogPruneFailed before anything is removed.
 
 Airflow 3 gives a task process no metadata database (AIRFLOW__DATABASE__SQL_ALCHEMY_CONN is replaced by a
 placeholder), so the command gets the database explicitly: NIGHTSHIFT_AIRFLOW_METADATA_CONN when set (a team's
@@ -117,11 +118,31 @@ def clean_metadata(days: float, *, floor_days: float = 0.0, dry_run: bool = Fals
     return {"before": command[4], "days": days, "command": " ".join(command[1:]), "output": output[-4000:]}
 
 
+def _log_root(folder: str | Path) -> Path:
+    """The folder to prune: `folder` (Airflow's base_log_folder) resolved, when it is a local absolute path that
+    holds none of the state a rollback, a resume or the lineage page needs; LogPruneFailed otherwise."""
+    given = os.path.expanduser(str(folder))
+    if "://" in given or not os.path.isabs(given):
+        raise LogPruneFailed(f"[logging] base_log_folder {folder!r} is not a local absolute path (a remote logging "
+                             f"URL belongs in remote_base_log_folder, and a relative one depends on the folder a "
+                             f"task runs in): no task log was pruned; set it to the absolute folder the task logs "
+                             f"are written to")
+    # The configured folder may itself be a link (onto another disk): walk its target. Below it, no link is followed.
+    root = Path(os.path.realpath(given))
+    for name, kept in (("NIGHTSHIFT_HOME", settings.home()), ("AIRFLOW_HOME", settings.airflow_home()),
+                       ("the home folder", Path.home())):
+        if Path(os.path.realpath(kept)).is_relative_to(root):
+            raise LogPruneFailed(f"[logging] base_log_folder {folder} holds {name} ({kept}): pruning every file "
+                                 f"there unwritten for days would take its run ledgers, dataset versions and "
+                                 f"configuration too; no task log was pruned: give the task logs a folder of their "
+                                 f"own (Airflow's default is AIRFLOW_HOME/logs)")
+    return root
+
+
 def prune_logs(folder: str | Path, days: float, *, now: float | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Remove the files under `folder` last written over `days` ago, and the folders that leaves empty; links are
     neither followed nor removed. Returns {"folder", "removed", "removed_bytes", "kept", "links"}."""
-    # The configured folder may itself be a link (onto another disk): walk its target. Below it, no link is followed.
-    root = Path(os.path.realpath(folder))
+    root = _log_root(folder)
     if not root.is_dir():
         return {"folder": str(root), "removed": [], "removed_bytes": 0, "kept": 0, "links": 0}
     cutoff = (time.time() if now is None else now) - float(days) * DAY
