@@ -86,7 +86,8 @@ def test_db_clean_removes_rows_older_than_the_retention_and_keeps_recent_ones(
 def test_a_db_clean_that_fails_fails_loudly_with_what_airflow_said(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
-    with pytest.raises(maintenance.AirflowCleanFailed, match=r"exited with status [1-9]"):
+    # the runs a resume needs are read first: a database that cannot be opened fails there, naming it
+    with pytest.raises(maintenance.AirflowCleanFailed, match=r"exited with status [1-9]|metadata database failed"):
         maintenance.clean_metadata(30, url=f"sqlite:///{tmp_path / 'missing' / 'airflow.db'}", floor_days=0)
 
 
@@ -107,3 +108,53 @@ def test_the_maintenance_dag_cleans_and_prunes_through_airflow(metadata: dict[st
     assert done.returncode == 0, said[-4000:]
     assert "airflow db clean before" in said and "Removed 1 log file(s)" in said, said[-4000:]
     assert not old.exists() and not old.parent.exists()
+
+
+RUNS = """
+import json, sys, uuid
+from datetime import datetime, timedelta, UTC
+from sqlalchemy import create_engine, text
+engine = create_engine(sys.argv[1])
+now = datetime.fromisoformat(sys.argv[2])
+ago = lambda days: now - timedelta(days=days)
+with engine.begin() as db:
+    if sys.argv[3] == "write":
+        # run_id -> (state, started days ago, ended days ago); each run has one task instance started with it
+        runs = {"rv-running": ("running", 40, None), "rv-failed-lately": ("failed", 12, 1),
+                "rv-failed-long-ago": ("failed", 60, 59), "rv-recent": ("success", 1, 1)}
+        for run_id, (state, started, ended) in runs.items():
+            db.execute(text("INSERT INTO dag_run (dag_id, run_id, run_type, run_after, start_date, end_date, state, "
+                            "clear_number, span_status) VALUES ('rv_dag', :r, 'manual', :s, :s, :e, :st, 0, "
+                            "'not_started')"),
+                       {"r": run_id, "s": ago(started), "e": None if ended is None else ago(ended), "st": state})
+            db.execute(text("INSERT INTO task_instance (id, task_id, dag_id, run_id, map_index, try_number, "
+                            "max_tries, pool, pool_slots, state, start_date, span_status) VALUES (:i, 'train', "
+                            "'rv_dag', :r, -1, 1, 0, 'default_pool', 1, :st, :s, 'not_started')"),
+                       {"i": str(uuid.uuid4()), "r": run_id, "s": ago(started),
+                        "st": "deferred" if state == "running" else state})
+    else:
+        found = db.execute(text("SELECT dr.run_id FROM dag_run dr JOIN task_instance ti ON ti.dag_id = dr.dag_id "
+                                "AND ti.run_id = dr.run_id WHERE dr.dag_id = 'rv_dag'")).scalars()
+        print(json.dumps(sorted(found)))
+"""
+
+
+def test_db_clean_keeps_the_rows_of_a_run_still_running_or_still_resumable(
+        metadata: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36 review: Airflow's db clean takes a dag_run and a task_instance by their start_date alone, whatever
+    their state (airflow/utils/db_cleanup.py: no state filter; only the newest non-manual run of a DAG is kept).
+    A run still running (its task deferred) that started 40 days ago, and a failed run that started 12 days ago
+    and failed yesterday (resumable for 7 days from its last write, as gc keeps its workspace) lost their rows:
+    neither could be resumed, the running one vanished under the scheduler. They stay; the finished ones go (a
+    run started before the oldest held one stays too: the cut-off moves before it)."""
+    def runs(what: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", RUNS, metadata["url"], NOW.isoformat(), what],
+                              env=metadata["env"], capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1]) if what == "read" else []
+
+    runs("write")
+    monkeypatch.setenv("AIRFLOW_HOME", metadata["env"]["AIRFLOW_HOME"])
+    result = maintenance.clean_metadata(10, url=metadata["url"], floor_days=7, now=NOW)
+    assert runs("read") == ["rv-failed-lately", "rv-recent", "rv-running"]
+    assert result["before"] <= (NOW - timedelta(days=40)).isoformat(timespec="seconds")
+    assert result["held_by"] == ["rv_dag rv-failed-lately (failed)", "rv_dag rv-running (running)"]
