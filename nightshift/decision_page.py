@@ -38,6 +38,7 @@ RESIDUAL_POINTS = 400  # of the evaluated rows, evenly spaced: enough to see a r
 DRIFT_ROWS = 20_000  # per split and column, evenly spaced, for the distribution distance
 DRAWN_COLUMNS = 20  # the worst columns drawn as bars; the table below lists every column
 BINS = 20
+GONE = frozenset({"RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "PERMISSION_DENIED"})  # MLflow's error codes
 CHALLENGER, CHAMPION = "#ef6c00", "#1565c0"
 
 
@@ -110,6 +111,8 @@ def column_drift(data_dir: str | Path, split: str, label_column: str, result: di
     reference, current = (frame[worst].to_numpy(np.float64) for frame in (train, tonight))
     reference, current = reference[np.isfinite(reference)], current[np.isfinite(current)]
     low, high = float(min(reference.min(), current.min())), float(max(reference.max(), current.max()))
+    if not math.isfinite(high - low):  # values near ±1.8e308 (a sentinel): no bins span them; the table has it
+        return columns, None
     edges = np.linspace(low, high if high > low else low + 1.0, BINS + 1)
     return columns, {"column": worst, "edges": edges.tolist(),
                      "train": (np.histogram(reference, edges)[0] / len(reference)).tolist(),
@@ -143,9 +146,19 @@ def gather(result: dict[str, Any], *, data_dir: str | Path, label_column: str) -
     page["curves"]["challenger"] = training_curves(str(result["run_id"]))
     champion = result.get("champion")
     if champion is not None:
+        from mlflow.exceptions import MlflowException
+
         version = tracking.client().get_model_version(str(result["model_name"]), str(champion["version"]))
-        if version.run_id:
-            page["curves"]["champion"] = training_curves(str(version.run_id))
+        try:
+            if version.run_id:
+                page["curves"]["champion"] = training_curves(str(version.run_id))
+        except MlflowException as err:
+            # The champion's training run is gone (`mlflow gc`) or not ours to read, while its model still
+            # serves: every night would fail on it until a challenger won, and none can win if evaluate fails.
+            if err.error_code not in GONE:
+                raise
+            page["curves_note"] = (f"the champion's training run {version.run_id} cannot be read "
+                                   f"({err.error_code}): its curves are not drawn")
     return page
 
 
@@ -399,7 +412,8 @@ def _curves(page: dict[str, Any]) -> str:
                                          marker="triangle", dashed=True))
         if series:
             plots.append(svg.plot(series, title=title, x_label="epoch", y_label="value", width=520))
+    note = f"<p class='note'>{svg.text(page['curves_note'])}</p>" if page.get("curves_note") else ""
     if not plots:
-        return "<h2>Training</h2><p class='note'>The training runs logged no per-epoch metrics.</p>"
+        return f"<h2>Training</h2><p class='note'>The training runs logged no per-epoch metrics.</p>{note}"
     return ("<h2>Training</h2><p class='note'>Per-epoch metrics the trainer logged; the champion's run dashed.</p>"
-            + _figures(*plots))
+            + note + _figures(*plots))

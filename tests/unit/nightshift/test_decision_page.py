@@ -177,3 +177,19 @@ def test_ticks_are_round_numbers() -> None:
     assert svg.ticks(0.9504, 0.9682, 4) == pytest.approx([0.955, 0.96, 0.965])  # a close season: 3 ticks, not 1
     assert svg.ticks(-3.0, 7.0) == [-2.0, 0.0, 2.0, 4.0, 6.0]
     assert svg.ticks(5.0, 5.0) == [5.0]
+
+
+def test_a_feature_with_values_near_the_largest_float_never_fails_the_page(tmp_path: Any) -> None:
+    """A sentinel of ±1.8e308 in the most drifted column: no histogram spans it (np.histogram refused the bins and
+    evaluate failed, every night the data held it); the table still lists the column, and an axis that wide
+    draws (svg.ticks raised OverflowError)."""
+    import pandas as pd
+
+    top = float(np.finfo(np.float64).max)
+    pd.DataFrame({"x": [*np.ones(50), -top, top], "y": np.arange(52.0)}).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame({"x": [*np.full(50, 2.0), -top, top], "y": np.arange(52.0)}).to_parquet(tmp_path / "test.parquet")
+    columns, worst = decision_page.column_drift(tmp_path, "test", "y", {"challenger": {}, "champion": None})
+    assert [c["column"] for c in columns] == ["x"] and columns[0]["distance"] > 0.9 and worst is None
+    assert svg.ticks(-top, top) == [-top]
+    drawn = svg.plot([svg.Series("s", [(-top, 0.0), (top, 1.0)], "#000")], title="wide")
+    assert drawn.startswith("<svg") and drawn.endswith("</svg>")
