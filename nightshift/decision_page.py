@@ -80,7 +80,8 @@ def _spaced(values: np.ndarray) -> np.ndarray:
 
 def column_drift(data_dir: str | Path, split: str, label_column: str, result: dict[str, Any]
                  ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """(each numeric feature's drift, worst first; the worst column's two histograms, or None). A feature's
+    """(each numeric feature's drift, worst first; the worst column's two histograms, or None). The features:
+    the challenger's (`evaluate`'s drift names them), else every column but the label. A feature's
     drift: the KS distance between the training split and `split`, and the shares of rows outside the
     challenger's and the champion's training ranges (`evaluate`'s figures)."""
     import numpy as np
@@ -88,13 +89,15 @@ def column_drift(data_dir: str | Path, split: str, label_column: str, result: di
     from nightshift.datasets import read_split_frame
 
     train, tonight = read_split_frame(data_dir, "train"), read_split_frame(data_dir, split)
-    outside = ((result.get("challenger") or {}).get("drift") or {}).get("columns") or {}
+    drift = (result.get("challenger") or {}).get("drift") or {}
+    outside = drift.get("columns") or {}
+    features = set(drift["features"]) if drift.get("features") else None  # else: every column but the label
     theirs = ((result.get("champion") or {}).get("drift") or {}).get("columns") or {}
     has_champion = result.get("champion") is not None
     columns: list[dict[str, Any]] = []
     for column in tonight.columns:
-        if column == label_column or column not in train.columns:
-            continue
+        if column == label_column or column not in train.columns or (features and str(column) not in features):
+            continue  # an id, a timestamp the model never reads: its drift is no model's
         try:
             reference = _spaced(train[column].to_numpy(np.float64))
             current = _spaced(tonight[column].to_numpy(np.float64))
