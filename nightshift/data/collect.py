@@ -214,11 +214,13 @@ class Store:
         return total
 
     def remove(self, oids: set[str]) -> None:
-        """Remove the objects from the remote (when it is `exclusive`), then from the cache (`.dir` objects first: a
-        version is gone before its files); DataCollectionFailed naming the first that fails."""
+        """Remove the objects from the remote (when it is `exclusive`), then from the cache, a version's `.dir` after
+        its files: a removal that fails half-way leaves the listing, by which the next gc finishes it (the `.dir`
+        first left the files it listed in no listing, never collected); DataCollectionFailed naming the first
+        that fails."""
         from dvc_data.hashfile.db import get_index
 
-        ordered = sorted(oids, key=lambda oid: (not oid.endswith(DIR_SUFFIX), oid))
+        ordered = sorted(oids, key=lambda oid: (oid.endswith(DIR_SUFFIX), oid))
         remote = [(self.remote, f"the DVC remote {self.remote_name}")] if self.exclusive else []
         for odb, where in (*remote, (self.cache, "the DVC cache")):
             try:

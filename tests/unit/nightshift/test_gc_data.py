@@ -155,7 +155,7 @@ def test_a_failure_of_the_remote_fails_the_collection_loudly_and_keeps_the_versi
         raise PermissionError(13, "Permission denied", self.oid_to_path(oid))
 
     monkeypatch.setattr(ObjectDB, "delete", refuse)
-    with pytest.raises(gc.GcFailed, match=r"removing object \w+\.dir from the DVC remote .*Permission denied"):
+    with pytest.raises(gc.GcFailed, match=r"removing object \w+ from the DVC remote .*Permission denied"):
         gc.collect(store["pipeline"])
     assert (project_dir() / "versions" / f"{store['versions']['old']}.json").is_file(), "tried again next time"
 
@@ -212,3 +212,29 @@ def test_a_remote_shared_with_the_repositorys_own_dvc_data_keeps_it_after_a_gc(
     pulled = subprocess.run([*dvc, "pull"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
     assert (repo / "data" / "digits" / "train.parquet").is_file()
+
+
+def test_a_removal_that_fails_half_way_is_finished_by_the_next_gc_leaving_no_orphan(
+        store: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36 review: the `.dir` went first, so a failure on one of its files left the rest of the files in the
+    cache with no `.dir` listing them: the next gc found nothing to remove, dropped the version's record, and those
+    objects stayed for good. The `.dir` goes last: the next gc finds the listing and finishes."""
+    from dvc_objects.db import ObjectDB
+
+    versions, data = store["versions"], store["data"]
+    old_files = {md5(data["old"] / "train.parquet"), md5(data["old"] / "validation.parquet")}
+    delete = ObjectDB.delete
+    failed: list[str] = []
+
+    def fail_once_in_the_cache(self: Any, oid: str) -> None:
+        if oid in old_files and not failed and "dvc-remote" not in str(self.path):
+            failed.append(oid)
+            raise OSError(5, "Input/output error", self.oid_to_path(oid))
+        delete(self, oid)
+
+    monkeypatch.setattr(ObjectDB, "delete", fail_once_in_the_cache)
+    with pytest.raises(gc.GcFailed, match="Input/output error"):
+        gc.collect(store["pipeline"])
+    assert data_entries(gc.collect(store["pipeline"]), "remove").keys() == {versions["old"]}
+    assert not any(cache_object(oid).exists() or remote_object(oid).exists()
+                   for oid in old_files | {versions["old"] + ".dir"})
