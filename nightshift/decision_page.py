@@ -235,6 +235,9 @@ def metric_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                 rule += "; not checked without a champion"
         else:
             role, rule, verdict = "reported", f"not gated ({better} is better)", ""
+        broken = next((r for r in reasons if r.startswith("the challenger's ")), "") if name in challenger else ""
+        if broken and not svg.finite(ours):  # decide rejects a challenger with any metric not a finite number
+            verdict, said = "fail", broken
         rows.append({"metric": name, "role": role, "challenger": ours, "champion": theirs, "change": change,
                      "rule": rule, "verdict": verdict, "reason": said})
     return rows

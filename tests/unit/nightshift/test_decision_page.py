@@ -193,3 +193,15 @@ def test_a_feature_with_values_near_the_largest_float_never_fails_the_page(tmp_p
     assert svg.ticks(-top, top) == [-top]
     drawn = svg.plot([svg.Series("s", [(-top, 0.0), (top, 1.0)], "#000")], title="wide")
     assert drawn.startswith("<svg") and drawn.endswith("</svg>")
+
+
+def test_a_metric_that_is_not_a_number_fails_where_the_gate_failed_it() -> None:
+    """A diverged challenger: decide rejects it for its NaN log_loss before any other check; that row (a guard)
+    and no other says fail (the page showed no verdict at all, as if nothing had been checked)."""
+    challenger = {**CHALLENGER, "log_loss": float("nan")}
+    evaluated = result(challenger, CHAMPION, GateConfig(task="multiclass"))
+    assert not evaluated["passed"] and evaluated["reasons"][0].startswith("the challenger's log_loss nan")
+    rows = {r["metric"]: r for r in decision_page.metric_rows(evaluated)}
+    assert {name: r["verdict"] for name, r in rows.items()} == {"accuracy": "", "log_loss": "fail", "macro_f1": ""}
+    assert rows["log_loss"]["reason"] == evaluated["reasons"][0]
+    assert ">fail</td>" in row_of(decision_page.render(evaluated), "log_loss")
