@@ -6,7 +6,8 @@ pipeline's experiment, served-model folders) and what refers to it (the run ledg
 removing it reads the references again and removes only what a fresh plan still lets go, and an MLflow run only
 when no registered version of any model names it; anything that fails to be removed raises GcFailed naming it.
 Then the dataset versions (`nightshift.data.collect`): those the plan lets go once the workspaces are gone, planned
-again under the staging lock with the registry and the workspaces read afresh, leave the DVC cache and remote.
+again under the staging lock with the registry and the workspaces read afresh, leave the DVC cache (and the
+remote, when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is this machine's alone).
 """
 
 from __future__ import annotations
