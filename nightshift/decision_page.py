@@ -89,11 +89,11 @@ def column_drift(data_dir: str | Path, split: str, label_column: str, result: di
     from nightshift.datasets import read_split_frame
 
     train, tonight = read_split_frame(data_dir, "train"), read_split_frame(data_dir, split)
-    drift = (result.get("challenger") or {}).get("drift") or {}
-    outside = drift.get("columns") or {}
-    features = set(drift["features"]) if drift.get("features") else None  # else: every column but the label
-    theirs = ((result.get("champion") or {}).get("drift") or {}).get("columns") or {}
-    has_champion = result.get("champion") is not None
+    # A model that records no training range (drift None, a pyfunc of another kind): its shares are unknown, not 0.
+    drift, their_drift = ((result.get(who) or {}).get("drift") for who in ("challenger", "champion"))
+    outside = (drift or {}).get("columns") or {}
+    features = set(drift["features"]) if drift and drift.get("features") else None  # else: all but the label
+    theirs = (their_drift or {}).get("columns") or {}
     columns: list[dict[str, Any]] = []
     for column in tonight.columns:
         if column == label_column or column not in train.columns or (features and str(column) not in features):
@@ -105,8 +105,8 @@ def column_drift(data_dir: str | Path, split: str, label_column: str, result: di
             continue
         name = str(column)
         columns.append({"column": name, "distance": ks_distance(reference, current),
-                        "outside": float(outside.get(name, 0.0)),
-                        "outside_champion": float(theirs.get(name, 0.0)) if has_champion else None})
+                        "outside": float(outside.get(name, 0.0)) if drift is not None else None,
+                        "outside_champion": float(theirs.get(name, 0.0)) if their_drift is not None else None})
     columns.sort(key=lambda c: (-(c["distance"] if math.isfinite(c["distance"]) else -1), c["column"]))
     if not columns or not math.isfinite(columns[0]["distance"]):
         return columns, None

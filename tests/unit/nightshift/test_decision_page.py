@@ -205,3 +205,18 @@ def test_a_metric_that_is_not_a_number_fails_where_the_gate_failed_it() -> None:
     assert {name: r["verdict"] for name, r in rows.items()} == {"accuracy": "", "log_loss": "fail", "macro_f1": ""}
     assert rows["log_loss"]["reason"] == evaluated["reasons"][0]
     assert ">fail</td>" in row_of(decision_page.render(evaluated), "log_loss")
+
+
+def test_a_share_outside_a_range_no_model_recorded_is_unknown_not_zero(tmp_path: Any) -> None:
+    """A champion (or challenger) that records no training range (its drift None: a pyfunc of another kind): its
+    share of rows outside it is shown as unknown (—); it read 0.000, as if no row were outside."""
+    import pandas as pd
+
+    pd.DataFrame({"x": np.arange(20.0), "y": np.arange(20.0)}).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame({"x": np.arange(10.0, 30.0), "y": np.arange(20.0)}).to_parquet(tmp_path / "test.parquet")
+    challenger = {"drift": {"rows": 0.5, "columns": {"x": 0.5}, "features": ["x"]}}
+    columns, _ = decision_page.column_drift(tmp_path, "test", "y", {"challenger": challenger,
+                                                                     "champion": {"version": "1", "drift": None}})
+    assert [(c["column"], c["outside"], c["outside_champion"]) for c in columns] == [("x", 0.5, None)]
+    columns, _ = decision_page.column_drift(tmp_path, "test", "y", {"challenger": {"drift": None}, "champion": None})
+    assert [(c["column"], c["outside"], c["outside_champion"]) for c in columns] == [("x", None, None)]
