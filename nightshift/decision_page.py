@@ -16,6 +16,7 @@ readers of that DAG's runs and links from the `evaluate` task and the lineage pa
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import re
 import tempfile
@@ -30,6 +31,7 @@ from nightshift.tasks import REGRESSION, metric, metric_names
 if TYPE_CHECKING:  # numpy is imported where it is used: the Airflow plugin imports page_path from here
     import numpy as np
 
+logger = logging.getLogger(__name__)
 PAGE_NAME = "decision.html"
 ARTIFACT_DIR = "evaluation"
 CSP = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
@@ -146,6 +148,10 @@ def gather(result: dict[str, Any], *, data_dir: str | Path, label_column: str) -
         page["drift_columns"], page["worst"] = column_drift(data_dir, str(result["split"]), label_column, result)
     except DataError as err:  # a data folder without its training split (an evaluation by hand)
         page["drift_note"] = f"no distribution distance: {err}"
+    except (ValueError, TypeError, ArithmeticError) as err:  # a column this code cannot measure: a bug, as below
+        logger.exception("the drift of the decision page of MLflow run %s could not be computed", result["run_id"])
+        page["drift_note"] = (f"no distribution distance: it could not be computed ({type(err).__name__}: "
+                              f"{str(err)[:300]}), a Nightshift bug; please report it")
     page["curves"]["challenger"] = training_curves(str(result["run_id"]))
     champion = result.get("champion")
     if champion is not None:
@@ -168,7 +174,10 @@ def gather(result: dict[str, Any], *, data_dir: str | Path, label_column: str) -
 def publish(result: dict[str, Any], *, data_dir: str | Path, label_column: str) -> dict[str, Any]:
     """Draw the decision page of `evaluate`'s `result`, log it to the training run (`evaluation/decision.html`)
     and keep the copy the Airflow plugin serves. {"artifact": path in the run, "path": the copy or None (a run
-    no pipeline trained)}. EvaluationError when MLflow or the copy's folder fails."""
+    no pipeline trained)}. EvaluationError when MLflow or the copy's folder fails (external systems: loud, and
+    the task's retry tries again); what the page's own code cannot draw or measure, or a champion's training
+    run that is gone, the page says instead, and the night goes on (the champion would stay, and every night
+    fail alike)."""
     from nightshift import tracking
 
     run_id = str(result["run_id"])
@@ -260,8 +269,17 @@ def render(page: dict[str, Any]) -> str:
     model, run_id = str(page.get("model_name", "")), str(page.get("run_id", ""))
     title = f"Decision: {model} run {run_id[:12]}"
     sections = [_summary(page), _metrics_table(metric_rows(page))]
-    sections.append(_residuals(page) if gate.get("task") == REGRESSION else _classes(page))
-    sections += [_drift(page), _curves(page)]
+    try:
+        sections += [_residuals(page) if gate.get("task") == REGRESSION else _classes(page), _drift(page),
+                     _curves(page)]
+    except Exception as err:  # a figure this night's data draws wrong (a bug): see below
+        # The gate decided and evaluate logged it; a drawing must not fail the night (the champion stays, and
+        # with it the same drawing, so every night would fail). The page says what went wrong, and so does
+        # the log.
+        logger.exception("the figures of the decision page of MLflow run %s could not be drawn", page.get("run_id"))
+        sections.append(f"<h2>Figures</h2><p class='fail'>The figures could not be drawn "
+                        f"({svg.text(type(err).__name__)}: {svg.text(str(err)[:500])}): a Nightshift bug, "
+                        f"please report it. The decision above is the gate's.</p>")
     champion_text = f"champion v{champion['version']}" if champion else "no champion to compare with"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="Content-Security-Policy" content="{svg.text(CSP)}">

@@ -220,3 +220,27 @@ def test_a_share_outside_a_range_no_model_recorded_is_unknown_not_zero(tmp_path:
     assert [(c["column"], c["outside"], c["outside_champion"]) for c in columns] == [("x", 0.5, None)]
     columns, _ = decision_page.column_drift(tmp_path, "test", "y", {"challenger": {"drift": None}, "champion": None})
     assert [(c["column"], c["outside"], c["outside_champion"]) for c in columns] == [("x", None, None)]
+
+
+def test_a_figure_that_cannot_be_drawn_never_fails_the_night(monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+                                                              ) -> None:
+    """A drawing bug (a figure raising on a night's data; here stood in for): the page keeps the decision and
+    the metrics and says the figures failed; a drift this code cannot compute is a note. Before, publish raised,
+    evaluate failed, and with the champion unchanged the same data failed every night after."""
+    evaluated = result(CHALLENGER, CHAMPION, GateConfig(task="multiclass"))
+
+    def broken(*args: Any, **kwargs: Any) -> str:
+        raise ZeroDivisionError("a drawing bug")
+
+    monkeypatch.setattr(svg, "heatmap", broken)
+    page = decision_page.render(evaluated)
+    assert "Refused by the gate" in page and ">fail</td>" in row_of(page, "log_loss")
+    assert "The figures could not be drawn (ZeroDivisionError: a drawing bug)" in page
+
+    def unmeasurable(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("a column no test had")
+
+    monkeypatch.setattr(decision_page, "column_drift", unmeasurable)
+    monkeypatch.setattr(decision_page, "training_curves", lambda run_id: {})
+    gathered = decision_page.gather({**evaluated, "champion": None}, data_dir=tmp_path, label_column="y")
+    assert "it could not be computed (ValueError: a column no test had)" in gathered["drift_note"]
