@@ -59,10 +59,14 @@ def _value(scores: Any, name: str | None) -> float | None:
     return float(value) if svg.finite(value) else None
 
 
+def _oldest_first(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(records, key=lambda r: str(r.get("recorded_at") or ""))
+
+
 def nights(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per record, oldest first: when, decision, the champion's and the challenger's primary metric,
     dataset version, drift and a tooltip."""
-    ordered = sorted(records, key=lambda r: str(r.get("recorded_at") or ""))
+    ordered = _oldest_first(records)
     name = primary_metric(ordered)
     out = []
     for r in ordered:
@@ -98,7 +102,7 @@ def season_svg(records: Sequence[dict[str, Any]]) -> str:
     entries = nights(records)
     if not entries:
         return ""
-    name = primary_metric(records) or "metric"
+    name = primary_metric(_oldest_first(records)) or "metric"  # the lineage page passes the newest first
     inner = WIDTH - LEFT - RIGHT
     step = inner / len(entries)
 

@@ -88,3 +88,16 @@ def test_runs_of_one_day_are_told_apart_by_their_time() -> None:
     again = season.season_svg([*MONTH, night(5, "promoted v3 (promoted)", challenger=0.96, champion=0.95,
                                              recorded_at="2026-11-05T14:30:00+00:00")])
     assert ">11-05 02:03</text>" in again and ">11-05 14:30</text>" in again
+
+
+def test_the_chart_names_the_metric_it_draws_whatever_the_records_order() -> None:
+    """The gate's primary metric changed (accuracy, then macro_f1): the points are the newest primary's, and so
+    is the title and the axis, with the records newest first as the lineage page passes them (they named the
+    oldest's: macro_f1 values under an accuracy title)."""
+    newer = {**night(6, "promoted v3 (promoted)"),
+             "gate": {"passed": True, "primary": "macro_f1", "challenger": {"accuracy": 0.5, "macro_f1": 0.97},
+                      "champion": None}}
+    for records in ([*MONTH, newer], [newer, *reversed(MONTH)]):
+        drawn = season.season_svg(records)
+        assert "macro_f1 night by night" in drawn and ">test macro_f1</text>" in drawn, drawn[:300]
+        assert "challenger macro_f1 0.9700" in drawn
