@@ -197,9 +197,10 @@ class Store:
         return None
 
     def dir_objects(self) -> set[str]:
-        """Every `.dir` object in the cache and on the remote."""
+        """Every `.dir` object in the cache, and on the remote when it is collected too (`exclusive`): a remote that
+        is kept needs no protection, and listing a shared one would read all of it under the staging lock."""
         found: set[str] = set()
-        for odb in (self.cache, self.remote):
+        for odb in (self.cache, self.remote) if self.exclusive else (self.cache,):
             try:
                 found.update(oid for oid in odb.all() if oid.endswith(DIR_SUFFIX))
             except Exception as err:
@@ -265,10 +266,11 @@ def store() -> Iterator[Store]:
 
 def objects_to_remove(opened: Store, versions: list[str]) -> dict[str, set[str]]:
     """Version -> the objects removing it frees: its `.dir` and listed files, less what any `.dir` that stays
-    (in the cache or on the remote, this project's or not) lists."""
+    (in the cache, a recorded version's wherever it is, and on a remote that is collected, this project's or not)
+    lists."""
     going = {version + DIR_SUFFIX for version in versions}
     protected: set[str] = set()
-    for oid in sorted(opened.dir_objects() - going):
+    for oid in sorted((opened.dir_objects() | {v + DIR_SUFFIX for v in recorded_versions()}) - going):
         protected |= opened.listing(oid.removesuffix(DIR_SUFFIX)) or {oid}
     freed = {}
     for version in versions:

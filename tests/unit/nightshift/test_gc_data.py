@@ -238,3 +238,24 @@ def test_a_removal_that_fails_half_way_is_finished_by_the_next_gc_leaving_no_orp
     assert data_entries(gc.collect(store["pipeline"]), "remove").keys() == {versions["old"]}
     assert not any(cache_object(oid).exists() or remote_object(oid).exists()
                    for oid in old_files | {versions["old"] + ".dir"})
+
+
+def test_a_remote_that_does_not_answer_does_not_stop_collecting_the_cache_when_it_is_not_collected(
+        store: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36 review: with the remote kept (not declared exclusive), the collection still listed every object on
+    it under the staging lock (a shared team remote: all of them, each night, while stagings wait), and a remote
+    that did not answer failed the whole collection. Only the cache's listings protect cache objects then."""
+    from dvc_objects.db import ObjectDB
+
+    monkeypatch.delenv("NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE")
+    listed = ObjectDB.all
+
+    def unreachable(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(self.path).startswith(settings.dvc_remote()):
+            raise ConnectionError("the remote does not answer")
+        return listed(self, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectDB, "all", unreachable)
+    old = store["versions"]["old"]
+    assert old in data_entries(gc.collect(store["pipeline"]), "remove")
+    assert not cache_object(old + ".dir").exists() and remote_object(old + ".dir").is_file()
