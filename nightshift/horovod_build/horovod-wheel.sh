@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Builds (once) and prints the path of a Horovod 0.28.1 wheel patched for PyTorch >= 2.1 and for elastic
-# jobs whose hosts join late (images/trainer/horovod-0.28.1-elastic-join.patch).
+# jobs whose hosts join late (horovod-0.28.1-elastic-join.patch, beside this script).
 #
 # Horovod 0.28.1 asks CMake for C++14; PyTorch 2.x headers need C++17 (upstream horovod#3996,
 # fixed on master by #3998 after the last release). We patch the two CMakeLists.txt of the sdist
 # and build against the torch already installed in the given interpreter. The wheel is cached
 # outside the repository, so later set-ups (and CI on the same machine) reuse it.
 #
-# usage: scripts/horovod-wheel.sh PYTHON
+# It ships in the nightshift distribution (package data of nightshift.horovod_build): `nightshift doctor
+# --build-horovod` runs it from an installed wheel, `make` from this checkout (through scripts/horovod-wheel.sh).
+#
+# usage: horovod-wheel.sh PYTHON
 set -euo pipefail
 
 python=${1:?usage: horovod-wheel.sh PYTHON}
 cache=${NIGHTSHIFT_CACHE:-$HOME/.cache/nightshift}
 torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')
-# The elastic-join patch (images/trainer/horovod-0.28.1-elastic-join.patch) is part of the cache key: a
-# wheel built before it changed is not reused.
-patch_file="$(cd "$(dirname "$0")/.." && pwd)/images/trainer/horovod-0.28.1-elastic-join.patch"
+# The elastic-join patch is part of the cache key: a wheel built before it changed is not reused.
+patch_file="$(cd "$(dirname "$0")" && pwd)/horovod-0.28.1-elastic-join.patch"
 patch_id=$(sha256sum "$patch_file" | cut -c1-12)
 wheel_dir="$cache/wheels/horovod-0.28.1-torch$torch_version-$patch_id"
 
