@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 SYSTEM_PACKAGES := sshd:openssh-server redis-server:redis-server ip:iproute2 nft:nftables chromium:chromium \
 	chromedriver:chromium-driver podman:podman buildah:buildah runc:runc debootstrap:debootstrap patch:patch
 
-.PHONY: setup system-packages demo test test-fast airflow bench lint clean images constraints
+.PHONY: setup system-packages demo test test-fast airflow bench lint docs clean images constraints
 
 setup: system-packages $(STAMP)
 
@@ -62,8 +62,8 @@ test-fast: setup
 		--dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # The trainer (CPU), serving and Airflow images, built with podman from images/*/Dockerfile on local
-# equivalents of the official base images (scripts/images.py; images/README.md, "Build and try the images on
-# one machine"). Layers are cached: a second run with nothing changed takes well under a minute.
+# equivalents of the official base images (scripts/images.py; docs/how-to/images.md).
+# Layers are cached: a second run with nothing changed takes well under a minute.
 # IMAGES_ARGS="--only trainer,serving" builds a subset.
 IMAGES_ARGS ?=
 images: system-packages
@@ -86,6 +86,13 @@ constraints: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(MKDOCS) --quiet
+
+# The documentation site (mkdocs.yml, docs/), strictly: a broken link, a page missing from the nav or a reference
+# page the generator cannot build (scripts/gen_reference.py) fails it. Into site/; `make lint` builds it too.
+MKDOCS = NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+docs: setup
+	$(MKDOCS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache

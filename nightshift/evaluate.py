@@ -15,13 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from nightshift import tracking
+from nightshift import decision_page, tracking
 from nightshift.datasets import read_split_frame
 from nightshift.errors import EvaluationError, UsageError
 from nightshift.tasks import (
     BINARY,
     DEFAULT_GATES,
     DEFAULT_MIN_IMPROVEMENT,
+    DEFAULT_POSITIVE,
     MULTICLASS,
     REGRESSION,
     check_task,
@@ -41,7 +42,8 @@ class GateConfig:
     `primary` must improve by at least `min_improvement` over the champion; each guard metric may regress
     by at most its tolerance; with no champion the primary metric must reach `floor` (None: no floor).
     Which way a metric improves comes from nightshift.tasks. `primary`, `guards` and `floor` left out take
-    the task's defaults (DEFAULT_GATES); a metric the task does not have is refused.
+    the task's defaults (DEFAULT_GATES); a metric the task does not have is refused. `positive_class` (binary
+    only): the label value, as text, that F1, precision and recall are computed for; None: DEFAULT_POSITIVE.
     """
 
     primary: str = ""
@@ -49,9 +51,14 @@ class GateConfig:
     guards: dict[str, float] | None = None
     floor: float | None = None
     task: str = MULTICLASS
+    positive_class: str | None = None
 
     def __post_init__(self) -> None:
         check_task(self.task)
+        if self.positive_class is not None:
+            if self.task != BINARY:
+                raise UsageError(f"gate: only a binary task has a positive class, not a {self.task} task")
+            object.__setattr__(self, "positive_class", str(self.positive_class))
         primary, guards, floor = DEFAULT_GATES[self.task]
         if not self.primary:
             object.__setattr__(self, "primary", primary)
@@ -244,13 +251,16 @@ def incomparable(champion: Any, challenger: Any, *, task: str, label_column: str
 
 
 def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: str = MULTICLASS,
-          label_column: str = LABEL_COLUMN, model: Any = None, classes: list[str] | None = None) -> dict[str, Any]:
+          label_column: str = LABEL_COLUMN, model: Any = None, classes: list[str] | None = None,
+          positive_class: str | None = None) -> dict[str, Any]:
     """The metrics of `task` (nightshift.tasks) of one model on one split, through its pyfunc (`model`: the
     pyfunc already loaded from `model_uri`). Classification also gives per-class recall and the confusion
     matrix (rows: true class, columns: predicted), over `classes` (class values as text, in order) when given:
     the classes of both models compared, so that both are scored over the same set (a class this model lacks
     gets probability 0); else over the model's own. A true label the model does not know is an EvaluationError.
-    `drift` is the share of rows beyond the model's training range (`outside_training_range`)."""
+    Binary: F1, precision and recall are those of `positive_class` (as text; None: the second class, in order),
+    which must be one of the classes. `drift` is the share of rows beyond the model's training range
+    (`outside_training_range`)."""
     import pandas as pd
 
     check_task(task)
@@ -285,7 +295,9 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
             raise EvaluationError(f"{path}: the target column {label_column!r} has no variance (every value is "
                                   f"{target[0]:g}): R² is undefined and every model scores alike; evaluate on a "
                                   f"split whose target varies")
-        return {**head, **regression_metrics(target, out[tracking.VALUE_COLUMN].to_numpy(np.float64))}
+        predicted = out[tracking.VALUE_COLUMN].to_numpy(np.float64)
+        return {**head, **regression_metrics(target, predicted),
+                "residuals": decision_page.residual_sample(target, predicted)}
     prob_columns = [c for c in out.columns if str(c).startswith("prob_")]
     if not prob_columns:
         raise EvaluationError(f"model {model_uri} answers no class probabilities (prob_*): is it a regression "
@@ -302,19 +314,37 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
     if unseen:
         raise EvaluationError(f"{path}: label column {label_column!r} holds {unseen[:5]}, classes the model "
                               f"does not know ({', '.join(own)})")
+    positive = DEFAULT_POSITIVE
+    if task == BINARY and positive_class is not None:
+        if str(positive_class) not in index:
+            raise EvaluationError(f"the positive class {str(positive_class)!r} is none of the classes "
+                                  f"{', '.join(names)}; declare one of them (gate.positive_class)")
+        positive = index[str(positive_class)]
     labels = np.asarray([index[t] for t in truth], dtype=np.int64)
     proba = np.zeros((len(frame), len(names)), dtype=np.float64)
     for column, name in zip(prob_columns, own, strict=True):
         proba[:, index[name]] = out[column].to_numpy(np.float64)
-    metrics = classification_metrics(task, labels, proba)
+    metrics = classification_metrics(task, labels, proba, positive=positive)
     recall = metrics.pop("recall")
+    if task == BINARY:
+        metrics["positive_class"] = names[positive]
     return {**head, **metrics, "classes": names, "per_class_recall": dict(zip(names, recall, strict=True))}
 
 
-def classification_metrics(task: str, labels: np.ndarray, proba: np.ndarray) -> dict[str, Any]:
+def classification_metrics(task: str, labels: np.ndarray, proba: np.ndarray,
+                           positive: int = DEFAULT_POSITIVE) -> dict[str, Any]:
     """Class indices and probabilities → the task's metrics, `recall` per class and `confusion_matrix`.
-    Binary: the positive class is index 1 (the second of the sorted class values)."""
-    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, log_loss, recall_score, roc_auc_score
+    Binary: F1, `positive_precision` and `positive_recall` are the positive class's, index `positive` (default: the
+    second of the sorted class values); ROC AUC ranks its probability (the same either way round)."""
+    from sklearn.metrics import (
+        accuracy_score,
+        confusion_matrix,
+        f1_score,
+        log_loss,
+        precision_score,
+        recall_score,
+        roc_auc_score,
+    )
 
     classes = list(range(proba.shape[1]))
     proba = proba / proba.sum(axis=1, keepdims=True)
@@ -327,8 +357,12 @@ def classification_metrics(task: str, labels: np.ndarray, proba: np.ndarray) -> 
         if len(np.unique(labels)) < 2:
             raise EvaluationError("the split holds one class only: ROC AUC is undefined; evaluate on a split "
                                   "with both classes")
-        out["roc_auc"] = float(roc_auc_score(labels, proba[:, 1]))
-        out["f1"] = float(f1_score(labels, predicted, pos_label=1, average="binary", zero_division=0))
+        out["roc_auc"] = float(roc_auc_score(labels == positive, proba[:, positive]))
+        out["f1"] = float(f1_score(labels, predicted, pos_label=positive, average="binary", zero_division=0))
+        out["positive_precision"] = float(precision_score(labels, predicted, pos_label=positive, average="binary",
+                                                          zero_division=0))
+        out["positive_recall"] = float(recall_score(labels, predicted, pos_label=positive, average="binary",
+                                                    zero_division=0))
     else:
         out["macro_f1"] = float(f1_score(labels, predicted, labels=classes, average="macro", zero_division=0))
     out["recall"] = [float(r) for r in recall_score(labels, predicted, labels=classes, average=None,
@@ -390,7 +424,8 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     "split", "challenger": metrics, "champion": metrics + "version" or None, "gate": config,
     "needs_approval", "confusion_matrix_artifact" (None for regression)}. The test metrics (prefixed
     `<split>_`), the share of rows beyond the training range (`<split>_rows_outside_train_range`), the
-    confusion-matrix PNG (classification) and `evaluation.json` go to the training run.
+    confusion-matrix PNG (classification), `evaluation.json` and the decision page (nightshift.decision_page:
+    `decision_page` says where) go to the training run.
 
     A champion is compared only with a challenger that can stand in for it: the same task and label column, its
     feature columns in tonight's data, every class it knew still known to the challenger; both are then scored on
@@ -406,14 +441,15 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     task = gate.task
     model_uri = tracking.run_model_uri(run_id)
     challenger_model = _load(model_uri)
-    challenger = score(model_uri, data_dir, split, task=task, label_column=label_column, model=challenger_model)
+    challenger = score(model_uri, data_dir, split, task=task, label_column=label_column, model=challenger_model,
+                       positive_class=gate.positive_class)
     champion: dict[str, Any] | None = None
     for_a_person: list[str] = []
     current = champion_uri(model_name)
     if current is not None:
         try:
             champion, why_not = _champion_scores(current, challenger_model, challenger, data_dir, split, task,
-                                                 label_column)
+                                                 label_column, gate.positive_class)
         except Exception as err:  # whatever it is, a champion that cannot be read never wedges the pipeline
             champion, why_not = None, [f"champion v{current[0]} cannot be scored on tonight's data "
                                        f"({type(err).__name__}: {str(err)[:300]})"]
@@ -428,13 +464,15 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
             "the decision goes to a person: approve or reject the new model in the approval step" if needs_approval
             else "the challenger is rejected on its own; nothing to approve"]
     decision["needs_approval"] = needs_approval
-    return _log_evaluation(decision, run_id=run_id, model_name=model_name, split=split, task=task,
-                           challenger=challenger, champion=champion, gate=gate)
+    result = _log_evaluation(decision, run_id=run_id, model_name=model_name, split=split, task=task,
+                             challenger=challenger, champion=champion, gate=gate)
+    result["decision_page"] = decision_page.publish(result, data_dir=data_dir, label_column=label_column)
+    return result
 
 
 def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger: dict[str, Any],
-                     data_dir: str | Path, split: str, task: str, label_column: str
-                     ) -> tuple[dict[str, Any] | None, list[str]]:
+                     data_dir: str | Path, split: str, task: str, label_column: str,
+                     positive_class: str | None = None) -> tuple[dict[str, Any] | None, list[str]]:
     """(the champion's scores, or None with the reasons a person must decide instead)."""
     version, uri = current
     for_a_person: list[str] = []
@@ -459,7 +497,8 @@ def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger
     if not for_a_person:
         try:
             champion = {"version": version, **score(uri, data_dir, split, task=task, label_column=label_column,
-                                                   model=champion_model, classes=challenger.get("classes"))}
+                                                   model=champion_model, classes=challenger.get("classes"),
+                                                   positive_class=positive_class)}
         except EvaluationError as err:
             for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({err})")
     broken = [k for k in metric_names(task) if champion and k in champion and not math.isfinite(float(champion[k]))]
@@ -488,12 +527,16 @@ def _log_evaluation(decision: dict[str, Any], *, run_id: str, model_name: str, s
         metrics[f"{split}_rows_outside_train_range"] = drift["rows"]
     if classification:
         metrics.update({f"{split}_recall_class_{k}": v for k, v in challenger["per_class_recall"].items()})
+        metrics.update({f"{split}_{k}": challenger[k] for k in ("positive_precision", "positive_recall")
+                        if k in challenger})
     try:
         with mlflow.start_run(run_id=run_id):
             mlflow.log_metrics(metrics)
             mlflow.set_tags({"nightshift.gate": "passed" if decision["passed"] else "failed",
                              "nightshift.gate_reasons": " | ".join(decision["reasons"])[:5000],
                              "nightshift.needs_approval": str(needs_approval).lower(),
+                             **({"nightshift.positive_class": str(challenger["positive_class"])}
+                                if "positive_class" in challenger else {}),
                              "nightshift.outside_train_range": json.dumps(drift.get("columns", {}))[:5000]})
             with tempfile.TemporaryDirectory() as tmp:
                 if classification:

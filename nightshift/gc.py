@@ -5,6 +5,8 @@ pipeline's experiment, served-model folders) and what refers to it (the run ledg
 `@champion`, the serving record), plans, and unless `dry_run` removes what the plan says may go. Right before
 removing it reads the references again and removes only what a fresh plan still lets go, and an MLflow run only
 when no registered version of any model names it; anything that fails to be removed raises GcFailed naming it.
+Then the dataset versions (`nightshift.data.collect`): those the plan lets go once the workspaces are gone, planned
+again under the staging lock with the registry and the workspaces read afresh, leave the DVC cache and remote.
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ from nightshift import ledger, settings
 from nightshift.errors import NightshiftError
 from nightshift.fsutil import safe_name
 from nightshift.pipelines.spec import Pipeline
-from nightshift.retention import CHECKPOINTS, MLFLOW_RUN, SERVED_MODEL, WORKSPACE, Decision, Facts, Item, plan
+from nightshift.retention import (
+    CHECKPOINTS,
+    MLFLOW_RUN,
+    SERVED_MODEL,
+    WORKSPACE,
+    Decision,
+    Facts,
+    Item,
+    RetentionPolicy,
+    plan,
+)
 
 DAY = 86400.0
 DAG_RUN_TAG = "nightshift.dag_run_id"
@@ -261,6 +273,47 @@ def _remove(decision: Decision, pipeline: Pipeline) -> str | None:
     return None
 
 
+def _data_facts(skip: frozenset[str] = frozenset()) -> Facts:
+    from nightshift.data import collect as data
+
+    return Facts(data_registered={k: tuple(v) for k, v in data.registered_data().items()},
+                 data_in_use=data.in_use(skip))
+
+
+def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float,
+                 leaving: frozenset[str] = frozenset()) -> list[Decision]:
+    """Plan the dataset versions with `policy` (`leaving`: workspaces a dry run's plan removes, which stage nothing
+    then) and, unless `dry_run`, remove from the DVC remote and cache what the plan lets go. The store is opened,
+    and the plan made again under its lock, only when something may go. GcFailed when DVC, the remote, the registry
+    or a ledger fails."""
+    import dataclasses
+
+    from nightshift.data import collect as data
+
+    try:
+        items = data.inventory(now)
+        if not items:
+            return []
+        decisions = plan(items, _data_facts(leaving), policy)
+        if not any(d.remove for d in decisions):
+            return decisions
+        with data.store() as opened:
+            items = data.inventory(now)  # under the lock: no staging records or uses a version meanwhile
+            decisions = plan(items, _data_facts(leaving), policy)
+            freed = data.objects_to_remove(opened, [d.item.ident for d in decisions if d.remove])
+            decisions = [dataclasses.replace(d, item=dataclasses.replace(d.item, size=opened.size(freed[d.item.ident])))
+                         if d.remove else d for d in decisions]
+            if not dry_run:
+                for decision in (d for d in decisions if d.remove):
+                    opened.remove(freed[decision.item.ident])
+                    (data.versions_dir() / f"{decision.item.ident}.json").unlink(missing_ok=True)
+            return decisions
+    except data.DataCollectionFailed as err:
+        raise GcFailed(str(err)) from err
+    except OSError as err:
+        raise GcFailed(f"collecting dataset versions failed ({err}); run `nightshift gc` again") from err
+
+
 def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = None) -> dict[str, Any]:
     """Plan with the pipeline's retention and (unless `dry_run`) remove what the plan lets go.
 
@@ -282,6 +335,10 @@ def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = No
             if not decision.remove:
                 removed.remove(next(d for d in removed if d.item == decision.item))
                 decisions = [decision if d.item == decision.item else d for d in decisions]
+    leaving = frozenset(d.item.ident for d in removed if d.item.kind == WORKSPACE) if dry_run else frozenset()
+    datasets = collect_data(pipeline.retention, dry_run=dry_run, now=now, leaving=leaving)
+    removed += [d for d in datasets if d.remove]
+    decisions += datasets
     return {"pipeline": pipeline.dag_id, "dry_run": dry_run, "policy": pipeline.retention.to_dict(),
             "remove": [d.to_dict() for d in removed],
             "keep": [d.to_dict() for d in decisions if not d.remove],

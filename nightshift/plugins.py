@@ -16,6 +16,7 @@ A registry without `strict` also takes an import path `package.module:factory` a
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -135,6 +136,20 @@ def _entry_points(group: str, path: tuple[str, ...]) -> dict[str, Any]:
     from importlib.metadata import entry_points
 
     return {entry.name: entry for entry in entry_points(group=group)}
+
+
+def keyword_arguments(factory: Callable[..., Any], *, supplied: tuple[str, ...] = ()) -> list[str] | None:
+    """The keyword arguments a user may give `factory` (a registered model's or dataset's), sorted: its named
+    parameters but `self` and those its caller `supplied` itself (the trainer's input_shape and num_classes, a
+    loader's data_dir, split and task). None when it takes any (a `**kwargs`) or has no signature to read."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return sorted(name for name, p in parameters.items() if p.kind in named and name not in (*supplied, "self"))
 
 
 def import_user_plugins() -> None:

@@ -15,7 +15,12 @@ What a pipeline leaves behind, and what refers to it (found in the code, issue 3
   `serving_dir()/<model>.json` names the live one; `.<model>-v<version>.*` are downloads of a deploy at work.
 - the run ledger `NIGHTSHIFT_HOME/airflow/<dag_id>/runs.jsonl`: which runs finished, which succeeded, which
   version each promoted. It is the lineage page and is never collected.
-- the DVC cache and remote (content-addressed dataset versions): not collected here (see the README).
+- dataset versions: the staging DVC project's cache and its remote (`nightshift.data.stage`), one machine-wide
+  store shared by every pipeline. A registered model version names its data (tag `nightshift.dataset_version`):
+  rolling back, or retraining it, pulls that version, so it is never collected; nor is a version a workspace under
+  `workspaces_dir()` stages (a run kept above, or one running). Any other version goes `data_versions_days` after
+  its last use (its first staging, or the newest ledger record of any pipeline naming it). The objects it shares with
+  a version that stays stay too (`nightshift.data.collect`).
 
 `plan` takes an inventory (`Item`s) and what refers to it (`Facts`) and returns a `Decision` per item.
 """
@@ -31,7 +36,8 @@ WORKSPACE = "workspace"
 CHECKPOINTS = "checkpoints"
 MLFLOW_RUN = "mlflow_run"
 SERVED_MODEL = "served_model"
-KINDS = (WORKSPACE, CHECKPOINTS, MLFLOW_RUN, SERVED_MODEL)
+DATA_VERSION = "data_version"
+KINDS = (WORKSPACE, CHECKPOINTS, MLFLOW_RUN, SERVED_MODEL, DATA_VERSION)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class RetentionPolicy:
     resumable_days: a run that did not succeed (failed, killed, or still running) keeps its workspace and
       checkpoints this many days after its last write, so that clearing it in Airflow resumes it.
     challenger_days: MLflow runs of challengers never registered are kept this many days after they ended.
+    data_versions_days: a dataset version no registered model version names and no workspace stages is kept this
+      many days after its last use (the store is shared: a version another pipeline used goes by the collecting
+      pipeline's days, counted from the last use of any pipeline).
     enabled: false turns collection off for the pipeline (the plan then keeps everything).
     """
 
@@ -50,11 +59,12 @@ class RetentionPolicy:
     keep_runs: int = 5
     resumable_days: float = 7.0
     challenger_days: float = 30.0
+    data_versions_days: float = 30.0
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_runs, bool) or not isinstance(self.keep_runs, int) or self.keep_runs < 1:
             raise UsageError(f"retention.keep_runs: {self.keep_runs!r} is not a whole number of runs of at least 1")
-        for name in ("resumable_days", "challenger_days"):
+        for name in ("resumable_days", "challenger_days", "data_versions_days"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
                 raise UsageError(f"retention.{name}: {value!r} is not a number of days of at least 1 (a run "
@@ -62,14 +72,14 @@ class RetentionPolicy:
 
     def to_dict(self) -> dict[str, object]:
         return {"enabled": self.enabled, "keep_runs": self.keep_runs, "resumable_days": self.resumable_days,
-                "challenger_days": self.challenger_days}
+                "challenger_days": self.challenger_days, "data_versions_days": self.data_versions_days}
 
 
 @dataclass(frozen=True)
 class Item:
-    """One thing that could be removed. `ident`: its path, or the MLflow run id; `run_id`: the DAG run it
-    belongs to (None when it names none); `age_days`: days since it was last written (a run: since it ended);
-    `version`: a served folder's model version."""
+    """One thing that could be removed. `ident`: its path, the MLflow run id, or the dataset version's hash;
+    `run_id`: the DAG run it belongs to (None when it names none); `age_days`: days since it was last written (a run:
+    since it ended; a dataset version: since its last use); `version`: a served folder's model version."""
 
     kind: str
     ident: str
@@ -87,7 +97,8 @@ class Facts:
     succeeded: those whose last record is a success; champion_run / previous_champion_run: the DAG runs that
     trained `@champion` and the champion before it (champion / previous_champion: their versions);
     registered: MLflow run id -> the versions registered from it; served_paths: folders a serving record names;
-    deploying: a deployment of the model holds its lock now.
+    deploying: a deployment of the model holds its lock now; data_registered: dataset version -> the registered
+    model versions (of any model, "name vN") that name it; data_in_use: dataset version -> a workspace staging it.
     """
 
     finished: Sequence[str] = ()
@@ -99,6 +110,8 @@ class Facts:
     registered: Mapping[str, Sequence[str]] = field(default_factory=dict)
     served_paths: frozenset[str] = frozenset()
     deploying: bool = False
+    data_registered: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    data_in_use: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def last_successful(self) -> str | None:
@@ -172,6 +185,20 @@ def _served_reason(item: Item, facts: Facts) -> tuple[bool, str]:
     return True, f"v{item.version}: neither the champion (v{facts.champion}) nor the previous one, and not served"
 
 
+def _data_reason(item: Item, policy: RetentionPolicy, facts: Facts) -> tuple[bool, str]:
+    registered = facts.data_registered.get(item.ident)
+    if registered:
+        return False, f"named by registered {', '.join(registered)}: a rollback or a retrain of it needs its data"
+    workspace = facts.data_in_use.get(item.ident)
+    if workspace is not None:
+        return False, f"staged in workspace {workspace} (a run that is kept, or running)"
+    if item.age_days < policy.data_versions_days:
+        return False, (f"no registered version names it; last used {_days(item.age_days)} ago "
+                       f"(within {policy.data_versions_days:g} d)")
+    return True, (f"no registered version names it and no workspace stages it; last used {_days(item.age_days)} "
+                  f"ago (over {policy.data_versions_days:g} d)")
+
+
 def plan(items: Iterable[Item], facts: Facts, policy: RetentionPolicy) -> list[Decision]:
     """A Decision for each item, in the order given: removed with the reason, or kept with why."""
     items = list(items)
@@ -191,6 +218,8 @@ def plan(items: Iterable[Item], facts: Facts, policy: RetentionPolicy) -> list[D
             remove, reason = _run_reason(item, policy, facts, recent, age)
         elif item.kind == MLFLOW_RUN:
             remove, reason = _mlflow_reason(item, policy, facts)
+        elif item.kind == DATA_VERSION:
+            remove, reason = _data_reason(item, policy, facts)
         else:
             remove, reason = _served_reason(item, facts)
         decisions.append(Decision(item, remove, reason))

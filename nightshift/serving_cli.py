@@ -50,7 +50,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     guards = {k: float(v) for k, v in _pairs(args.guard, "--guard").items()} if args.guard else None
     gate = GateConfig(primary=args.primary or "", min_improvement=args.min_improvement, floor=args.floor,
-                      guards=guards, task=args.task)
+                      guards=guards, task=args.task, positive_class=args.positive_class)
     result = evaluate(_run_id(args), data_dir=args.data, model_name=args.model_name, split=args.split,
                       gate=gate, label_column=args.label_column)
     emit(result)
@@ -109,6 +109,9 @@ def add_parser(subparsers: Any) -> None:
                          "classification, none for regression)")
     ev.add_argument("--guard", action="append", metavar="METRIC=TOLERANCE",
                     help="guard metric and the regression it may show (repeatable; default: the task's)")
+    ev.add_argument("--positive-class", metavar="LABEL",
+                    help="binary: the label value F1, precision and recall are computed for, as the label column "
+                         "writes it (default: the second of the sorted labels, e.g. 1 of 0/1)")
     ev.set_defaults(func=_evaluate)
 
     reg = subparsers.add_parser("register",

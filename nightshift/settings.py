@@ -236,7 +236,7 @@ def airflow_database(where: Path | None = None) -> AirflowDatabase:
 
     where = Path(where) if where is not None else airflow_home()
     given = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN")
-    if given:
+    if given and not given.startswith(AIRFLOW_DB_BLOCKED):
         return AirflowDatabase("given", given, note="AIRFLOW__DATABASE__SQL_ALCHEMY_CONN as given")
     sqlite_file = Path(os.path.abspath(where.expanduser())) / "airflow.db"
     sqlite_url = f"sqlite:///{sqlite_file}"
@@ -330,3 +330,43 @@ def drop_airflow_pg_database(name: str, where: Path | None = None) -> None:
     marker = (Path(where) if where is not None else airflow_home()) / AIRFLOW_DB_MARKER
     if marker.is_file() and marker.read_text().strip() == name:
         marker.unlink()
+
+
+# --- Airflow's own growth (dags/nightshift_maintenance.py runs nightshift.maintenance daily) ----------------------
+# NIGHTSHIFT_AIRFLOW_DB_RETENTION_DAYS   metadata rows (`airflow db clean`) older than this go (default 30; never
+#                                        fewer than the longest resumable_days of a declared pipeline)
+# NIGHTSHIFT_AIRFLOW_LOG_RETENTION_DAYS  task log files under Airflow's base_log_folder older than this go (30)
+# NIGHTSHIFT_MAINTENANCE_SCHEDULE        the maintenance DAG's schedule (default @daily; "none": by hand only)
+# NIGHTSHIFT_AIRFLOW_METADATA_CONN       the metadata database URL for `airflow db clean` where the task's process
+#                                        cannot know it (Airflow 3 hides it from tasks; see nightshift.maintenance)
+AIRFLOW_DB_BLOCKED = "airflow-db-not-allowed"  # what Airflow 3 puts in a task process's SQL_ALCHEMY_CONN
+AIRFLOW_METADATA_CONN_ENV = "NIGHTSHIFT_AIRFLOW_METADATA_CONN"
+DEFAULT_AIRFLOW_RETENTION_DAYS = 30.0
+
+
+def _days(env: str, default: float) -> float:
+    from nightshift.errors import UsageError
+
+    given = os.environ.get(env, "").strip()
+    if not given:
+        return default
+    try:
+        value = float(given)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1:
+        raise UsageError(f"{env}={given} is not a number of days of at least 1; unset it for {default:g} days")
+    return value
+
+
+def airflow_db_retention_days() -> float:
+    return _days("NIGHTSHIFT_AIRFLOW_DB_RETENTION_DAYS", DEFAULT_AIRFLOW_RETENTION_DAYS)
+
+
+def airflow_log_retention_days() -> float:
+    return _days("NIGHTSHIFT_AIRFLOW_LOG_RETENTION_DAYS", DEFAULT_AIRFLOW_RETENTION_DAYS)
+
+
+def maintenance_schedule() -> str | None:
+    given = os.environ.get("NIGHTSHIFT_MAINTENANCE_SCHEDULE", "").strip() or "@daily"
+    return None if given.lower() == "none" else given

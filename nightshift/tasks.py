@@ -45,6 +45,10 @@ DEFAULT_GATES: dict[str, tuple[str, dict[str, float], float | None]] = {
     REGRESSION: ("rmse", {}, None),
 }
 
+# A binary task's positive class when its gate names none: the index, among the label's sorted values, of the class
+# F1, precision and recall are computed for: the second (1 of 0/1, True of False/True, yes of no/yes).
+DEFAULT_POSITIVE = 1
+
 # The metric the trainer reports on the validation split after every epoch, as `val_<name>`
 # (nightshift.train.trainer.Trainer.evaluate): what a model search of a pipeline of the task optimises.
 VALIDATION_METRICS = {BINARY: "accuracy", MULTICLASS: "accuracy", REGRESSION: "rmse"}

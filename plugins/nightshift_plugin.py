@@ -5,11 +5,16 @@
   `mlflow_experiment_id` XCom, else MLflow's own run page finds it), "Model version" (the registered version, from
   the `model_version` XCom of `register`), "GX Data Docs" (the page of a failed validation, from the
   `data_docs` XCom of `validate_data`, served by this plugin) and "Search report" (the pictures of a
-  `model_search` run, from the `report` XCom of its `finish` task, served by this plugin).
+  `model_search` run, from the `report` XCom of its `finish` task, served by this plugin) and "Decision page"
+  (the `evaluate` task's page of the night's decision, nightshift.decision_page, served by this plugin).
 - A FastAPI app under `/nightshift`: `/nightshift/lineage?pipeline=<dag_id>` lists a pipeline's recent runs as
   dataset version -> model version -> deployment (from its run ledger in NIGHTSHIFT_HOME; without `pipeline`,
   `nightly_retrain`'s) and links the other pipelines' pages, `/nightshift/lineage.json?pipeline=<dag_id>` the
-  same as JSON, `/nightshift/data-docs/...` the GX Data Docs pages. The page is also a nav entry.
+  same as JSON, `/nightshift/data-docs/...` the GX Data Docs pages. The page is also a nav entry; above its
+  table a chart of the season (nightshift.season): the primary metric night by night, each night's decision,
+  the dataset versions and the drift.
+  `/nightshift/decisions/<dag_id>/<MLflow run id>/decision.html` serves a night's decision page (written by
+  `evaluate` to NIGHTSHIFT_HOME/decisions/), linked from the lineage page and the `evaluate` task.
   `/nightshift/search/` lists the model searches' report pages (NIGHTSHIFT_HOME/search/<pipeline>/<study>/
   report.html, written by `nightshift.search.report_html`; search/<study>/report.html before searches were per
   pipeline), `/nightshift/search/<pipeline>/<study>/report.html` serves one.
@@ -18,13 +23,14 @@ Every endpoint is behind Airflow's auth manager, as the REST API is: a request w
 (the `Authorization: Bearer` header or the UI's `_token` cookie) gets 401, and a user who may not read the
 runs of the pipeline's DAG gets 403 (run parameters, failure reasons and sample data values are the DAG's):
 the lineage pages ask about the DAG `pipeline` names, and list only the pipelines the user may read; a Data
-Docs page under `pipelines/<dag_id>/` asks about that DAG, any other page about `nightly_retrain`; a search
+Docs page under `pipelines/<dag_id>/` asks about that DAG, any other page about `nightly_retrain`; a decision
+page about the DAG its path names; a search
 report of a pipeline asks about its search DAG (`<dag_id>__search`; nightly_retrain's and the older ones,
 `model_search`), and the list of reports shows only those the user may open. `pipeline` must be a DAG id (it
 names a folder), else 422; `limit` (lineage, searches) is 1..1000, else 422. `/nightshift/openapi.json` asks
 for a login too; FastAPI's `/docs` and `/redoc` pages (scripts from a CDN) are off. Pages are served with a
 Content-Security-Policy: GX Data Docs run no script (their CDN scripts and styles are blocked, see
-DATA_DOCS_CSP), the lineage and search index pages neither.
+DATA_DOCS_CSP), the lineage, decision and search index pages neither.
 Set NIGHTSHIFT_MLFLOW_UI_URL to where the MLflow UI answers (default http://127.0.0.1:5000; `make airflow`
 starts one there and sets it).
 """
@@ -43,10 +49,12 @@ from airflow.plugins_manager import AirflowPlugin
 from airflow.sdk import BaseOperatorLink
 from fastapi import Request  # FastAPI resolves the annotations of the app's dependencies in this module
 
-from nightshift.errors import DagIdInvalid
+from nightshift.decision_page import page_path
+from nightshift.errors import DagIdInvalid, UsageError
 from nightshift.ledger import dag_ids, read_records
 from nightshift.pipelines.spec import SEARCH_DAG_SUFFIX
 from nightshift.search.report_html import REPORT_NAME
+from nightshift.season import season_svg
 from nightshift.settings import PIPELINE_DOCS, checked_dag_id, data_docs_dir, home, pipeline_data_docs_dir
 
 DAG_ID = "nightly_retrain"
@@ -126,6 +134,30 @@ class DataDocsLink(BaseOperatorLink):
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
         return data_docs_url(_xcom(ti_key, "data_docs"))
+
+
+def decision_url(dag_id: str, run_id: Any, prefix: str = PREFIX) -> str:
+    """This plugin's URL of the decision page of MLflow run `run_id` of the DAG `dag_id`, or "" when `evaluate`
+    wrote none (a run from before decision pages, an evaluation that failed)."""
+    try:
+        path = page_path(dag_id, str(run_id))
+    except UsageError:
+        return ""
+    if not path.is_file():
+        return ""
+    return f"{prefix}/decisions/{quote(dag_id, safe='')}/{quote(str(run_id), safe='')}/{path.name}"
+
+
+class DecisionPageLink(BaseOperatorLink):
+    name = "Decision page"
+
+    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+        if ti_key.task_id != "evaluate":
+            return ""
+        decision = _xcom(ti_key, "return_value")
+        if not isinstance(decision, dict) or not decision.get("run_id"):
+            return ""
+        return decision_url(ti_key.dag_id, decision["run_id"])
 
 
 def search_root() -> Path:
@@ -272,6 +304,9 @@ def _row(r: dict[str, Any], dag_id: str = DAG_ID) -> str:
     docs = data_docs_url(r.get("data_docs"), prefix=".")
     if docs:
         links.append(_link(docs, "GX Data Docs"))
+    decided = decision_url(dag_id, r.get("mlflow_run_id"), prefix=".") if r.get("mlflow_run_id") else ""
+    if decided:
+        links.append(_link(decided, "Decision page"))
     outcome = _cell(plain_outcome(r.get("outcome")))
     if r.get("reason"):
         outcome += f"<div class='reason'>{_cell(r.get('reason'))}</div>"
@@ -311,8 +346,9 @@ td{{overflow-wrap:anywhere;word-break:break-word}}
 td.time{{white-space:nowrap}} td.run{{max-width:16em}} td.url{{max-width:14em}}
 td.outcome{{max-width:40em;white-space:normal}} td.links{{white-space:nowrap}}
 div.reason{{color:#555;font-size:13px;margin-top:2px;white-space:pre-wrap}}
-tr.failed td{{color:#a00}} nav{{margin-bottom:.8em}}</style></head>
+tr.failed td{{color:#a00}} nav{{margin-bottom:.8em}} svg.season{{max-width:100%;height:auto}}</style></head>
 <body>{_pipeline_nav(pipeline, pipelines or [])}<h2>{_cell(pipeline)} lineage</h2>
+{season_svg(records)}
 <p>Recent runs, newest first: dataset version → model version → deployment. Times in UTC.</p>
 <table><tr><th>recorded</th><th>run</th><th>status</th><th>code</th><th>dataset</th><th></th><th>model</th>
 <th>test accuracy</th><th></th><th>serving</th><th>outcome</th><th>links</th></tr>
@@ -413,6 +449,18 @@ def create_app() -> Any:
             raise HTTPException(status_code=404, detail="no such Data Docs page")
         return data_docs_page(data_docs_dir(), path)
 
+    @pipeline_docs.get("/decisions/{dag_id}/{path:path}")
+    def decision_page(dag_id: str, path: str):  # type: ignore[no-untyped-def]
+        run_id, _, name = path.partition("/")
+        try:
+            target = page_path(dag_id, run_id)
+        except UsageError as err:
+            raise HTTPException(status_code=404, detail="no such decision page") from err
+        if name != target.name or not target.is_file():
+            raise HTTPException(status_code=404, detail="no such decision page: `evaluate` writes one per night "
+                                                        "(decisions/<dag_id>/<MLflow run id>/decision.html)")
+        return FileResponse(target, media_type="text/html", headers=page_headers)
+
     @search.get("/search/", response_class=HTMLResponse)
     def search_index(request: Request, limit: int = limit_query,  # type: ignore[no-untyped-def]
                      user: Any = logged_in):
@@ -451,7 +499,8 @@ def create_app() -> Any:
 
 class NightshiftPlugin(AirflowPlugin):
     name = "nightshift"
-    global_operator_extra_links = [MlflowRunLink(), ModelVersionLink(), DataDocsLink(), SearchReportLink()]
+    global_operator_extra_links = [MlflowRunLink(), ModelVersionLink(), DataDocsLink(), SearchReportLink(),
+                                   DecisionPageLink()]
     fastapi_apps = [{"app": create_app(), "url_prefix": PREFIX, "name": "Nightshift lineage"}]
     external_views = [{"name": "Nightshift lineage", "href": f"{PREFIX}/lineage", "destination": "nav",
                        "url_route": "nightshift-lineage"},

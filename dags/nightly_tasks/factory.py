@@ -35,6 +35,7 @@ from nightly_tasks import steps
 from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator
 from nightly_tasks.events import retrain_schedule
 from nightshift.deploy import target_names
+from nightshift.tasks import BINARY
 from operators.backends import backend_choices, backend_help
 from operators.horovod import ClusterConfig, ExecutionConfig, HorovodKubernetesOperator, JobConfig, TrackingConfig
 
@@ -134,14 +135,23 @@ def check_declared_backend(pipeline: Pipeline) -> None:
 
 def read_declaration(declaration: Pipeline | str | os.PathLike[str]) -> Pipeline:
     """The pipeline `declaration` is or names (a YAML path, or a stub's `__file__`); PipelineInvalid when the file
-    is not valid, or another declaration of its folder declares its model_name or dataset asset."""
-    from nightshift.pipelines import Pipeline, check_siblings, load_pipeline
+    is not valid, or another declaration declares its dag_id, model_name or dataset asset: one beside it, or one in
+    a folder Airflow loads declarations from (the DAG folder and its subfolders, NIGHTSHIFT_PIPELINES:
+    nightshift.pipelines.declaration_folders). Both files then fail, each naming the other; the other DAGs load."""
+    from nightshift.pipelines import Pipeline, check_unique, declaration_folders, load_pipeline
 
     if isinstance(declaration, Pipeline):
         return declaration
     pipeline = load_pipeline(declaration_path(declaration))
-    check_siblings(pipeline)
+    check_unique(pipeline, declaration_folders(airflow_dags_folder()))
     return pipeline
+
+
+def airflow_dags_folder() -> str | None:
+    """Airflow's [core] dags_folder, as this process's configuration (airflow.cfg, environment) says."""
+    from airflow.sdk.configuration import conf
+
+    return conf.get("core", "dags_folder", fallback=None) or None
 
 
 def invalid_dag(declaration: Pipeline | str | os.PathLike[str], problem: Exception,
@@ -290,6 +300,10 @@ def doc_md(pipeline: Pipeline) -> str:
     first = f"reaches {gate.floor:g}" if gate.floor is not None else "no floor, the first model is accepted"
     gate_text = (f"`{gate.primary}` gains at least `min_improvement` (declared: {gate.min_improvement:g}) over "
                  f"`@champion`; a tie never promotes (no champion: {first}); {guards}")
+    if pipeline.task == BINARY:
+        positive = (f"`{gate.positive_class}` (declared)" if gate.positive_class is not None else
+                    "the second of the label's sorted values (the default; `gate.positive_class` declares another)")
+        gate_text += f"; F1, precision and recall are those of the positive class: {positive}"
     source = f"`{pipeline.source}`" if pipeline.source else "a Pipeline object"
     schedule = pipeline.schedule or "none (manual and UI triggers only)"
     return f"""
@@ -305,7 +319,7 @@ Declared in {source} (schema: `nightshift/pipelines/pipeline.schema.json`; check
 | task | {pipeline.task} |
 | data | loader `{pipeline.dataset.loader}`, label `{pipeline.dataset.label}`, default `{_declared_data(pipeline)}` |
 | suite | `{pipeline.suite}` |
-| gate | {gate_text} |
+| gate | {gate_text} (`nightshift pipeline explain` shows where each value came from) |
 | deploy | `{pipeline.deploy.target}`{" after a human approval" if pipeline.deploy.require_approval else ""} |
 | MLflow experiment | `{steps.experiment(pipeline)}` |
 

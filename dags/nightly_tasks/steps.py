@@ -226,6 +226,7 @@ def evaluate(pipeline: Pipeline, trained: dict[str, Any], staged: dict[str, Any]
         "reasons": list(result["reasons"]),
         "run_id": result["run_id"],
         "split": result["split"],
+        "primary": result["gate"]["primary"],  # the season view's metric (nightshift.season)
         "challenger": {k: result["challenger"][k] for k in names},
         "champion": ({"version": champion["version"], **{k: champion[k] for k in names}} if champion else None),
         # the champion could not be compared or scored: the approval step asks a person (adapters)

@@ -249,6 +249,47 @@ class ColumnsStdevOutside(TableMetricProvider):
         return {"columns": failing}
 
 
+class ColumnsValueSharesOutside(TableMetricProvider):
+    """For each column of `column_shares` ({column: [[value, low, high], ...]}) whose finite values hold a listed
+    value in a share outside its [low, high], or values not listed in a share above `new_values[column]`: the
+    shares observed. A column without finite values is not judged (the null rule speaks for it)."""
+
+    metric_name = "columns.value_shares_outside"
+    value_keys = ("column_shares", "new_values")
+
+    @metric_value(engine=PandasExecutionEngine)
+    def _pandas(cls, execution_engine: PandasExecutionEngine, metric_domain_kwargs: dict[str, Any],
+                metric_value_kwargs: dict[str, Any], metrics: dict[str, Any],
+                runtime_configuration: dict[str, Any]) -> dict[str, Any]:
+        frame = _table(execution_engine, metric_domain_kwargs)
+        wanted: dict[str, list[list[float]]] = metric_value_kwargs["column_shares"]
+        new_values: dict[str, float] = metric_value_kwargs["new_values"]
+        failing: dict[str, Any] = {}
+        for column, listed in wanted.items():
+            if column not in frame.columns:
+                failing[column] = {"observed_value": "missing column"}
+                continue
+            values = _numeric(frame[column])
+            if values is None:
+                failing[column] = {"observed_value": f"not numeric: {frame[column].dtype}"}
+                continue
+            finite = values[np.isfinite(values)]
+            if finite.size == 0:
+                continue
+            shares = {value: float((finite == value).mean()) for value, _, _ in listed}
+            outside = {f"{value:g}": round(shares[value], 4) for value, low, high in listed
+                       if not low <= shares[value] <= high}
+            unseen = 1.0 - sum(shares.values())
+            limit = new_values.get(column, 1.0)
+            if unseen > limit + 1e-12:
+                outside["values never seen"] = round(unseen, 4)
+            if outside:
+                failing[column] = {"observed_value": outside,
+                                   "expected": {**{f"{value:g}": [low, high] for value, low, high in listed},
+                                                "values never seen": [0.0, limit]}}
+        return {"columns": failing}
+
+
 class CompoundColumnsDuplicatesByHash(TableMetricProvider):
     """Rows whose values in `column_list` equal another row's: their count and sample (row, first copy).
 
@@ -421,6 +462,29 @@ class ExpectColumnsStdevToBeBetween(BatchExpectation):
                                   "columns with a standard deviation out of range")
 
 
+class ExpectColumnsValueSharesToBeBetween(BatchExpectation):
+    """Expect, for every column of `column_shares` ({column: [[value, low, high], ...]}), each listed value to make
+    up a share of the column's finite values within its [low, high], and values not listed at most
+    `new_values[column]` of them (a column it does not name: no bound).
+
+    The distribution rule of a discrete column (a flag, a code, a small count), whose quantiles jump from value to
+    value as its shares move. Each failing column is named in `details.columns` with the shares out of bounds.
+    """
+
+    column_shares: dict[str, list[list[float]]]
+    new_values: dict[str, float]
+
+    metric_dependencies = ("columns.value_shares_outside",)
+    success_keys = ("column_shares", "new_values")
+    args_keys = ("column_shares", "new_values")
+    library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
+
+    def _validate(self, metrics: dict[str, Any], runtime_configuration: dict[str, Any] | None = None,
+                  execution_engine: Any = None) -> dict[str, Any]:
+        return _per_column_result(metrics["columns.value_shares_outside"], runtime_configuration,
+                                  "columns with value shares out of range")
+
+
 class ExpectTableColumnTypesToBe(BatchExpectation):
     """Expect each column of `column_types` ({column: dtype name}) to have exactly that dtype.
 
@@ -450,15 +514,21 @@ class ExpectCompoundColumnsToBeUniqueByHash(BatchExpectation):
     """Expect at least `mostly` of the rows to be unique over `column_list` (a row is unexpected when
     another row has the same values in those columns, as in `expect_compound_columns_to_be_unique`).
 
+    `pair_rate`: the share of pairs of rows that are equal in data without fault (natural duplicates of a
+    discrete table); a file of n rows then expects at most (n - 1) * pair_rate of its rows to repeat another, and
+    `mostly` is lowered by that much. `tolerate`: duplicated rows any file may hold whatever its size.
+
     Hash-based: one 64-bit hash per row, then an exact comparison among rows whose hashes collide.
     The sample lists duplicated rows with the row they repeat.
     """
 
     column_list: list[str]
     mostly: float = 1.0
+    pair_rate: float = 0.0
+    tolerate: int = 0
 
     metric_dependencies = ("compound_columns.duplicates_by_hash",)
-    success_keys = ("column_list", "mostly")
+    success_keys = ("column_list", "mostly", "pair_rate", "tolerate")
     args_keys = ("column_list", "mostly")
     library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
 
@@ -470,7 +540,8 @@ class ExpectCompoundColumnsToBeUniqueByHash(BatchExpectation):
         rows, duplicated = int(found["rows"]), int(found["unexpected_count"])
         share = duplicated / rows if rows else 0.0
         return {
-            "success": rows == 0 or (rows - duplicated) / rows >= self.mostly,
+            "success": rows == 0 or duplicated <= self.tolerate
+            or (rows - duplicated) / rows >= self.mostly - (rows - 1) * self.pair_rate,
             "result": {
                 "observed_value": f"{duplicated} duplicated rows ({share:.2%} of {rows})",
                 "element_count": rows,

@@ -19,6 +19,17 @@ the rule in words. From the sample it takes:
   bootstrap spread at the size of the smallest split (Z standard errors, at least the bootstrap's own
   extremes), widened by DRIFT_ALLOWANCE of the column's 5-95% spread (the standard deviation by a factor of
   at least SPREAD_FACTOR down and SPREAD_HIGH up). A column stuck at one value, or whose units changed, fails here.
+  A discrete column (at most DISCRETE_VALUES distinct values in the sample: a code, a count, a flag) has no
+  quantile rule: its quantiles jump from one value to the next as the shares move, so a quantile range drawn from
+  the sample's values refuses a small change of shares. Its distribution is the share of each of its values
+  instead, each within SHARE_Z standard errors between samples (the smallest split's and the sample's, a share
+  smoothed by one count each way so that a rare value's error is not zero) plus DRIFT_SHARE_SD of that share's own
+  standard deviation sqrt(p(1 - p)) for drift: the quantile rule's drift allowance, 10% of the 5-95% range, is a
+  third of a normal column's standard deviation. For a two-valued column whose values split 50/50 that is 16.7
+  points plus sampling error: a change of shares that moves its mean by a quarter of its standard deviation (12.5
+  points) passes, on any file size. Values the sample never held may be at most their Good-Turing share (that of
+  the values the sample holds once) plus SHARE_Z standard errors, and at least OUTLIER_COUNT values of the
+  smallest split: a flag re-coded, or whose units changed, fails here, as on its standard deviation;
   The standard deviation's upper bound is at least half the width of the column's allowed range (values the
   range rule allows never fail on their spread: a near-empty column whose sample holds one rare value would
   refuse a file holding two). A column dominated by one value (MODE_SHARE of the sample or more) has no lower
@@ -29,10 +40,14 @@ the rule in words. From the sample it takes:
   smallest file the row-count rule allows (then its absence has a probability under 1%; otherwise at least
   two classes), and each class's share at least its sampling lower bound; a
   regression target only a range and a distribution like any numeric column, never a set of values;
-- duplicates: only for a table whose sample has almost none (under MAX_DUPLICATE_SHARE of its rows, as with
-  continuous features): the share of duplicated rows at most the sample's (twice it) plus DUPLICATE_SLACK. A
-  table with natural duplicates (few discrete values) gets no duplicate rule: its share of duplicated rows
-  grows with the file's size, so no bound drawn from the sample holds for a larger file;
+- duplicates: the share of a file's rows that repeat another grows with the file for a table with natural
+  duplicates (few discrete values): a file of m rows drawn from a distribution whose rows are equal with
+  probability c (two random rows alike) expects at most (m - 1) * c of its rows to repeat another. So the rule
+  bounds that share at DUPLICATE_SLACK plus (m - 1) times c's upper bound, drawn from the sample's own equal row
+  pairs k of its n(n - 1)/2 (k + SHARE_Z * sqrt(k) of them), and tolerates OUTLIER_COUNT duplicated rows in any
+  file. A table without duplicates (continuous features) gets DUPLICATE_SLACK whatever the size. A table whose
+  natural duplicates would let the smallest split pass repeated DUPLICATE_REPEAT times gets no duplicate rule: no
+  share can tell its repeated rows from its natural ones;
 - row count: every file is validated by the same suite, so one range covers every split: from ROW_COUNT_LOW
   of the smallest split to ROW_COUNT_HIGH times the largest; a sample of one file (e.g. train.parquet alone)
   stands for the largest split, its statistics are drawn for a smallest split of SMALLEST_SPLIT_SHARE of it,
@@ -62,7 +77,9 @@ OUTLIER_MOSTLY = 0.99
 OUTLIER_COUNT = 2              # values a file may have outside the range however small it is (with mostly < 1)
 MODE_SHARE = 0.95              # a column this dominated by one value gets no lower bound on its spread
 MIN_CLASS_COUNT = 6            # expected count of the rarest class above which every class must be present
-MAX_DUPLICATE_SHARE = 0.01     # a sample with more duplicated rows than this gets no duplicate rule
+DUPLICATE_REPEAT = 5           # a table whose smallest split repeated this often is not refused: no duplicate rule
+DISCRETE_VALUES = 10           # a numeric column with at most this many distinct values is judged by its shares
+DRIFT_SHARE_SD = 1 / 3         # a discrete value's share may drift by this much of its own standard deviation
 MIN_ROWS, MIN_ROWS_SHARE = 10, 0.01  # row-count floor of a one-file sample
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 BOOTSTRAP = 400                # resamples of the sample, seeded: the same sample draws the same suite
@@ -159,6 +176,29 @@ def distribution_bounds(values: np.ndarray, validated: float, rng: np.random.Gen
     return ranges, list(_round_out(low_stdev, high_stdev))
 
 
+def share_bounds(values: np.ndarray, validated: float, integer: bool) -> tuple[list[list[float | int]], float]:
+    """([value, low, high] of each distinct value's share, the largest share of values never seen) that a file of
+    `validated` values from the distribution of the discrete column `values` keeps (see the module's rules)."""
+    distinct, counts = np.unique(values, return_counts=True)
+    size = values.size
+    effective = 1.0 / (1.0 / max(validated, 1.0) + 1.0 / size)
+
+    def error(count: float) -> float:  # a share's standard error, smoothed by one count each way
+        smoothed = (count + 1.0) / (size + 2.0)
+        return SHARE_Z * math.sqrt(smoothed * (1.0 - smoothed) / effective)
+
+    found: list[list[float | int]] = []
+    for value, count in zip(distinct, counts, strict=True):
+        share = count / size
+        slack = error(float(count)) + DRIFT_SHARE_SD * math.sqrt(share * (1.0 - share))
+        low, high = max(0.0, share - slack), min(1.0, share + slack)
+        found.append([_number(value, integer), math.floor(low * 10_000) / 10_000, math.ceil(high * 10_000) / 10_000])
+    # values never seen: Good-Turing's estimate of their share (the values seen once), plus its error
+    singletons = float((counts == 1).sum())
+    unseen = min(1.0, max((singletons + 1.0) / (size + 2.0) + error(singletons), OUTLIER_COUNT / max(validated, 1.0)))
+    return found, math.ceil(unseen * 10_000) / 10_000
+
+
 def _is_numeric(series: pd.Series) -> bool:
     return pd.api.types.is_numeric_dtype(series.dtype) and not pd.api.types.is_bool_dtype(series.dtype)
 
@@ -240,22 +280,40 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *
     numeric = [c for c in columns if _is_numeric(table[c]) and (c != label or task == REGRESSION)]
     quantiles: dict[str, list[list[float]]] = {}
     stdevs: dict[str, list[float]] = {}
+    shares: dict[str, list[list[float | int]]] = {}
+    new_values: dict[str, float] = {}
     for column in numeric:
         values = _finite(table[column])
         if values is None:
             continue
         validated = smallest * values.size / len(table)  # a file's non-null values
-        allowed = value_range(table[column], pd.api.types.is_integer_dtype(table[column].dtype))
+        integer = pd.api.types.is_integer_dtype(table[column].dtype)
+        allowed = value_range(table[column], integer)
         width = float(allowed[1] - allowed[0]) if allowed is not None else 0.0
         bounds = distribution_bounds(values, validated, rng, width)
-        if bounds is not None:
-            quantiles[column], stdevs[column] = bounds
+        if bounds is None:
+            continue
+        stdevs[column] = bounds[1]
+        if np.unique(values).size <= DISCRETE_VALUES:
+            shares[column], new_values[column] = share_bounds(values, validated, integer)
+        else:
+            quantiles[column] = bounds[0]
     if quantiles:
         expectations.append(_expectation(
             "expect_columns_quantiles_to_be_between",
             f"distribution: the 5/25/50/75/95% quantiles of {_shown(list(quantiles))} within their spread "
             f"between samples of {math.floor(smallest):,} rows, plus {DRIFT_ALLOWANCE:.0%} of the 5-95% range "
             f"for drift", quantiles=list(QUANTILES), column_ranges=quantiles))
+    if shares:
+        half = DRIFT_SHARE_SD * 0.5
+        expectations.append(_expectation(
+            "expect_columns_value_shares_to_be_between",
+            f"distribution of discrete columns: the share of each value of {_shown(list(shares))} (at most "
+            f"{DISCRETE_VALUES} distinct values) within its spread between samples of {math.floor(smallest):,} "
+            f"rows, plus {DRIFT_SHARE_SD:.2g} of its own standard deviation for drift (±{100 * half:.1f} points for a "
+            f"value of half the rows); values the sample never held only a few", column_shares=shares,
+            new_values=new_values))
+    if stdevs:
         expectations.append(_expectation(
             "expect_columns_stdev_to_be_between",
             f"spread: the standard deviation of {_shown(list(stdevs))} within its spread between samples, at "
@@ -269,7 +327,7 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *
                        math.floor(rows[0] * MIN_ROWS_SHARE))
     high_rows = math.ceil(max(rows) * ROW_COUNT_HIGH)
     expectations.extend(_label_expectations(table[label], label, task, smallest, rng, low_rows))
-    expectations.extend(_duplicate_expectation(frames, columns))
+    expectations.extend(_duplicate_expectation(table, columns, smallest))
     seen = f"the sample's files have {min(rows):,}..{max(rows):,}" if len(rows) > 1 else \
         f"one file of {rows[0]:,} rows, the smallest split at least {low_rows:,} rows"
     expectations.append(_expectation("expect_table_row_count_to_be_between",
@@ -369,15 +427,23 @@ def _label_expectations(values: pd.Series, label: str, task: str, smallest: floa
     return found
 
 
-def _duplicate_expectation(frames: list[tuple[str, pd.DataFrame]], columns: list[str]) -> list[dict[str, Any]]:
-    """The duplicate-row rule, or none for a table with natural duplicates (see the module's rules)."""
-    share = max((float(frame.duplicated(keep=False).mean()) if len(frame) else 0.0) for _, frame in frames)
-    if share >= MAX_DUPLICATE_SHARE:
+def _duplicate_expectation(table: pd.DataFrame, columns: list[str], smallest: float) -> list[dict[str, Any]]:
+    """The duplicate-row rule for files like the sample `table` (see the module's rules), or none for a table
+    whose natural duplicates would hide its smallest split repeated DUPLICATE_REPEAT times."""
+    rows = len(table)
+    groups = table.value_counts(dropna=False).to_numpy(np.float64) if rows > 1 else np.zeros(0)
+    pairs = float((groups * (groups - 1) / 2).sum())
+    rate = (pairs + SHARE_Z * math.sqrt(pairs)) / (rows * (rows - 1) / 2) if rows > 1 else 0.0
+    rate = math.ceil(rate * 1e8) / 1e8
+    repeated = DUPLICATE_REPEAT * max(math.floor(smallest), 1)
+    if DUPLICATE_SLACK + (repeated - 1) * rate >= 1.0:
         return []
-    allowed = min(1.0, 2 * share + DUPLICATE_SLACK)
+    grows = f" plus (rows - 1) x {rate:.3g} (its {pairs:.0f} equal pairs of rows)" if rate else ""
     return [_expectation("expect_compound_columns_to_be_unique_by_hash",
-                        f"duplicates: at most {allowed:.0%} of rows repeat another (the sample has {share:.1%})",
-                        column_list=columns, mostly=round(1 - allowed, 4))]
+                         f"duplicates: at most {DUPLICATE_SLACK:.0%}{grows} of a file's rows repeat another, and "
+                         f"{OUTLIER_COUNT} in any file (the sample's {rows:,} rows: "
+                         f"{float(table.duplicated(keep=False).mean()):.1%})", column_list=columns,
+                         mostly=round(1 - DUPLICATE_SLACK, 4), pair_rate=rate, tolerate=OUTLIER_COUNT)]
 
 
 def describe(suite: dict[str, Any]) -> list[str]:
@@ -386,9 +452,13 @@ def describe(suite: dict[str, Any]) -> list[str]:
 
 
 def init_suite(data: str | Path, label: str, out: str | Path, *, force: bool = False,
-               name: str | None = None, task: str | None = None) -> dict[str, Any]:
+               name: str | None = None, task: str | None = None, nulls: bool = True,
+               loader: str = "the pipeline's") -> dict[str, Any]:
     """Draw a suite from the sample `data` (a Parquet file or a directory of them) and write it to `out`
-    atomically; UsageError when `out` exists and `force` is not set. Returns what was written."""
+    atomically; UsageError when `out` exists and `force` is not set. Returns what was written.
+
+    `nulls` False: the pipeline's `loader` takes no missing value, so a sample holding any is a DataError naming
+    its columns, never a suite that lets nulls through to a training that refuses them."""
     from nightshift.data.validate import parquet_files, read_table
 
     out = Path(out)
@@ -397,6 +467,15 @@ def init_suite(data: str | Path, label: str, out: str | Path, *, force: bool = F
     if not out.parent.is_dir():
         raise UsageError(f"the folder of {out} does not exist; create it first")
     frames = [(file.name, read_table(file)) for file in parquet_files(data)]
+    if not nulls:
+        counts = pd.concat([frame.isna().sum() for _, frame in frames], axis=1).sum(axis=1)
+        named = [f"{column} ({int(n)} rows)" for column, n in counts.items() if n]
+        if named:
+            raise DataError(f"the sample has missing values in {', '.join(named[:8])}"
+                            f"{', …' if len(named) > 8 else ''}, and the {loader} loader takes none: a suite drawn "
+                            f"from it would let nulls through that training then refuses. Fill or drop them (in "
+                            f"the sample and in the data the pipeline gets), or pass --loader with one that takes "
+                            f"missing values")
     suite = build_suite(frames, label, name or out.stem, task=task)
     try:
         atomic_write_json(out, suite, overwrite=force)

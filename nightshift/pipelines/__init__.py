@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
-from nightshift.pipelines.check import check_against_data
+from nightshift.pipelines.check import check_against_data, check_declaration
 from nightshift.pipelines.load import (
     SCHEMA_PATH,
     PipelineInvalid,
-    check_siblings,
+    check_unique,
     clashes,
     declaration_files,
+    declaration_folders,
     load_pipeline,
     load_pipelines,
     schema,
@@ -40,9 +41,11 @@ __all__ = [
     "PipelineInvalid",
     "TrainingSpec",
     "check_against_data",
-    "check_siblings",
+    "check_declaration",
+    "check_unique",
     "clashes",
     "declaration_files",
+    "declaration_folders",
     "load_pipeline",
     "load_pipelines",
     "schema",

@@ -1,5 +1,10 @@
-"""Checks of a pipeline against its data, from the Parquet schema of the train split alone (no rows read):
-the label column is there, the suite names only columns the data has, the `tabular` features are numeric.
+"""Checks of a pipeline that the schema cannot make and a run would fail on.
+
+`check_declaration`: the loader and the model exist (by name or import path), the model takes the declared
+arguments and the loader its options (their signatures), and the suite lets through no missing value the loader
+refuses. `check_against_data`: against the train split, from its Parquet schema (and its label column alone): the
+label column is there, the suite names only columns the data has, the `tabular` features are numeric, a declared
+positive class is one of the labels.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from nightshift.errors import UsageError
-from nightshift.pipelines.spec import TABULAR, Pipeline
+from nightshift.pipelines.spec import NO_MISSING_VALUES, TABULAR, Pipeline
+from nightshift.tasks import BINARY
 
 # Expectation kwargs that name columns (GX's and nightshift.data.expectations').
 _COLUMN_KEYS = ("column", "column_A", "column_B")
@@ -18,21 +24,117 @@ _COLUMN_LIST_KEYS = ("column_list", "column_set")
 _COLUMN_MAP_KEYS = ("column_types", "column_ranges")
 
 
+# A loader's arguments its caller gives (nightshift.datasets.load_split), and a model's (the trainer, from the data).
+LOADER_ARGUMENTS = ("data_dir", "split", "task")
+MODEL_ARGUMENTS = ("input_shape", "num_classes")
+# Null rules: the one-column GX rule and the wide one of nightshift.data.expectations; `mostly` < 1 lets nulls in.
+_NOT_NULL = ("expect_column_values_to_not_be_null", "expect_columns_values_to_not_be_null")
+
+
+def _named_columns(kwargs: dict[str, Any]) -> list[str]:
+    """The columns an expectation's kwargs name."""
+    columns: list[str] = [str(kwargs[k]) for k in _COLUMN_KEYS if isinstance(kwargs.get(k), str)]
+    for key in _COLUMN_LIST_KEYS:
+        if isinstance(kwargs.get(key), list):
+            columns.extend(str(c) for c in kwargs[key])
+    for key in _COLUMN_MAP_KEYS:
+        if isinstance(kwargs.get(key), dict):
+            columns.extend(str(c) for c in kwargs[key])
+    return columns
+
+
 def suite_columns(suite: dict[str, Any]) -> dict[str, list[str]]:
     """{expectation type: the columns its kwargs name}, for each expectation that names any."""
     named: dict[str, list[str]] = {}
     for expectation in suite.get("expectations", []):
-        kwargs = expectation.get("kwargs", {})
-        columns: list[str] = [str(kwargs[k]) for k in _COLUMN_KEYS if isinstance(kwargs.get(k), str)]
-        for key in _COLUMN_LIST_KEYS:
-            if isinstance(kwargs.get(key), list):
-                columns.extend(str(c) for c in kwargs[key])
-        for key in _COLUMN_MAP_KEYS:
-            if isinstance(kwargs.get(key), dict):
-                columns.extend(str(c) for c in kwargs[key])
+        columns = _named_columns(expectation.get("kwargs", {}))
         if columns:
             named.setdefault(str(expectation.get("type")), []).extend(columns)
     return named
+
+
+def takes_missing_values(loader: str, factory: Any = None) -> bool:
+    """Whether the dataset loader `loader` (its factory, when already found) can use a missing value in a feature
+    or the label: not the built-ins (NO_MISSING_VALUES); a plugin's unless it sets `takes_missing_values = False`."""
+    return loader not in NO_MISSING_VALUES and bool(getattr(factory, "takes_missing_values", True))
+
+
+def nulls_let_through(suite: dict[str, Any], columns: Iterable[str] | None) -> list[tuple[str, list[str]]]:
+    """(expectation, the columns it lets nulls into) for each expectation of `suite` that allows a null in one of
+    `columns` (None: any column): a not-null rule with `mostly` below 1, or a rule expecting nulls."""
+    wanted = None if columns is None else set(columns)
+    found = []
+    for expectation in suite.get("expectations", []):
+        kind, kwargs = str(expectation.get("type")), expectation.get("kwargs", {})
+        mostly = kwargs.get("mostly")
+        lenient = kind in _NOT_NULL and isinstance(mostly, int | float) and not isinstance(mostly, bool) \
+            and mostly < 1
+        if lenient or kind == "expect_column_values_to_be_null":
+            named = [c for c in _named_columns(kwargs) if wanted is None or c in wanted]
+            if named:
+                rule = (expectation.get("meta") or {}).get("rule")
+                what = (f"{kind} (mostly {mostly})" if lenient else kind) + (f" [{rule}]" if rule else "")
+                found.append((what, named))
+    return found
+
+
+def check_declaration(pipeline: Pipeline) -> list[str]:
+    """Each way `pipeline` names what a run cannot build, one line each (`FILE: KEY: what; what to do`): an unknown
+    loader or model (naming the known ones), a model argument or loader option its signature does not take (a
+    `**kwargs` takes any), a suite that lets nulls into a column the loader refuses them in. Reads no data;
+    imports the model registry (torch) and NIGHTSHIFT_PLUGINS."""
+    from nightshift.datasets import DATASETS
+    from nightshift.models import MODELS
+    from nightshift.plugins import keyword_arguments
+
+    source = str(pipeline.source) if pipeline.source is not None else pipeline.dag_id
+    problems: list[str] = []
+    loader = None
+    try:
+        loader = DATASETS.get(pipeline.dataset.loader)
+    except UsageError as err:
+        problems.append(f"{source}: dataset.loader: {err}")
+    if loader is not None:
+        options = keyword_arguments(loader, supplied=LOADER_ARGUMENTS)
+        problems.extend(_unknown_arguments(source, "dataset.options", f"loader {pipeline.dataset.loader!r}",
+                                           pipeline.dataset.options, options, "option"))
+    try:
+        model = MODELS.get(pipeline.model.name)
+    except UsageError as err:
+        problems.append(f"{source}: model.name: {err}")
+    else:
+        problems.extend(f"{source}: model.kwargs.{name}: set by the trainer from the data ({', '.join(MODEL_ARGUMENTS)}"
+                        f"); remove it" for name in pipeline.model.kwargs if name in MODEL_ARGUMENTS)
+        problems.extend(_unknown_arguments(source, "model.kwargs", f"model {pipeline.model.name!r}",
+                                           {k: v for k, v in pipeline.model.kwargs.items()
+                                            if k not in MODEL_ARGUMENTS},
+                                           keyword_arguments(model, supplied=MODEL_ARGUMENTS), "argument"))
+    if not takes_missing_values(pipeline.dataset.loader, loader):
+        problems.extend(_null_problems(pipeline, source))
+    return problems
+
+
+def _unknown_arguments(source: str, key: str, owner: str, given: Iterable[str], accepted: list[str] | None,
+                       what: str) -> list[str]:
+    if accepted is None:
+        return []
+    takes = f"it takes {', '.join(accepted)}" if accepted else f"it takes no {what}"
+    return [f"{source}: {key}.{name}: {owner} takes no {what} {name!r} (its signature); {takes}"
+            for name in given if name not in accepted]
+
+
+def _null_problems(pipeline: Pipeline, source: str) -> list[str]:
+    try:
+        suite = json.loads(pipeline.suite_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return []  # check_against_data says so
+    dataset = pipeline.dataset
+    columns = None if dataset.features is None else [*dataset.features, dataset.label]
+    return [f"{source}: suite: {expectation} lets nulls into {_listing(named)}, which the {dataset.loader!r} loader "
+            f"refuses (any missing value in a feature or the label): such data would pass validation and fail "
+            f"training. Drop its `mostly` (no null allowed) and fill or drop missing values before the data arrives"
+            f", or use a loader that takes them"
+            for expectation, named in nulls_let_through(suite, columns)]
 
 
 def _listing(names: Iterable[str], limit: int = 8) -> str:
@@ -82,6 +184,11 @@ def check_against_data(pipeline: Pipeline, *, home: str | Path | None = None,
     missing = [c for c in features if c not in columns]
     if missing:
         problem("dataset.features", f"columns {_listing(missing)} are not in {train}; list only columns it has")
+    if pipeline.task == BINARY and pipeline.gate.positive_class is not None and label in columns:
+        labels = label_values(train, label)
+        if labels is not None and pipeline.gate.positive_class not in labels:
+            problem("gate.positive_class", f"{pipeline.gate.positive_class!r} is not a label of {train}: its labels "
+                                           f"are {_listing(labels)}; declare one of them as it is written there")
     if pipeline.dataset.loader == TABULAR:
         for name in (c for c in features if c in columns):
             kind = arrow_schema.field(name).type
@@ -106,3 +213,17 @@ def check_against_data(pipeline: Pipeline, *, home: str | Path | None = None,
                          f"{_listing(expectations, limit=3)}): a suite for other columns? Write one for this data "
                          f"with `nightshift suite init`")
     return problems
+
+
+def label_values(path: Path, label: str) -> list[str] | None:
+    """The distinct values of column `label` of the Parquet file `path`, sorted by value as the trainer orders
+    classes, as text (as a declaration names them); None when they cannot be read."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        values = pq.read_table(path, columns=[label]).column(0).drop_null().unique().to_numpy(zero_copy_only=False)
+        return [str(v) for v in np.sort(values)]
+    except (OSError, KeyError, TypeError, pa.ArrowException):
+        return None

@@ -1,6 +1,7 @@
 """Read pipeline declarations: YAML files checked against the published schema, then against what a schema
 cannot say (a metric that fits the task, a suite file that exists inside the declaration's folder and is a
-GX suite, one dag_id and model name per pipeline across a folder).
+GX suite, a positive class only for a binary task, one dag_id, model name and dataset asset per pipeline across
+every folder Airflow loads declarations from).
 
 Every problem is one line, `FILE: KEY.PATH: what is wrong; what to do`. `load_pipelines` reads a whole
 folder and returns the good pipelines with the problems of the others, so one bad file never hides the rest.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
@@ -27,13 +29,20 @@ from nightshift.pipelines.spec import (
     ModelSpec,
     Pipeline,
     TrainingSpec,
+    class_text,
     frozen,
 )
 from nightshift.retention import RetentionPolicy
-from nightshift.tasks import DEFAULT_GATES, DEFAULT_MIN_IMPROVEMENT, metric
+from nightshift.tasks import BINARY, DEFAULT_GATES, DEFAULT_MIN_IMPROVEMENT, metric
 
 SCHEMA_PATH = Path(__file__).with_name("pipeline.schema.json")
-PATTERNS = ("*.yaml", "*.yml")
+DECLARATION_SUFFIXES = (".yaml", ".yml")
+PATTERNS = tuple(f"*{suffix}" for suffix in DECLARATION_SUFFIXES)
+# Where declarations lie besides the DAG folder (nightshift gc reads it too), and Airflow's DAG folder.
+PIPELINES_ENV = "NIGHTSHIFT_PIPELINES"
+DAGS_FOLDER_ENV = "AIRFLOW__CORE__DAGS_FOLDER"
+# Airflow's default [core] dags_folder is {AIRFLOW_HOME}/dags: its YAML declarations are read, no code imported.
+AIRFLOW_DEFAULT_DAGS = "dags"
 # A GX suite name after `gx:`: one file name in gx/expectations, never a path.
 _SUITE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 # A declaration is a page of YAML; anything far bigger is a mistake or an attack on the DAG processor.
@@ -302,6 +311,9 @@ def _metric_problems(data: Mapping[str, Any]) -> list[str]:
             problems.append(f"gate.{key}: must be a finite number, got {gate[key]}")
     problems.extend(f"gate.guards.{name}: tolerance must be a finite number, got {value}"
                     for name, value in gate["guards"].items() if not math.isfinite(value))
+    if gate.get("positive_class") is not None and task != BINARY:
+        problems.append(f"gate.positive_class: only a binary task has a positive class, this one is {task}; "
+                        f"remove it")
     return problems
 
 
@@ -411,7 +423,8 @@ def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None =
         model=ModelSpec(name=filled["model"]["name"], kwargs=frozen(filled["model"]["kwargs"])),
         gate=GateSpec(primary=gate["primary"], floor=None if gate["floor"] is None else float(gate["floor"]),
                       min_improvement=float(gate["min_improvement"]),
-                      guards=frozen({k: float(v) for k, v in gate["guards"].items()})),
+                      guards=frozen({k: float(v) for k, v in gate["guards"].items()}),
+                      positive_class=class_text(gate.get("positive_class"))),
         suite=filled["suite"],
         suite_path=suite_path,
         training=TrainingSpec(**training),
@@ -502,29 +515,84 @@ def clashes(pipelines: Iterable[Pipeline]) -> dict[Path, list[str]]:
     return found
 
 
-def check_siblings(pipeline: Pipeline) -> None:
-    """PipelineInvalid when another declaration in the folder of `pipeline`'s file declares its model_name or
-    dataset asset (two DAGs would share one @champion, or trigger each other's consumers). The siblings are
-    only parsed, not validated: one that does not parse is its own DAG file's problem."""
+def airflow_dags_folder() -> Path:
+    """The DAG folder Airflow reads when nothing else says: AIRFLOW__CORE__DAGS_FOLDER, else $AIRFLOW_HOME/dags
+    (AIRFLOW_HOME: ~/airflow by default), as Airflow's own default configuration has it. The DAG factory asks
+    Airflow's configuration instead (an airflow.cfg may set it)."""
+    given = os.environ.get(DAGS_FOLDER_ENV, "").strip()
+    if given:
+        return Path(given).expanduser()
+    return Path(os.environ.get("AIRFLOW_HOME", "").strip() or "~/airflow").expanduser() / AIRFLOW_DEFAULT_DAGS
+
+
+def declaration_folders(dags_folder: str | Path | None = None) -> list[Path]:
+    """The folders Airflow loads declarations from, whose dag_ids, model names and dataset assets must all differ:
+    the DAG folder (`dags_folder`, default `airflow_dags_folder()`; a stub's declaration lies beside it, in any
+    subfolder) and NIGHTSHIFT_PIPELINES (default: the `pipelines` folder beside the DAG folder, where the demo's
+    declaration lies, read by dags/nightly_retrain.py). Only those that exist, each once, resolved."""
+    dags = Path(dags_folder).expanduser() if dags_folder else airflow_dags_folder()
+    pipelines = os.environ.get(PIPELINES_ENV, "").strip()
+    candidates = [dags, Path(pipelines).expanduser() if pipelines else dags.parent / "pipelines"]
+    return list(dict.fromkeys(folder.resolve() for folder in candidates if folder.is_dir()))
+
+
+def _yaml_below(folder: Path) -> list[Path]:
+    """The *.yaml and *.yml files of `folder` and its subfolders (not hidden ones, no __pycache__), sorted."""
+    found: list[Path] = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        found.extend(Path(root) / name for name in files
+                     if name.endswith(DECLARATION_SUFFIXES) and not name.startswith("."))
+    return sorted(found)
+
+
+def _declared_keys(path: Path) -> dict[str, Any] | None:
+    """UNIQUE_KEYS of the declaration in `path`, only parsed, not validated (None for a file that is not one: a
+    declaration that does not parse is its own DAG file's problem, another YAML file is none of ours)."""
+    try:
+        if path.stat().st_size > MAX_DECLARATION_BYTES:
+            return None
+        data = parse_yaml(path.read_text(), str(path))
+    except (PipelineInvalid, OSError, UnicodeDecodeError):
+        return None
+    dataset = data.get("dataset")
+    keys = _unique_values(data.get("dag_id"), data.get("model_name"),
+                          dataset.get("asset") if isinstance(dataset, dict) else None)
+    return keys if isinstance(keys["dag_id"], str) else None
+
+
+def declared_elsewhere(pipeline: Pipeline, folders: Iterable[str | Path], *, siblings: bool = True,
+                       skip: Iterable[str | Path] = ()) -> list[str]:
+    """One line (`KEY: what; what to do`, naming the other file) per dag_id, model_name or dataset asset of
+    `pipeline` that another declaration declares too: one beside it (`siblings`) or in `folders` or any of their
+    subfolders. Files in `skip` (and `pipeline`'s own) are not read. Two DAGs would share one @champion, trigger
+    each other's consumers, or one would hide the other."""
     if pipeline.source is None:
-        return
+        return []
     source = Path(pipeline.source)
+    seen = {Path(p).resolve() for p in (source, *skip)}
+    files = [*(declaration_files(source.parent) if siblings else []),
+             *(file for folder in folders for file in _yaml_below(Path(folder)))]
     mine = _unique_values(pipeline.dag_id, pipeline.model_name, pipeline.dataset.asset)
     problems: list[str] = []
-    for sibling in declaration_files(source.parent):
-        if sibling.resolve() == source.resolve():
+    for other in files:
+        if other.resolve() in seen:
             continue
-        try:
-            if sibling.stat().st_size > MAX_DECLARATION_BYTES:
-                continue
-            data = parse_yaml(sibling.read_text(), str(sibling))
-        except (PipelineInvalid, OSError, UnicodeDecodeError):
+        seen.add(other.resolve())
+        theirs = _declared_keys(other)
+        if theirs is None:
             continue
-        dataset = data.get("dataset")
-        theirs = _unique_values(data.get("dag_id"), data.get("model_name"),
-                                dataset.get("asset") if isinstance(dataset, dict) else None)
-        for key in ("model_name", "dataset.asset"):
-            if theirs[key] == mine[key] and theirs["dag_id"] != mine["dag_id"]:
-                problems.append(_clash(key, mine[key], [sibling]))
+        if theirs["dag_id"] == mine["dag_id"]:  # one DAG id: its model and asset clash too, said once
+            problems.append(_clash("dag_id", mine["dag_id"], [other]))
+            continue
+        problems.extend(_clash(key, mine[key], [other]) for key in ("model_name", "dataset.asset")
+                        if theirs[key] == mine[key])
+    return problems
+
+
+def check_unique(pipeline: Pipeline, folders: Iterable[str | Path] = ()) -> None:
+    """PipelineInvalid naming both files when a declaration beside `pipeline`'s file, or in `folders` (the folders
+    Airflow loads declarations from: `declaration_folders()`), declares its dag_id, model_name or dataset asset."""
+    problems = declared_elsewhere(pipeline, folders)
     if problems:
-        raise PipelineInvalid(str(source), problems)
+        raise PipelineInvalid(str(pipeline.source), problems)

@@ -21,6 +21,9 @@ SPLIT_NAMES = ("train", "validation", "test")
 GX_PREFIX = "gx:"
 # The built-in table loader (nightshift.datasets): it takes the label and the feature columns as options.
 TABULAR = "tabular"
+# Loaders that cannot use a missing value in a feature or the label: `tabular` refuses any, `digits` would train on
+# NaN. A plugin's loader says so with an attribute `takes_missing_values = False` (nightshift.pipelines.check).
+NO_MISSING_VALUES = frozenset({TABULAR, "digits"})
 # A pipeline's model search DAG is named `<dag_id>__search` (nightly_tasks.search; the demo's is model_search).
 SEARCH_DAG_SUFFIX = "__search"
 
@@ -99,21 +102,29 @@ class ModelSpec:
     kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
+def class_text(value: Any) -> str | None:
+    """A declared class label as the evaluator compares labels: as text, the way a label column reads
+    (`1`, `fraud`, `True`); None stays None."""
+    return None if value is None else str(value)
+
+
 @dataclass(frozen=True)
 class GateSpec:
     """The gate a declaration gets, the task's defaults filled in for what it left out
     (nightshift.pipelines.load.gate_with_task_defaults); field names are those of nightshift.evaluate.GateConfig.
-    floor None: no floor (a regression task's default)."""
+    floor None: no floor (a regression task's default). positive_class (binary only, as text): the class F1 is
+    computed for; None: the second of the label's sorted values (nightshift.tasks.DEFAULT_POSITIVE)."""
 
     primary: str
     floor: float | None
     min_improvement: float = DEFAULT_MIN_IMPROVEMENT
     guards: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    positive_class: str | None = None
 
     def config(self) -> dict[str, Any]:
         """The keyword arguments of nightshift.evaluate.GateConfig."""
         return {"primary": self.primary, "min_improvement": self.min_improvement, "floor": self.floor,
-                "guards": dict(self.guards)}
+                "guards": dict(self.guards), "positive_class": self.positive_class}
 
 
 @dataclass(frozen=True)

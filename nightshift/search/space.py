@@ -16,7 +16,6 @@ here rather than failing every trial.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nightshift.errors import UsageError
+from nightshift.plugins import keyword_arguments
 from nightshift.search.errors import SearchSpaceInvalid
 
 if TYPE_CHECKING:
@@ -262,13 +262,9 @@ def _check_model_kwargs(space: SearchSpace) -> None:
             factory = MODELS.get(str(model))
         except UsageError as err:
             raise SearchSpaceInvalid(f"'model': {err}") from err
-        try:
-            parameters = inspect.signature(factory).parameters
-        except (TypeError, ValueError):  # no signature to read: the trial will tell
+        accepted = keyword_arguments(factory, supplied=RESERVED_MODEL_ARGS)
+        if accepted is None:  # any argument, or no signature to read: the trial will tell
             continue
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            continue
-        accepted = sorted(name for name in parameters if name not in (*RESERVED_MODEL_ARGS, "self"))
         for key in keys:
             if key[len(MODEL_KWARGS):] not in accepted:
                 raise SearchSpaceInvalid(f"{key!r}: model {model!r} takes no argument "

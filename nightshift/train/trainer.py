@@ -3,7 +3,7 @@
 Only rank 0 reads or writes checkpoints, logs and writes outputs. A resumed run is bit-for-bit the
 uninterrupted one: the model, optimizer, scheduler, loss scaler, every rank's RNG states (CPU and
 CUDA) and torch thread count, and the position in the epoch's sample order all come back, and the
-sample order is a pure function of seed and epoch. README.md ("Training") says what that covers on GPUs.
+sample order is a pure function of seed and epoch. docs/concepts/training.md says what that covers on GPUs.
 """
 
 from __future__ import annotations

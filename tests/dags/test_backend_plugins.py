@@ -47,7 +47,8 @@ def test_a_declaration_may_name_a_plugins_backend_and_target_but_no_unknown_one(
                                                                "deploy.target": "toy-serve"}))
     assert dag.params.get_param("backend").value == "toy"
     assert dag.params.get_param("deploy_target").value == "toy-serve"
-    bad = factory.pipeline_dag(_declare(tmp_path, "slurmed", **{"training.backend": "slurm"}))
+    bad = factory.pipeline_dag(_declare(tmp_path, "slurmed", dag_id="slurmed", model_name="slurmed",
+                                        **{"training.backend": "slurm", "dataset.asset": "slurmed"}))
     assert isinstance(bad, factory.InvalidPipelineDag)
     assert "training.backend: unknown training backend 'slurm'; choose one of hosts, kubernetes, local, toy, auto" \
         in str(bad.problem)

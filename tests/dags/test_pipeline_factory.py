@@ -331,3 +331,52 @@ def test_a_pipeline_gets_its_own_search_dag(tmp_path: Path) -> None:
     bad = search.search_dag(_declare(tmp_path, "bad", **{"gate.primary": "rmse"}))
     assert isinstance(bad, _factory().InvalidPipelineDag) and bad.dag_id == "invalid_pipeline__bad__search"
     assert "gate.primary: metric 'rmse' does not fit a multiclass task" in str(bad.problem)
+
+
+# A DAG file reading a declaration outside the DAG folder, as dags/nightly_retrain.py reads pipelines/digits.yaml.
+ELSEWHERE_STUB = '''"""Airflow DAG of a declaration of the pipelines folder."""
+from nightly_tasks.factory import pipeline_dag
+dag = pipeline_dag({path!r})
+'''
+
+
+def test_a_model_name_declared_in_the_dag_folder_and_in_pipelines_fails_both_dag_files_only(
+        tmp_path: Path, airflow_env: dict[str, str]) -> None:
+    """Issue 34 item 8: only siblings were compared, so dags/ and pipelines/ could both declare nightshift-digits
+    (two DAGs moving one @champion). Now each of the two DAG files fails in one line naming both declarations, and
+    the other DAGs load."""
+    dags, pipelines = tmp_path / "dags", tmp_path / "pipelines"
+    dags.mkdir()
+    pipelines.mkdir()
+    demo = _declare(pipelines, "digits", dag_id="demo_retrain")  # nightshift-digits
+    churn = _declare(dags, "churn", dag_id="churn_retrain", **{"dataset.asset": "churn"})  # nightshift-digits too
+    _declare(dags, "good", dag_id="good_retrain", model_name="good-model", **{"dataset.asset": "good"})
+    (dags / "churn.py").write_text(STUB)
+    (dags / "good.py").write_text(STUB)
+    (dags / "demo.py").write_text(ELSEWHERE_STUB.format(path=str(demo)))
+    env = {k: v for k, v in airflow_env.items() if k not in {*ENV, "NIGHTSHIFT_PIPELINES"}}
+    env["AIRFLOW__CORE__DAGS_FOLDER"] = str(dags)
+    out = run_json(DAGBAG.format(dags=str(DAGS), folder=str(dags)), env)
+    assert out["dags"] == ["good_retrain"]
+    errors = out["errors"]
+    assert set(errors) == {str(dags / "churn.py"), str(dags / "demo.py")}
+    for stub, mine, theirs in (("churn.py", churn, demo), ("demo.py", demo, churn)):
+        assert errors[str(dags / stub)] == (
+            f"PipelineInvalid: {mine}: model_name: 'nightshift-digits' is also the model_name of {theirs.resolve()}; "
+            f"give each pipeline its own model_name")
+
+
+def test_a_binary_dags_doc_states_its_positive_class(tmp_path: Path) -> None:
+    """Issue 34 item 10: the positive class is declarable; the default (the second sorted label) is stated."""
+    from nightshift.pipelines import load_pipeline
+
+    factory = _factory()
+    binary = {"task": "binary", "dataset.loader": "tabular"}
+    default = load_pipeline(_declare(tmp_path, "a", dag_id="a", model_name="a", gate={"primary": "accuracy"},
+                                     **binary))
+    assert ("the positive class: the second of the label's sorted values (the default; `gate.positive_class` "
+            "declares another)") in factory.doc_md(default)
+    fraud = load_pipeline(_declare(tmp_path, "b", dag_id="b", model_name="b",
+                                   gate={"primary": "accuracy", "positive_class": "fraud"}, **binary))
+    assert "F1, precision and recall are those of the positive class: `fraud` (declared)" in factory.doc_md(fraud)
+    assert "positive class" not in factory.doc_md(factory.read_declaration(DIGITS_YAML))  # multiclass

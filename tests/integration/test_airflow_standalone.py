@@ -210,7 +210,7 @@ def _run_of(standalone: dict[str, Any], what: str) -> str:
     return str(run_id)
 
 
-LINK_NAMES = ("MLflow run", "GX Data Docs", "Model version")  # plugins/nightshift_plugin.py's extra links
+LINK_NAMES = ("MLflow run", "GX Data Docs", "Model version", "Decision page")  # plugins/nightshift_plugin.py's
 
 
 def _extra_links(driver: WebDriver, api: Api, run_id: str, task_id: str, expected: set[str]) -> dict[str, str]:
@@ -262,6 +262,14 @@ def test_task_pages_show_the_extra_links(browser: WebDriver, standalone: dict[st
     links = _extra_links(browser, api, success, "register", {"Model version"})
     assert links["Model version"] == f"{mlflow_ui}/#/models/nightshift-digits/versions/1", links
 
+    links = _extra_links(browser, api, success, "evaluate", {"Decision page"})  # issue 38 item 2
+    browser.save_screenshot(str(artifacts / "task-extra-links-evaluate.png"))
+    decision = urlsplit(links["Decision page"])
+    assert decision.path == f"/nightshift/decisions/{DAG_ID}/{training_run}/decision.html", links
+    page = api.get(decision.path)
+    assert page.status_code == 200 and "Passed the gate" in page.text, (decision.path, page.text[:500])
+    assert "script-src" not in page.headers["content-security-policy"]
+
     links = _extra_links(browser, api, success, "validate_data", set())
     assert "GX Data Docs" not in links, f"a passed gate links a Data Docs page: {links}"
 
@@ -311,6 +319,11 @@ def test_lineage_page_shows_the_runs(browser: WebDriver, standalone: dict[str, A
     bad = rows[refused].find_elements(By.TAG_NAME, "td")
     assert bad[2].text == "failed" and "label" in bad[10].text, [cell.text for cell in bad]
     assert "GX Data Docs" in rows[refused].text
+    # The season above the table (issue 38 item 3): a decision mark per run; the night's decision page linked.
+    marks = browser.find_elements(By.CSS_SELECTOR, "svg.season g.decisions title")
+    assert len(marks) == len(rows) and browser.find_element(By.CSS_SELECTOR, "svg.season").size["width"] > 500
+    assert links["Decision page"].endswith(f"/nightshift/decisions/{DAG_ID}/{_version_run(mlflow_ui, '1')[0]}/"
+                                           f"decision.html"), links
 
 
 @pytest.mark.browser

@@ -354,7 +354,7 @@ def test_a_pending_entry_trimmed_before_it_was_recorded_is_reported(
     warning), but every (re)start runs _claim_stale first, and Redis 7's XAUTOCLAIM removes ids whose entries no
     longer exist from the pending list whatever their idle time (the third element of its reply, ignored), so the
     read from 0 never sees the entry and the warning branch never runs: an event lost without any trace. The
-    README only admits losing entries trimmed "before any triggerer read it"."""
+    The docs (docs/how-to/new-data.md) only admit losing entries trimmed "before any triggerer read it"."""
     client = _client(server)
     try:
         client.xgroup_create(stream, GROUP, id="0", mkstream=True)

@@ -34,7 +34,7 @@ if MISSING:
 # About 55 s of training at 3 ranks here: still training when the lost host is taken back (the ranks left reset
 # within the collective timeout after the kill; the host is listed again 6 s after the kill and taken in after the
 # blacklist cool-down of 4-6 s). The chaos clock starts at rank 0's first line (CHAOS_AFTER), after the ranks' first
-# rendezvous: a host lost before it fails the job (README, "Elastic training"). The collective timeout is the
+# rendezvous: a host lost before it fails the job (docs/how-to/elastic.md). The collective timeout is the
 # trainer's default, Horovod's 30 s; the join timeout (how long the ranks wait in the rendezvous for a process
 # joining) the trainer's default, 60 s.
 TRAIN_ARGS = ["--epochs", "40", "--batch-size", "16", "--lr", "0.02", "--threads", "1", "--seed", "5",

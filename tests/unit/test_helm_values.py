@@ -1,7 +1,8 @@
 """deploy/helm/values.yaml, the official Apache Airflow Helm chart's values for a production install, checked
 offline: every key path is one the chart's values schema has, the values have the types that schema asks
 for, and what is ours holds together (executor, image, DAG bundle, connections, pool, shared workspace,
-service accounts, no literal secret). What needs a cluster or the chart itself is listed in the README."""
+service accounts, no literal secret). What needs a cluster or the chart itself is listed in
+docs/how-to/kubernetes.md."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ CHART_KEYS = {
 # Keys whose insides the schema leaves to the user (airflow.cfg sections, lists of env, Secrets,
 # Kubernetes volumes, args): checked by the tests below instead.
 FREE_FORM = {"config", "env", "secret", "volumes", "volumeMounts", "scheduler.args"}
-# Names that must never carry a value inline (README, "An allowlisted environment").
+# Names that must never carry a value inline (docs/how-to/kubernetes.md, "An allowlisted environment").
 SECRET_WORDS = ("SECRET", "PASSWORD", "TOKEN", "KEY", "CREDENTIAL")
 
 
@@ -165,14 +166,14 @@ def test_the_scheduler_creates_the_gpu_pool_before_it_starts(values: dict[str, A
     assert re.fullmatch(r'airflow pools set gpu [1-9][0-9]* "[^"]+" && exec airflow scheduler', args[2])
 
 
-def test_the_readme_names_every_secret_the_values_reference(values: dict[str, Any]) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## From `make demo` to a cluster", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_name_every_secret_the_values_reference(values: dict[str, Any]) -> None:
+    guide = (ROOT / "docs" / "how-to" / "kubernetes.md").read_text()
+    section = guide.split("## From `make demo` to a cluster", 1)[1].split("\n## ", 1)[0]
     names = {name for name, _ in _secret_envs(values).values()}
     names |= {values["data"]["metadataSecretName"], values["fernetKeySecretName"],
               values["apiSecretKeySecretName"], values["jwtSecretName"]}
     for name in names:
-        assert name in section, f"README does not say how to create the Secret {name}"
+        assert name in section, f"docs/how-to/kubernetes.md does not say how to create the Secret {name}"
     for _, (name, key) in _secret_envs(values).items():
-        assert f"--from-literal={key}=" in section, f"README does not create {name}'s key {key}"
+        assert f"--from-literal={key}=" in section, f"docs/how-to/kubernetes.md does not create {name}'s key {key}"
     assert "deploy/helm/values.yaml" in section

@@ -491,7 +491,7 @@ def test_preemption_and_fair_sharing_knobs() -> None:
         preemption = cq["spec"]["preemption"]
         assert preemption["withinClusterQueue"] == "LowerPriority", name
         assert preemption["reclaimWithinCohort"] in ("Any", "LowerPriority"), name
-        # Kueue supports borrowWithinCohort with classic preemption only; fair sharing is on (README.md).
+        # Kueue supports borrowWithinCohort with classic preemption only; fair sharing is on (deploy/kueue/README.md).
         assert "borrowWithinCohort" not in preemption, name
         assert parse_quantity(cq["spec"]["fairSharing"]["weight"]) > 0, name
     # People reclaim what they lent from anyone; a scheduled retrain never preempts a person's run.

@@ -250,3 +250,72 @@ def test_a_pipelines_search_reports_are_for_its_search_dags_readers_only(as_user
     index = diabetes_only.get("/search/")
     assert index.status_code == 200 and "diabetes_retrain/s1" in index.text
     assert "nightly_retrain" not in index.text and "old" not in index.text
+
+
+def write_decision_page(dag_id: str, run_id: str, text: str) -> Path:
+    from nightshift.decision_page import page_path
+
+    page = page_path(dag_id, run_id)
+    page.parent.mkdir(parents=True)
+    page.write_text(text)
+    return page
+
+
+def test_a_decision_page_is_for_its_pipelines_readers_only_and_runs_no_script(as_user: Callable[..., Any],
+                                                                              app: Any) -> None:
+    write_decision_page("churn_model", "c0ffee01", "<html>churn decision: accuracy 0.9123</html>")
+    write_decision_page("nightly_retrain", "d161t5", "<html>digits decision</html>")
+    path = "/decisions/churn_model/c0ffee01/decision.html"
+    assert client(app).get(path).status_code == 401  # anonymous: refused before anything is read
+    readers, others = as_user("churn_model"), as_user("nightly_retrain")
+    answer = readers.get(path)
+    assert answer.status_code == 200 and "accuracy 0.9123" in answer.text
+    assert answer.headers["content-type"].startswith("text/html")
+    policy = csp(answer)
+    assert policy.get("default-src") == "'none'" and "script-src" not in policy, policy
+    assert policy.get("frame-ancestors") == "'self'" and answer.headers.get("x-content-type-options") == "nosniff"
+    refused = others.get(path)
+    assert refused.status_code == 403 and "0.9123" not in refused.text
+    assert others.get("/decisions/nightly_retrain/d161t5/decision.html").text == "<html>digits decision</html>"
+    for bad in ("/decisions/churn_model/c0ffee01/other.html", "/decisions/churn_model/nope/decision.html",
+                "/decisions/churn_model/..%2F..%2Fnightly_retrain%2Fd161t5/decision.html",
+                "/decisions/churn_model/c0ffee01%2F..%2F..%2Fnightly_retrain%2Fd161t5/decision.html",
+                "/decisions/..%2Fairflow/x/decision.html"):
+        answer = readers.get(bad)
+        assert answer.status_code in (403, 404) and "digits decision" not in answer.text, (bad, answer.status_code)
+
+
+def test_the_evaluate_task_links_its_decision_page(plugin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_decision_page("churn_model", "c0ffee01", "<html></html>")
+    xcoms = {("evaluate", "return_value"): {"run_id": "c0ffee01", "passed": True},
+             ("train", "return_value"): {"run_id": "c0ffee01"}}
+    monkeypatch.setattr(plugin, "_xcom", lambda ti_key, key: xcoms.get((ti_key.task_id, key)))
+    link = plugin.DecisionPageLink()
+
+    def key(task_id: str, dag_id: str = "churn_model") -> SimpleNamespace:
+        return SimpleNamespace(dag_id=dag_id, run_id="r", task_id=task_id, map_index=-1)
+
+    assert link.get_link(None, ti_key=key("evaluate")) == "/nightshift/decisions/churn_model/c0ffee01/decision.html"
+    assert link.get_link(None, ti_key=key("train")) == ""  # only the evaluate task's
+    assert link.get_link(None, ti_key=key("evaluate", "other_dag")) == ""  # no page written for it
+    xcoms[("evaluate", "return_value")] = {"run_id": "../../x"}
+    assert link.get_link(None, ti_key=key("evaluate")) == ""
+    assert any(isinstance(x, plugin.DecisionPageLink) for x in plugin.NightshiftPlugin.global_operator_extra_links)
+
+
+def test_the_lineage_page_links_decision_pages_and_draws_the_season(as_user: Callable[..., Any]) -> None:
+    from nightshift.ledger import append_record
+
+    write_decision_page("churn_model", "c0ffee01", "<html></html>")
+    gate = {"passed": True, "primary": "accuracy", "challenger": {"accuracy": 0.93},
+            "champion": {"version": "1", "accuracy": 0.91}, "rows_outside_train_range": 0.02}
+    append_record("churn_model", {"run_id": "r1", "status": "success", "outcome": "promoted v2 (promoted)",
+                                  "mlflow_run_id": "c0ffee01", "gate": gate, "dataset_version": "d1"})
+    append_record("churn_model", {"run_id": "r2", "status": "success", "outcome": "training skipped (unchanged)",
+                                  "mlflow_run_id": None, "dataset_version": "d1"})
+    page = as_user("churn_model").get("/lineage", params={"pipeline": "churn_model"}).text
+    assert page.count("Decision page</a>") == 1
+    assert "<a href='./decisions/churn_model/c0ffee01/decision.html'>Decision page</a>" in page
+    season = page[page.index("<svg"):page.index("</svg>")]
+    assert page.index("<svg") < page.index("<table")  # the chart above the table
+    assert "accuracy night by night" in season and "champion v1 accuracy 0.9100" in season

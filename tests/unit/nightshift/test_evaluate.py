@@ -109,6 +109,7 @@ def test_a_champion_trained_for_another_label_task_or_features_is_no_champion(
     for name in ("log_metrics", "set_tags", "log_artifact"):
         monkeypatch.setattr(mlflow, name, lambda *a, **k: None)
     monkeypatch.setattr(mlflow, "start_run", lambda **k: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(ev.decision_page, "publish", lambda *a, **k: None)  # it reads the run: test_decision_page*
     result = ev.evaluate("new", data_dir="/d", model_name="churn", label_column="spend",
                          gate={"task": "regression", "floor": 3.0, "primary": "rmse"})
     assert scored == ["runs:/new/model"] and result["champion"] is None
@@ -172,3 +173,73 @@ def test_the_default_floor_belongs_to_the_default_primary_metric() -> None:
         GateConfig(primary="log_loss")
     assert GateConfig(primary="accuracy").floor == 0.8
     assert GateConfig(task="regression", primary="mae").floor is None
+
+
+def _cancer_scores() -> tuple[np.ndarray, np.ndarray]:
+    """Breast-cancer labels (0 malignant, 1 benign) and a logistic regression's probability of each, on half the
+    table, fitted on the other half."""
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    features, labels = load_breast_cancer(return_X_y=True)
+    model = make_pipeline(StandardScaler(), LogisticRegression(C=0.01)).fit(features[::2], labels[::2])
+    return labels[1::2], model.predict_proba(features[1::2])
+
+
+def test_the_binary_positive_class_is_declarable_and_defaults_to_the_second_label(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34 item 10: F1 was always the second sorted label's ("legit" in a fraud table, "benign" here)."""
+    from sklearn.metrics import f1_score, precision_score, recall_score
+
+    from nightshift import evaluate as ev
+    from nightshift.errors import EvaluationError
+
+    labels, proba = _cancer_scores()
+    predicted = proba.argmax(axis=1)
+    frame = pd.DataFrame({"x": np.zeros(len(labels)), "diagnosis": labels})
+    monkeypatch.setattr(ev, "read_split_frame", lambda data_dir, split: frame)
+    monkeypatch.setattr(ev, "_predict", lambda m, f, *where: pd.DataFrame({"prob_0": proba[:, 0],
+                                                                          "prob_1": proba[:, 1]}))
+    model = _model("binary", "diagnosis", ["x"])
+
+    def scored(positive_class: str | None) -> dict[str, object]:
+        return ev.score("m", "/d", task="binary", label_column="diagnosis", model=model,
+                        positive_class=positive_class)
+
+    default, malignant = scored(None), scored("0")
+    assert default["positive_class"] == "1" and malignant["positive_class"] == "0"
+    for result, positive in ((default, 1), (malignant, 0)):
+        assert result["f1"] == pytest.approx(f1_score(labels, predicted, pos_label=positive))
+        assert result["positive_precision"] == pytest.approx(precision_score(labels, predicted, pos_label=positive))
+        assert result["positive_recall"] == pytest.approx(recall_score(labels, predicted, pos_label=positive))
+    assert malignant["f1"] != default["f1"]
+    assert malignant["roc_auc"] == pytest.approx(default["roc_auc"])  # the same ranking, either way round
+    with pytest.raises(EvaluationError, match=r"the positive class 'malignant' is none of the classes 0, 1"):
+        scored("malignant")
+    # the gate carries it (as the DAG passes a declaration's gate), for a binary task only
+    assert GateConfig(task="binary", positive_class=0).positive_class == "0"  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="only a binary task has a positive class"):
+        GateConfig(task="multiclass", positive_class="3")
+
+
+def test_evaluate_scores_with_the_gates_positive_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DAG passes a declaration's gate as a dict (nightly_tasks.steps.evaluation_args): its positive class
+    reaches the scoring."""
+    from nightshift import evaluate as ev
+
+    class Scored(Exception):
+        pass
+
+    def score(uri: str, *args: object, positive_class: object = None, **kwargs: object) -> dict[str, object]:
+        raise Scored(positive_class)
+
+    monkeypatch.setattr(ev.tracking, "run_model_uri", lambda run_id: "runs:/new/model")
+    monkeypatch.setattr(ev, "_load", lambda uri: _model("binary", "diagnosis", ["x"]))
+    monkeypatch.setattr(ev, "score", score)
+    with pytest.raises(Scored) as scored:
+        ev.evaluate("new", data_dir="/d", model_name="cancer", label_column="diagnosis",
+                    gate={"task": "binary", "positive_class": "0", "primary": "accuracy", "floor": 0.8,
+                          "min_improvement": 0.001, "guards": {}})
+    assert scored.value.args == ("0",)

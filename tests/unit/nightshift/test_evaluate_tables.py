@@ -5,7 +5,6 @@ the floor alone) when the champion cannot be compared or scored."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -13,50 +12,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from nightshift import registry, tracking
-from nightshift.datasets import load_split
 from nightshift.evaluate import evaluate
-from nightshift.models import build_model
 from nightshift.served_model import RANGE_POLICY_ENV
-from nightshift.train.artifacts import save_trained_model
-from tests.tabular_data import breast_cancer, write_splits
-
-_keys = itertools.count()
-
-
-def train(data: Path, out: Path, *, task: str, label: str, features: list[str] | None = None,
-          epochs: int = 150, seed: int = 0) -> str:
-    """An MLP trained full-batch with Adam on `data`'s train split, logged as an MLflow run; its run id."""
-    options: dict[str, Any] = {"label": label, **({"features": features} if features else {})}
-    torch.manual_seed(seed)
-    split = load_split("tabular", data, "train", task=task, options=options)
-    kwargs = {"input_shape": split.input_shape, "num_classes": split.num_classes, "hidden": 16}
-    model = build_model("mlp", **kwargs)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    for _ in range(epochs):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(split.features), split.labels).backward()
-        opt.step()
-    model.eval()
-    key = f"k{next(_keys)}"
-    save_trained_model(out, model, model_name="mlp", model_kwargs=kwargs, dataset="tabular",
-                       params={"epochs": epochs, "dataset_options": options}, train_key=key, task=task,
-                       preprocessing=split.preprocessing)
-    (out / "metrics.json").write_text(json.dumps({"epochs": epochs}))
-    (out / "metrics.jsonl").write_text("")
-    return log(out, key)
-
-
-def log(out: Path, key: str) -> str:
-    return tracking.log_training_run(out, experiment="tables", tags={"nightshift.run_key": key})
-
-
-def crown(run_id: str, model_name: str) -> str:
-    version = registry.register(run_id, model_name=model_name)["version"]
-    registry.set_alias(model_name, "champion", str(version))
-    return str(version)
+from tests.tabular_data import breast_cancer, crown, train, write_splits
 
 
 def copy_data(data: Path, out: Path, change: Any = None) -> Path:

@@ -88,7 +88,7 @@ def test_a_declaration_loads_with_its_defaults_and_round_trips(folder: Path) -> 
     assert pipeline.source == path
     assert pipeline.primary_metric == tasks.metric("binary", "roc_auc")
     assert pipeline.gate.config() == {"primary": "roc_auc", "min_improvement": 0.002, "floor": 0.9,
-                                      "guards": {"log_loss": 0.05}}
+                                      "guards": {"log_loss": 0.05}, "positive_class": None}
     # defaults from the schema
     assert pipeline.training.epochs == 5 and pipeline.training.workers == 2 and pipeline.training.backend is None
     assert (pipeline.deploy.target, pipeline.deploy.require_approval) == ("local", False)
@@ -130,8 +130,8 @@ def test_unknown_keys_are_named_with_the_allowed_ones(folder: Path) -> None:
     path = declare(folder, colour="red", gate={"primry": "accuracy"})
     problems = problems_of(path)
     assert f"{path}: colour: unknown key; allowed keys here: dag_id, description, model_name, " in problems[0]
-    assert f"{path}: gate.primry: unknown key; allowed keys here: primary, min_improvement, floor, guards" \
-        in problems
+    assert f"{path}: gate.primry: unknown key; allowed keys here: primary, min_improvement, floor, guards, " \
+           f"positive_class" in problems
 
 
 def test_deploy_options_are_those_of_the_target(folder: Path) -> None:
@@ -401,21 +401,28 @@ def test_missing_data_is_a_problem_not_a_crash(folder: Path, nightshift_home: Pa
 # ---- the CLI -------------------------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> int:
-    """`nightshift ARGV` with only this module's subcommands (the full parser imports torch)."""
+    """`nightshift ARGV` with only this module's subcommands (the full parser imports torch): its exit status, a
+    result printed as JSON as nightshift.cli.main does."""
+    from nightshift.cli import emit
     from nightshift.pipelines import cli
 
     assert cli.__name__ in COMMAND_MODULES
     parser = _Parser(prog="nightshift")
     cli.add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    result = args.func(args)
+    if isinstance(result, int):
+        return result
+    emit(result)
+    return 0
 
 
 def test_cli_check_prints_one_line_per_problem_and_fails(folder: Path, cancer_data: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     declare(folder, "a.yaml")
     assert main(["pipeline", "check", str(folder)]) == 0
-    assert json.loads(capsys.readouterr().out) == {"valid": ["cancer_retrain"], "problems": []}
+    out = json.loads(capsys.readouterr().out)
+    assert (out["valid"], out["problems"]) == (["cancer_retrain"], [])
 
     bad = declare(folder, "b.yaml", dag_id="b", model_name="b", gate={"primary": "r2"}, colour="red")
     assert main(["pipeline", "check", str(folder / "a.yaml"), str(bad), str(folder / "none.yaml")]) == 1
@@ -502,7 +509,8 @@ def test_digits_yaml_declares_todays_nightly_retrain() -> None:
     assert dict(pipeline.model.kwargs) == {}
     # the gate: a multiclass task's default gate (GateConfig with nothing given, nightshift evaluate's defaults)
     primary, guards, floor = tasks.DEFAULT_GATES[tasks.MULTICLASS]
-    assert pipeline.gate.config() == {"primary": primary, "guards": guards, "floor": floor, "min_improvement": 0.001}
+    assert pipeline.gate.config() == {"primary": primary, "guards": guards, "floor": floor, "min_improvement": 0.001,
+                                      "positive_class": None}
     assert pipeline.task == tasks.MULTICLASS and pipeline.dataset.label == "label"
     # the suite: the one validate_data loads (nightshift.data.validate.SUITE in gx/)
     validate = _assignments(REPO / "nightshift" / "data" / "validate.py")
@@ -579,7 +587,7 @@ def test_a_gate_that_leaves_keys_out_gets_the_tasks_defaults_not_a_weaker_gate(f
     pipeline = load_pipeline(_gate_only(folder, "binary", {"primary": "accuracy", "floor": 0.8}))
     _, guards, _ = tasks.DEFAULT_GATES[tasks.BINARY]
     assert pipeline.gate.config() == {"primary": "accuracy", "floor": 0.8, "guards": guards,
-                                      "min_improvement": tasks.DEFAULT_MIN_IMPROVEMENT}
+                                      "min_improvement": tasks.DEFAULT_MIN_IMPROVEMENT, "positive_class": None}
     # what the README's user pipeline declared promoted a far worse model on main: equal accuracy, log loss
     # 0.90 against 0.12, F1 0.70 against 0.95
     champion = {"accuracy": 0.95, "log_loss": 0.12, "f1": 0.95, "roc_auc": 0.98}

@@ -191,9 +191,9 @@ def test_a_stale_writers_newer_checkpoint_does_not_throw_away_the_matching_ones(
 
 
 def test_set_aside_keeps_what_an_earlier_set_aside_kept(tmp_path: Path) -> None:
-    """The README promises the set-aside checkpoints are kept for a person to look at, but each set_aside
-    deletes every earlier one: v1's finished checkpoints (set aside when the run was cleared for v2) are gone
-    as soon as the run is cleared once more (back to v1, or v3)."""
+    """The docs (docs/concepts/training.md) promise the set-aside checkpoints are kept for a person to look at,
+    but each set_aside deletes every earlier one: v1's finished checkpoints (set aside when the run was cleared
+    for v2) are gone as soon as the run is cleared once more (back to v1, or v3)."""
     base = dict(out=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", code_version="c")
     store = CheckpointStore(tmp_path / "ckpt")
     v1 = TrainConfig(data=tmp_path, data_version="sha256:v1", **base)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import yaml
 from nightshift.errors import UsageError
 from nightshift.retention import (
     CHECKPOINTS,
+    DATA_VERSION,
     MLFLOW_RUN,
     SERVED_MODEL,
     WORKSPACE,
@@ -83,12 +85,14 @@ def test_served_folders_of_the_champion_and_the_previous_one_stay() -> None:
 
 
 def test_a_disabled_policy_keeps_everything() -> None:
-    items = [Item(WORKSPACE, "ws/r1", "r1", age_days=900.0), Item(MLFLOW_RUN, "m4", "r4", age_days=900.0)]
+    items = [Item(WORKSPACE, "ws/r1", "r1", age_days=900.0), Item(MLFLOW_RUN, "m4", "r4", age_days=900.0),
+             Item(DATA_VERSION, "d0", age_days=900.0)]
     assert not any(remove for remove, _ in decided(items, policy=RetentionPolicy(enabled=False)).values())
 
 
 @pytest.mark.parametrize("field, value", [("keep_runs", 0), ("keep_runs", 2.5), ("resumable_days", 0.5),
-                                          ("challenger_days", True)])
+                                          ("challenger_days", True), ("data_versions_days", 0),
+                                          ("data_versions_days", "30")])
 def test_a_policy_that_could_take_a_running_run_is_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(UsageError, match=f"retention.{field}"):
         RetentionPolicy(**{field: value})  # type: ignore[arg-type]
@@ -107,7 +111,10 @@ def test_a_declaration_carries_its_retention_with_defaults_for_what_it_leaves_ou
     pipeline = load_pipeline(tmp_path / "a.yaml")
     assert pipeline.retention == RetentionPolicy(keep_runs=12)
     assert pipeline.to_dict()["retention"] == {"enabled": True, "keep_runs": 12, "resumable_days": 7,
-                                               "challenger_days": 30}
+                                               "challenger_days": 30, "data_versions_days": 30}
+    data["retention"] = {"data_versions_days": 90}
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
+    assert load_pipeline(tmp_path / "a.yaml").retention == RetentionPolicy(data_versions_days=90)
     data["retention"] = {"keep_runs": 0, "months": 3}
     (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(PipelineInvalid) as caught:
@@ -129,3 +136,15 @@ def test_a_runs_workspace_and_checkpoints_are_judged_by_its_newest_write() -> No
     result = decided([Item(WORKSPACE, "ws/r5", "r5", age_days=8.0), Item(CHECKPOINTS, "ck/r5", "r5", age_days=1.0)])
     assert result["ws/r5"] == result["ck/r5"] == (
         False, "resumable or running: failed, last written 1.0 d ago (within 7 d)")
+
+
+def test_a_data_version_a_registered_version_or_a_workspace_names_stays_and_an_unused_old_one_goes() -> None:
+    facts = dataclasses.replace(FACTS, data_registered={"d1": ("m v1", "other v4")}, data_in_use={"d2": "ws/r8"})
+    items = [Item(DATA_VERSION, d, age_days=400.0) for d in ("d1", "d2", "d3")]
+    items.append(Item(DATA_VERSION, "d4", age_days=29.5))
+    result = decided(items, facts, RetentionPolicy(data_versions_days=30))
+    assert result["d1"] == (False, "named by registered m v1, other v4: a rollback or a retrain of it needs its data")
+    assert result["d2"] == (False, "staged in workspace ws/r8 (a run that is kept, or running)")
+    assert result["d3"] == (True, "no registered version names it and no workspace stages it; last used 400.0 d "
+                                  "ago (over 30 d)")
+    assert result["d4"] == (False, "no registered version names it; last used 29.5 d ago (within 30 d)")

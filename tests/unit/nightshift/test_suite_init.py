@@ -55,7 +55,10 @@ def test_the_suite_holds_the_samples_rules_with_their_margins() -> None:
     assert ranges[("reading",)][0] == 0.0 and ranges[("reading",)][1] > ranges[("size",)][1]  # fewer values
     assert by_type(suite, "expect_column_values_to_be_in_set") == [{"column": "label", "value_set": [0, 1, 2]}]
     (quantiles,) = by_type(suite, "expect_columns_quantiles_to_be_between")
-    assert sorted(quantiles["column_ranges"]) == ["count", "reading", "size", "temperature"]  # not the label
+    assert sorted(quantiles["column_ranges"]) == ["reading", "size", "temperature"]  # not the label
+    (shares,) = by_type(suite, "expect_columns_value_shares_to_be_between")  # count: 5 values, discrete
+    assert list(shares["column_shares"]) == ["count"] and [v for v, _, _ in shares["column_shares"]["count"]] == \
+        [3, 4, 5, 6, 7]
     assert all(low <= high for ranges in quantiles["column_ranges"].values() for low, high in ranges)
     # files of 50 and 150 rows: half the smallest to ten times the largest
     assert by_type(suite, "expect_table_row_count_to_be_between") == [{"min_value": 25, "max_value": 1500}]
@@ -106,7 +109,9 @@ def test_init_refuses_to_overwrite_without_force(tmp_path: Path, capsys: pytest.
         init_suite(data, "label", out)
     assert out.read_text() == "keep me"
 
-    args = cli.argparse.Namespace(data=str(data), label="label", out=str(out), force=True, name="mine")
+    # the sample's `reading` has nulls: drawn for a loader that takes them (tabular, the default, refuses them)
+    args = cli.argparse.Namespace(data=str(data), label="label", out=str(out), force=True, name="mine",
+                                  loader="tests.unit.nightshift.test_pipeline_check:loader_taking_nulls")
     written = cli._init(args)
     suite = json.loads(out.read_text())
     assert suite["name"] == "mine" and written["out"] == str(out) and written["rows"] == 200
@@ -398,9 +403,80 @@ def test_a_table_with_natural_duplicates_gets_no_duplicate_rule(gx_validate: Any
                              "k": rng.integers(0, 4, rows), "target": rng.integers(0, 3, rows)})
 
     suite = build_suite([("train.parquet", table(400))], "target", "s", task="multiclass")
-    assert not by_type(suite, "expect_compound_columns_to_be_unique_by_hash")
+    # the bound grows with the file (issue 34 item 6 b): the larger file passes, a small one repeated is refused
+    (duplicates,) = by_type(suite, "expect_compound_columns_to_be_unique_by_hash")
+    assert duplicates["pair_rate"] > 0 and duplicates["tolerate"] == 2
     assert gx_validate(table(2000), suite) == []
-    # continuous features keep it
+    assert ("expect_compound_columns_to_be_unique_by_hash", None) in {
+        (f["expectation"], f["column"]) for f in gx_validate(pd.concat([table(50)] * 5, ignore_index=True), suite)}
+    # a table so discrete that a repeated file looks like a fresh one gets none
+    rng = np.random.default_rng(1)
+    coarse = pd.DataFrame({"b": rng.integers(0, 2, 400), "target": rng.integers(0, 3, 400)})
+    assert not by_type(build_suite([("train.parquet", coarse)], "target", "s", task="multiclass"),
+                       "expect_compound_columns_to_be_unique_by_hash")
+    # continuous features keep a flat one
     suite = build_suite([("cancer.parquet", sklearn_table("breast_cancer"))], "target", "s", task="binary")
     (duplicates,) = by_type(suite, "expect_compound_columns_to_be_unique_by_hash")
-    assert duplicates["mostly"] == 0.95
+    assert duplicates["mostly"] == 0.95 and duplicates["pair_rate"] == 0
+
+
+# ---- issue 34 item 6, open parts: drift of a discrete column, duplicated rows of a discrete table -----------
+
+def flagged(rows: int, share_of_one: float, seed: int) -> pd.DataFrame:
+    """A continuous feature, a two-valued `flag` (1 or 2, `share_of_one` of the rows exactly 1) and a label."""
+    rng = np.random.default_rng(seed)
+    ones = round(share_of_one * rows)
+    return pd.DataFrame({"x": rng.normal(10.0, 2.0, rows), "flag": rng.permutation(np.r_[np.ones(ones),
+                                                                                         np.full(rows - ones, 2.0)]),
+                         "target": rng.integers(0, 2, rows)})
+
+
+def test_a_discrete_columns_drift_is_a_change_of_shares_and_passes(gx_validate: Any, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Item 6 a: a quarter-sd drift of a two-valued column is a change of its shares. The quantile rule refused
+    # it: q25 of a flag 30% ones is 1 in every resample of 1,000 rows, and 2 once the ones fall to 18.5%.
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    suite = build_suite(cut(flagged(5000, 0.30, 0)), "target", "s", task="binary")
+    (shares,) = by_type(suite, "expect_columns_value_shares_to_be_between")
+    assert list(shares["column_shares"]) == ["flag"]
+    assert "flag" not in by_type(suite, "expect_columns_quantiles_to_be_between")[0]["column_ranges"]
+    (one, two) = shares["column_shares"]["flag"]
+    drift = 0.25 * (0.3 * 0.7) ** 0.5  # the shares move by a quarter of the flag's standard deviation: 11.5 points
+    assert one[0] == 1 and two[0] == 2 and one[1] < 0.3 - drift and two[2] > 0.7 + drift
+    drifted = flagged(1000, 0.3 - drift, 1)
+    assert gx_validate(drifted, suite) == []
+    assert gx_validate(flagged(1000, 0.3 + drift, 2), suite) == []
+
+    def named(frame: pd.DataFrame) -> set[tuple[str, str | None]]:
+        return {(f["expectation"], f["column"]) for f in gx_validate(frame, suite)}
+
+    fresh = flagged(1000, 0.3, 3)
+    assert named(fresh) == set()
+    # refused: shares moved far beyond drift, the flag stuck at one value, its units changed, values never seen
+    assert named(flagged(1000, 0.6, 4)) == {("expect_columns_value_shares_to_be_between", "flag")}
+    assert {("expect_columns_value_shares_to_be_between", "flag"), ("expect_columns_stdev_to_be_between", "flag")} \
+        <= named(fresh.assign(flag=2.0))
+    assert {("expect_columns_value_shares_to_be_between", "flag"), ("expect_columns_stdev_to_be_between", "flag")} \
+        <= named(fresh.assign(flag=fresh["flag"] * 1000))
+    assert named(fresh.assign(flag=fresh["flag"] + 0.125)) == {("expect_columns_value_shares_to_be_between", "flag")}
+
+
+def test_every_row_repeated_is_refused_on_a_table_with_a_few_natural_duplicates(
+        gx_validate: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Item 6 b: iris holds one pair of equal rows; a half holding it (2.7% duplicated) drew no duplicate rule, so
+    # every row repeated five times passed.
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    iris = sklearn_table("iris")
+    seed = next(s for s in range(50) if pd.concat([p for _, p in halves(iris, s)[0]]).duplicated().any())
+    sample, fresh = halves(iris, seed)
+    suite = build_suite(sample, "target", "s", task="multiclass")
+    (duplicates,) = by_type(suite, "expect_compound_columns_to_be_unique_by_hash")
+    assert duplicates["pair_rate"] > 0
+    for file, part in fresh:
+        assert gx_validate(part, suite) == [], file
+        repeated = gx_validate(pd.concat([part] * 5, ignore_index=True), suite)
+        assert ("expect_compound_columns_to_be_unique_by_hash", None) in {
+            (f["expectation"], f["column"]) for f in repeated}, file
+    # one equal pair in a 15-row file (13% of it) is what a fresh iris split may hold: tolerated
+    test = fresh[2][1]
+    assert gx_validate(pd.concat([test.iloc[:14], test.iloc[:1]], ignore_index=True), suite) == []

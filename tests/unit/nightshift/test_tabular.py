@@ -376,6 +376,10 @@ def test_the_evaluate_command_passes_the_task_and_label_column(monkeypatch: pyte
     assert (gate.task, gate.primary, gate.floor, seen["label_column"]) == ("regression", "rmse", None, "progression")
     with pytest.raises(UsageError, match="'accuracy' does not fit a regression task"):
         command("--primary", "accuracy")
+    with pytest.raises(UsageError, match="only a binary task has a positive class"):
+        command("--positive-class", "fraud")
+    assert command("--task", "binary", "--positive-class", "fraud") == 0
+    assert (seen["gate"].task, seen["gate"].positive_class) == ("binary", "fraud")
 
 
 def test_the_served_model_standardises_in_float64_as_the_trainer_did(tmp_path: Path) -> None:

@@ -177,15 +177,16 @@ def test_the_operator_module_knows_no_backend_by_name() -> None:
 
 
 
-def test_the_readme_registry_table_lists_exactly_the_built_ins() -> None:
-    """README's table of the two registries names what they hold: a built-in added or removed changes the test."""
+def test_the_docs_registry_table_lists_exactly_the_built_ins() -> None:
+    """The docs' table of the two registries (docs/concepts/backends.md) names what they hold: a built-in added or
+    removed changes the test."""
     import re
 
     from nightshift.deploy import BUILTIN_TARGETS
     from operators.backends import AUTO, BUILTIN_BACKENDS
 
     rows = {line.split("|")[1].strip(" `"): line.split("|")[2]
-            for line in (REPO / "README.md").read_text().splitlines()
+            for line in (REPO / "docs" / "concepts" / "backends.md").read_text().splitlines()
             if line.startswith(("| `operators.backends`", "| `nightshift.deploy`"))}
     named = {registry: set(re.findall(r"`([a-z0-9_-]+)`", cell)) for registry, cell in rows.items()}
     assert named == {"operators.backends": {*BUILTIN_BACKENDS, AUTO}, "nightshift.deploy": set(BUILTIN_TARGETS)}

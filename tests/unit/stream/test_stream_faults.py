@@ -319,10 +319,10 @@ def test_a_pending_entry_deleted_before_its_claim_is_accounted_for(server: Redis
 
 def test_a_trim_held_back_past_the_retention_says_so(server: RedisServer,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """README: stream-trim 'refuses a --max-age longer than --dedup-retention, so every input left in the
-    stream has its marker and a group that reads it again (XGROUP SETID ... 0) gets duplicates only'. Not
+    """docs/how-to/streams.md: stream-trim 'refuses a --max-age longer than --dedup-retention, so every input left
+    in the stream has its marker and a group that reads it again (XGROUP SETID ... 0) gets duplicates only'. Not
     when one pending entry (a dead consumer's, another group's) holds the trim: the inputs after it stay in
-    the stream while their markers expire, and reading again scores them a second time. The README no longer
+    the stream while their markers expire, and reading again scores them a second time. The docs no longer
     claims it; the trim names the entry holding it back and the CLI exits 1.
     (Reviewed test corrected: it expected a group reading again to get no prediction at all, which no trim can
     give: entry 0 was never scored and is owed one, and the entries after it have outlived their markers.)"""
@@ -398,11 +398,11 @@ def test_a_group_deleted_under_a_running_consumer_is_not_re_scored_from_the_star
     client.close()
 
 
-# --- 5. deployment shapes the README does not rule out ---------------------------------------------------
+# --- 5. deployment shapes the docs do not rule out ---------------------------------------------------
 
 
 def test_redis_cluster_is_refused_at_start_not_crash_looped(tmp_path: Path) -> None:
-    """README: 'or any Redis 7'. On a Cluster (one node owning every slot here, so nothing is MOVED) the
+    """docs/how-to/streams.md: 'or any Redis 7'. On a Cluster (one node owning every slot here, so nothing is MOVED) the
     write script's keys (input, output, dead letters, one marker per input) lie in different slots: the
     consumer reads a batch, the script replies CROSSSLOT, and the consumer dies with a raw ResponseError,
     on every restart, with the batch pending. Expected: refused at start with a message (or hash tags

@@ -1,0 +1,179 @@
+"""The decision page's builder (nightshift.decision_page) and its figures (nightshift.svg), from evaluation results
+the gate itself decided (`decide`); the page of a real evaluation is test_decision_page_tables.py's."""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import pytest
+
+from nightshift import decision_page, svg
+from nightshift.errors import UsageError
+from nightshift.evaluate import GateConfig, decide
+
+HOSTILE = "<script>alert(1)</script>"
+CLASSES = ["a", "b", HOSTILE]
+
+
+def result(challenger: dict[str, Any], champion: dict[str, Any] | None, gate: GateConfig, **extra: Any
+           ) -> dict[str, Any]:
+    """What `evaluate` returns (and `gather` adds to), with the gate's own decision."""
+    return {**decide(challenger, champion, gate), "run_id": "0123456789abcdef0123456789abcdef", "model_name": "wine",
+            "split": "test", "challenger": challenger, "champion": champion, "gate": asdict(gate),
+            "needs_approval": False, "drift_columns": [], "worst": None, "curves": {}, **extra}
+
+
+def scores(accuracy: float, log_loss: float, macro_f1: float, matrix: list[list[int]]) -> dict[str, Any]:
+    counts = np.asarray(matrix)
+    recall = counts.diagonal() / counts.sum(axis=1)
+    return {"accuracy": accuracy, "log_loss": log_loss, "macro_f1": macro_f1, "rows": int(counts.sum()),
+            "classes": CLASSES, "confusion_matrix": matrix,
+            "per_class_recall": dict(zip(CLASSES, recall.tolist(), strict=True)),
+            "drift": {"rows": 0.25, "columns": {HOSTILE: 0.25}}}
+
+
+CHALLENGER = scores(0.95, 0.40, 0.94, [[10, 0, 0], [1, 8, 1], [0, 0, 20]])
+CHAMPION = {"version": "3", **scores(0.90, 0.20, 0.89, [[9, 1, 0], [3, 6, 1], [0, 0, 20]])}
+
+
+def row_of(page: str, name: str) -> str:
+    (row,) = re.findall(rf"<tr><td><b>{name}</b>.*?</tr>", page)
+    return row
+
+
+def test_each_metric_shows_the_gates_rule_and_its_verdict() -> None:
+    """accuracy gains 0.05 (primary: pass), log_loss loses 0.20 (guard 0.05: fail), macro_f1 gains (guard: pass)."""
+    evaluated = result(CHALLENGER, CHAMPION, GateConfig(task="multiclass"))
+    assert not evaluated["passed"]
+    rows = {r["metric"]: r for r in decision_page.metric_rows(evaluated)}
+    assert {name: (r["role"], r["verdict"]) for name, r in rows.items()} == {
+        "accuracy": ("primary", "pass"), "log_loss": ("guard", "fail"), "macro_f1": ("guard", "pass")}
+    assert rows["log_loss"]["change"] == pytest.approx(-0.20)  # lower is better: positive change = better
+    assert rows["log_loss"]["reason"].startswith("guard log_loss 0.4000 vs champion 0.2000")
+    page = decision_page.render(evaluated)
+    log_loss = row_of(page, "log_loss")
+    assert "<td class='num'>0.4000</td><td class='num'>0.2000</td><td class='num'>-0.2000</td>" in log_loss
+    assert "may fall behind the champion by at most 0.0500" in log_loss and ">fail</td>" in log_loss
+    assert ">pass</td>" in row_of(page, "accuracy") and "at least 0.0010" in row_of(page, "accuracy")
+    assert "Refused by the gate" in page
+
+
+@pytest.mark.parametrize(("ours", "theirs", "gate", "verdict"), [
+    (0.91, 0.90, GateConfig(task="multiclass", guards={}), "pass"),  # improves by 0.01 >= 0.001
+    (0.9005, 0.90, GateConfig(task="multiclass", guards={}), "fail"),  # below min_improvement
+    (0.90, 0.90, GateConfig(task="multiclass", guards={}), "fail"),  # a tie never promotes
+    (0.85, 0.90, GateConfig(task="multiclass", guards={}), "fail"),  # worse
+    (0.85, None, GateConfig(task="multiclass"), "pass"),  # no champion: meets the floor 0.8
+    (0.75, None, GateConfig(task="multiclass"), "fail"),  # misses it
+])
+def test_the_primary_verdict_is_the_gates(ours: float, theirs: float | None, gate: GateConfig, verdict: str) -> None:
+    challenger = scores(ours, 0.3, 0.9, [[1, 0, 0], [0, 1, 0], [0, 0, 1]])
+    champion = {"version": "1", **scores(theirs, 0.3, 0.9, [[1, 0, 0], [0, 1, 0], [0, 0, 1]])} if theirs else None
+    evaluated = result(challenger, champion, gate)
+    (accuracy,) = [r for r in decision_page.metric_rows(evaluated) if r["metric"] == "accuracy"]
+    assert accuracy["verdict"] == verdict and evaluated["passed"] == (verdict == "pass"), accuracy
+    if champion is None:  # guards are not checked without a champion
+        assert {r["verdict"] for r in decision_page.metric_rows(evaluated) if r["role"] == "guard"} == {""}
+
+
+def test_confusion_matrices_side_by_side_with_their_difference_and_the_recall_deltas() -> None:
+    page = decision_page.render(result(CHALLENGER, CHAMPION, GateConfig(task="multiclass")))
+    # A cell: its count as text, and its tooltip naming the true and the predicted class (escaped).
+    assert "<title>true b, predicted a: 1</title>" in page  # the challenger's
+    assert "<title>true b, predicted a: 3</title>" in page  # the champion's
+    assert "<title>true b, predicted a: -2</title>" in page  # the difference: two fewer mistakes
+    assert "<title>true b, predicted b: +2</title>" in page
+    assert "champion v3: confusion matrix" in page and "difference (challenger − champion)" in page
+    # Recall of b: 8/10 vs 6/10 -> +0.200; of a: 1.0 vs 0.9 -> +0.100.
+    assert "<title>b recall change: +0.200</title>" in page and "<title>a recall change: +0.100</title>" in page
+
+
+def test_without_a_champion_the_challenger_is_shown_alone() -> None:
+    page = decision_page.render(result(CHALLENGER, None, GateConfig(task="multiclass")))
+    assert "challenger: confusion matrix" in page and "difference" not in page
+    assert "per-class recall (no champion to compare with)" in page and "no champion to compare with" in page
+
+
+def test_names_from_the_data_are_escaped_everywhere() -> None:
+    columns = [{"column": HOSTILE, "distance": 0.5, "outside": 0.25, "outside_champion": 0.0}]
+    worst = {"column": HOSTILE, "edges": [0.0, 1.0, 2.0], "train": [0.5, 0.5], "tonight": [0.0, 1.0]}
+    evaluated = result(CHALLENGER, CHAMPION, GateConfig(task="multiclass"), drift_columns=columns, worst=worst,
+                       reasons=[f"a reason quoting {HOSTILE}"], model_name=HOSTILE)
+    page = decision_page.render(evaluated)
+    assert "<script" not in page.lower()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert f'<meta http-equiv="Content-Security-Policy" content="{html.escape(decision_page.CSP)}">' in page
+
+
+def test_drift_bars_and_the_worst_feature_drawn() -> None:
+    columns = [{"column": f"f{i}", "distance": 1 - i / 30, "outside": 0.0, "outside_champion": 0.1}
+               for i in range(25)]
+    worst = {"column": "f0", "edges": [0.0, 1.0, 2.0], "train": [0.75, 0.25], "tonight": [0.25, 0.75]}
+    page = decision_page.render(result(CHALLENGER, CHAMPION, GateConfig(task="multiclass"), drift_columns=columns,
+                                       worst=worst))
+    assert "the 20 most drifted of 25 features" in page
+    assert "<title>f0 KS distance: 1.000</title>" in page and "<title>f19 KS distance: 0.367</title>" in page
+    assert "<title>f20 KS distance" not in page  # drawn: the worst 20; listed: all
+    assert "<td>f24</td>" in page
+    assert "worst: f0" in page and "<title>training split: 0.5, 0.75</title>" in page
+    assert "<title>test split: 1.5, 0.75</title>" in page
+
+
+def test_training_curves_of_both_runs() -> None:
+    curves = {"challenger": {"val_loss": [[1, 0.9], [2, 0.5]], "val_accuracy": [[1, 0.6], [2, 0.8]]},
+              "champion": {"val_loss": [[1, 1.0], [2, 0.7]]}}
+    page = decision_page.render(result(CHALLENGER, CHAMPION, GateConfig(task="multiclass"), curves=curves))
+    assert "<title>val_loss: 2, 0.5</title>" in page and "<title>val_loss (champion): 2, 0.7</title>" in page
+    assert "<title>val_accuracy: 2, 0.8</title>" in page
+    assert "stroke-dasharray" in page  # the champion's run dashed
+    empty = decision_page.render(result(CHALLENGER, CHAMPION, GateConfig(task="multiclass")))
+    assert "logged no per-epoch metrics" in empty
+
+
+def test_regression_shows_residuals_not_confusion_matrices() -> None:
+    target, predicted = np.array([10.0, 20.0, 30.0]), np.array([12.0, 18.0, 30.0])
+    sample = decision_page.residual_sample(target, predicted)
+    assert sample == {"predicted": [12.0, 18.0, 30.0], "residual": [-2.0, 2.0, 0.0]}
+    ours = {"rmse": 1.63, "mae": 1.33, "r2": 0.9, "rows": 3, "residuals": sample}
+    theirs = {"version": "2", "rmse": 2.0, "mae": 1.5, "r2": 0.8, "rows": 3, "residuals": sample}
+    page = decision_page.render(result(ours, theirs, GateConfig(task="regression")))
+    assert "challenger: residuals (rmse 1.6300)" in page and "champion v2: residuals (rmse 2.0000)" in page
+    assert "<title>challenger: 12, -2</title>" in page and "confusion" not in page
+    assert ">pass</td>" in row_of(page, "rmse")
+
+
+def test_the_residual_sample_is_bounded_and_evenly_spaced() -> None:
+    target = np.arange(10_000, dtype=np.float64)
+    sample = decision_page.residual_sample(target, target - 1)
+    assert len(sample["predicted"]) == decision_page.RESIDUAL_POINTS
+    assert sample["predicted"][0] == -1 and sample["predicted"][-1] == 9998 and set(sample["residual"]) == {1.0}
+
+
+def test_ks_distance_is_scipys_statistic() -> None:
+    from scipy.stats import ks_2samp
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=300), rng.normal(0.3, 1.2, size=200)
+    assert decision_page.ks_distance(a, b) == pytest.approx(ks_2samp(a, b).statistic)
+    assert decision_page.ks_distance(a, a) == 0.0
+    assert decision_page.ks_distance(np.zeros(5), np.ones(5)) == 1.0
+    assert np.isnan(decision_page.ks_distance(np.array([np.nan]), a))
+
+
+def test_page_path_takes_only_ids(nightshift_home: Any) -> None:
+    path = decision_page.page_path("wine_retrain", "0123abcd")
+    assert path == nightshift_home / "decisions" / "wine_retrain" / "0123abcd" / "decision.html"
+    for dag_id, run_id in (("..", "x"), ("a/b", "x"), ("ok", ".."), ("ok", "a/b"), ("ok", "")):
+        with pytest.raises(UsageError, match="is not"):
+            decision_page.page_path(dag_id, run_id)
+
+
+def test_ticks_are_round_numbers() -> None:
+    assert svg.ticks(0.0, 1.0) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert svg.ticks(0.93, 0.97, 4) == pytest.approx([0.94, 0.96])
+    assert svg.ticks(-3.0, 7.0) == [-2.5, 0.0, 2.5, 5.0]
+    assert svg.ticks(5.0, 5.0) == [5.0]

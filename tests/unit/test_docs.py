@@ -1,0 +1,168 @@
+"""The documentation site (mkdocs.yml, docs/, the reference pages scripts/gen_reference.py generates at each build).
+
+The reference is generated from the sources of truth; these tests walk the same sources on their own (the argparse
+parsers, the JSON Schema, the operator's config dataclasses, nightshift/settings.py) and fail when one thing there
+has no generated entry, and when the built site lacks it. The README is the front door: short, its links alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scripts import gen_reference
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sections(page: str) -> dict[str, str]:
+    """Each heading's code span (`## `name``) and the text below it up to the next heading."""
+    found: dict[str, str] = {}
+    for match in re.finditer(r"^#+ `([^`]+)`\n(.*?)(?=^#+ |\Z)", page, re.M | re.S):
+        found[match[1]] = match[2]
+    return found
+
+
+# --- the sources, walked here on their own -----------------------------------------------------------
+
+
+def settings_variables() -> set[str]:
+    return set(re.findall(r"NIGHTSHIFT_[A-Z0-9_]*[A-Z0-9]", (REPO / "nightshift" / "settings.py").read_text()))
+
+
+def parsers(parser: argparse.ArgumentParser, prefix: str = "nightshift"
+            ) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield f"{prefix} {name}", sub
+                yield from parsers(sub, f"{prefix} {name}")
+
+
+def schema_paths(node: dict, prefix: str = "") -> Iterator[str]:
+    """Every key a declaration may hold, as a dotted path: properties, also those inside allOf/oneOf/anyOf/then."""
+    branches = [node, *node.get("allOf", []), *node.get("oneOf", []), *node.get("anyOf", [])]
+    branches += [node[key] for key in ("then", "else") if isinstance(node.get(key), dict)]
+    for branch in branches:
+        for key, sub in branch.get("properties", {}).items():
+            yield f"{prefix}{key}"
+            yield from schema_paths(sub, f"{prefix}{key}.")
+
+
+@pytest.fixture(scope="module")
+def pages() -> dict[str, str]:
+    return gen_reference.pages()
+
+
+def test_every_settings_variable_has_an_entry(pages: dict[str, str]) -> None:
+    variables = settings_variables()
+    assert "NIGHTSHIFT_HOME" in variables and len(variables) >= 10
+    documented = sections(pages["reference/environment.md"])
+    missing = sorted(variables - set(documented))
+    assert not missing, f"nightshift/settings.py reads {missing}, which reference/environment.md lacks"
+    # settings.py's docstrings say what a variable is for
+    assert "ReadWriteMany" in documented["NIGHTSHIFT_SHARED_PVC"]
+
+
+def test_a_variable_read_anywhere_in_the_code_has_an_entry(pages: dict[str, str]) -> None:
+    documented = set(sections(pages["reference/environment.md"]))
+    for name in ("NIGHTSHIFT_RETRAIN_CRON", "NIGHTSHIFT_TRAINER_IMAGE", "NIGHTSHIFT_GIT_COMMIT", "NIGHTSHIFT_CACHE",
+                 "NIGHTSHIFT_VENV_BIN", "NIGHTSHIFT_INSTANCE", "NIGHTSHIFT_ARTIFACTS"):
+        assert name in documented
+    # names that only appear in examples of what is redacted are not variables the project reads
+    assert "NIGHTSHIFT_GITHUB_PAT" not in documented
+
+
+def test_every_cli_command_and_flag_has_an_entry(pages: dict[str, str]) -> None:
+    from nightshift.cli import build_parser
+
+    documented = sections(pages["reference/cli.md"])
+    commands = dict(parsers(build_parser()))
+    assert {"nightshift plan", "nightshift run-mpijob", "nightshift suite init", "nightshift train"} <= set(commands)
+    for command, parser in commands.items():
+        assert command in documented, f"{command} has no section in reference/cli.md"
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            for flag in action.option_strings:
+                assert re.search(rf"`{re.escape(flag)}[ `,]", documented[command]), f"{command} {flag} is missing"
+
+
+def test_every_schema_key_has_an_entry(pages: dict[str, str]) -> None:
+    schema = json.loads((REPO / "nightshift" / "pipelines" / "pipeline.schema.json").read_text())
+    keys = set(schema_paths(schema))
+    assert {"dag_id", "dataset.loader", "gate.primary", "retention.keep_runs", "training.backend"} <= keys
+    missing = sorted(keys - set(sections(pages["reference/pipeline.md"])))
+    assert not missing, f"pipeline.schema.json has {missing}, which reference/pipeline.md lacks"
+
+
+def test_every_operator_argument_has_an_entry(pages: dict[str, str]) -> None:
+    from operators.horovod_config import CONFIG_TYPES
+
+    page = pages["reference/operator.md"]
+    for group, kind in CONFIG_TYPES.items():
+        section = page.split(f"## `{group}`: `{kind.__name__}`", 1)[1].split("\n## ", 1)[0]
+        for field in dataclasses.fields(kind):  # type: ignore[arg-type]
+            assert f"- **`{field.name}`** (" in section, f"{kind.__name__}.{field.name} is missing"
+    assert "templated" in page and "{{ params.workers }}" in page
+
+
+def test_markdown_escaping_keeps_code_spans_and_stops_html() -> None:
+    assert gen_reference.text("a <job> of `<pod>` *x*") == r"a &lt;job&gt; of `<pod>` \*x\*"
+
+
+def test_the_readme_is_a_front_door_whose_links_resolve() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert "make demo" in readme and "make test" in readme
+    links = re.findall(r"\]\(([^)#]+)", readme)
+    assert links
+    for link in links:
+        if not link.startswith("http"):
+            assert (REPO / link).exists(), f"README links to {link}, which does not exist"
+
+
+def test_every_page_of_docs_is_in_the_nav() -> None:
+    nav = (REPO / "mkdocs.yml").read_text()
+    pages = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")}
+    for page in pages:
+        assert f": {page}" in nav, f"docs/{page} is not in mkdocs.yml's nav"
+    for generated in gen_reference.GENERATED:
+        assert f": {generated}" in nav and generated not in pages
+
+
+def test_the_pages_that_move_from_the_readme_say_what_the_tests_hold() -> None:
+    """Facts other tests check in the docs (the registry table, the Secrets) live on these pages."""
+    assert "| `operators.backends` |" in (REPO / "docs" / "concepts" / "backends.md").read_text()
+    assert "## From `make demo` to a cluster" in (REPO / "docs" / "how-to" / "kubernetes.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_built_site_holds_every_generated_entry(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    environment = (site / "reference" / "environment.html").read_text()
+    for name in settings_variables():
+        assert f"<code>{name}</code>" in environment
+    cli = (site / "reference" / "cli.html").read_text()
+    assert "<code>nightshift run-mpijob</code>" in cli and "--against" in cli
+    assert "<code>retention.keep_runs</code>" in (site / "reference" / "pipeline.html").read_text()
+    assert "<code>kueue_queue</code>" in (site / "reference" / "operator.html").read_text()
+    first = (REPO / "bench" / "RESULTS.md").read_text().splitlines()[0].lstrip("# ")
+    assert first in (site / "benchmarks.html").read_text()  # included, not copied
+    for page in site.rglob("*.html"):
+        html = page.read_text()
+        assert not re.search(r"<script[^>]+src=\"(https?:)?//", html), f"{page} loads a script from another origin"
+        assert "fonts.googleapis" not in html and "fonts.gstatic" not in html, f"{page} loads Google Fonts"
