@@ -80,7 +80,7 @@ bench: setup
 # local version label, so that the CPU (+cpu) and CUDA (+cu128) builds of that version both satisfy it.
 constraints: setup
 	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable \
-		| grep -v -i -e '^horovod==' -e '^nightshift[= @]' | sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > constraints.txt.new
+		| grep -v -i -e '^horovod[= @]' -e '^nightshift[= @]' | sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 lint: setup
