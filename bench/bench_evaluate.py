@@ -42,8 +42,12 @@ def beyond_guard(model: Any, frame: Any) -> bool:
 
 
 def main() -> None:
-    home = Path(tempfile.mkdtemp(prefix="bench-evaluate-"))
-    os.environ["NIGHTSHIFT_HOME"] = str(home)
+    with tempfile.TemporaryDirectory(prefix="bench-evaluate-") as tmp:
+        os.environ["NIGHTSHIFT_HOME"] = tmp
+        run(Path(tmp))
+
+
+def run(home: Path) -> None:
     import mlflow.pyfunc
 
     from bench.bench_suite import LABEL, heavy_tailed

@@ -86,12 +86,14 @@ def discrete(frame: pd.DataFrame, column: str) -> bool:
     return frame[column].nunique() <= DISCRETE_VALUES
 
 
-def share_drift(values: pd.Series, rng: np.random.Generator) -> pd.Series:
-    """Gradual drift of a discrete column: a change of its shares, never a value it did not hold. Rows step up to
-    the next of the column's values, the same fraction f of each value's rows; f is the largest that moves no
-    value's share by more than a quarter of its own standard deviation sqrt(p(1 - p)) (for a two-valued column:
-    the mean moves by a quarter of its standard deviation, the size of the continuous columns' drift)."""
-    distinct, counts = np.unique(values.to_numpy(), return_counts=True)
+def share_drift(values: pd.Series, population: pd.Series, rng: np.random.Generator) -> pd.Series:
+    """Gradual drift of a discrete column: a change of its shares, never a value it does not hold. Rows step up to
+    the next of the column's values in `population` (the whole table), the same fraction f of each value's rows;
+    f is the largest that moves no value's population share by more than a quarter of its own standard deviation
+    sqrt(p(1 - p)) (for a two-valued column: the mean moves by a quarter of its standard deviation, the size of the
+    continuous columns' drift). The shares are the population's, not the file's: a file that holds a rare value
+    twice as often by chance must not have its chance doubled again."""
+    distinct, counts = np.unique(population.to_numpy(), return_counts=True)
     shares = counts / counts.sum()
     per_f = -shares.copy()                 # each value's change of share per unit of f
     per_f[-1] = 0.0
@@ -131,7 +133,8 @@ def baseline_module() -> types.ModuleType:
     return module
 
 
-def corrupt(kind: str, frame: pd.DataFrame, column: str, rng: np.random.Generator) -> pd.DataFrame:
+def corrupt(kind: str, frame: pd.DataFrame, column: str, rng: np.random.Generator,
+            population: pd.DataFrame) -> pd.DataFrame:
     bad = frame.copy()
     if kind == "constant":
         bad[column] = bad[column].median()
@@ -147,7 +150,7 @@ def corrupt(kind: str, frame: pd.DataFrame, column: str, rng: np.random.Generato
     elif kind == "drift":
         bad[column] = bad[column] + 0.25 * frame[column].std()
     elif kind == "drift_discrete":
-        bad[column] = share_drift(frame[column], rng)
+        bad[column] = share_drift(frame[column], population[column], rng)
     return bad
 
 
@@ -243,11 +246,12 @@ def run_table(name: str, nights: int, corrupt_nights: int, baseline_nights: int,
             whole_sample = pd.concat([part for _, part in sample], ignore_index=True)
             for kind in kinds:
                 _, part = fresh[int(rng.integers(len(fresh)))]
-                candidates = columns_for(kind, whole_sample, features, frame)
+                # a column that varies in the split it corrupts (x1000 or a median of a constant changes nothing)
+                candidates = [c for c in columns_for(kind, whole_sample, features, frame) if part[c].nunique() > 1]
                 if not candidates:
                     continue
                 column = str(rng.choice(candidates))
-                failures = validator.failures(corrupt(kind, part, column, rng), suite)
+                failures = validator.failures(corrupt(kind, part, column, rng, frame), suite)
                 tally[kind].append(int(bool(failures)))
                 named[kind].append(int(caught(kind, failures, column)))
                 if kind in DRIFTS:
@@ -273,7 +277,12 @@ def run_table(name: str, nights: int, corrupt_nights: int, baseline_nights: int,
 
 
 def main() -> None:
-    os.environ.setdefault("NIGHTSHIFT_HOME", tempfile.mkdtemp(prefix="bench-suite-"))
+    with tempfile.TemporaryDirectory(prefix="bench-suite-") as home:
+        os.environ.setdefault("NIGHTSHIFT_HOME", home)
+        run(home)
+
+
+def run(home: str) -> None:
     from nightshift.data.suite_init import build_suite
 
     nights = int(os.environ.get("NIGHTSHIFT_BENCH_SUITE_NIGHTS", "100"))
@@ -286,10 +295,9 @@ def main() -> None:
         old = baseline_module()
         drawers["baseline"] = lambda frames, task: old.build_suite(frames, LABEL, "baseline")
     wanted = [a for a in sys.argv[1:] if a in TABLES] or list(TABLES)
-    with tempfile.TemporaryDirectory() as tmp:
-        validator = Validator(Path(tmp))
-        summary = {name: run_table(name, nights, corrupt_nights, baseline_nights, drawers, validator, Path(tmp),
-                                   first) for name in wanted}
+    validator = Validator(Path(home))
+    summary = {name: run_table(name, nights, corrupt_nights, baseline_nights, drawers, validator, Path(home), first)
+               for name in wanted}
     print(json.dumps(summary, indent=1))
 
 

@@ -45,7 +45,11 @@ with DAG(
         dags = Path(conf.get("core", "dags_folder"))
         declared = [dags, Path(os.environ.get("NIGHTSHIFT_PIPELINES") or dags.parent / "pipelines")]
         result = clean(settings.airflow_db_retention_days(), floor_days=resume_floor_days(declared))
-        logging.getLogger(__name__).info("airflow db clean before %s:\n%s", result["before"], result["output"])
+        log = logging.getLogger(__name__)
+        if result["held_by"]:  # a run stuck unfinished holds every row after it: say which
+            log.warning("rows from %s on are kept for runs unfinished or still resumable: %s", result["before"],
+                        "; ".join(result["held_by"]))
+        log.info("airflow db clean before %s:\n%s", result["before"], result["output"])
         return {k: v for k, v in result.items() if k != "output"}
 
     @task

@@ -38,6 +38,7 @@ RESIDUAL_POINTS = 400  # of the evaluated rows, evenly spaced: enough to see a r
 DRIFT_ROWS = 20_000  # per split and column, evenly spaced, for the distribution distance
 DRAWN_COLUMNS = 20  # the worst columns drawn as bars; the table below lists every column
 BINS = 20
+GONE = frozenset({"RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "PERMISSION_DENIED"})  # MLflow's error codes
 CHALLENGER, CHAMPION = "#ef6c00", "#1565c0"
 
 
@@ -79,7 +80,8 @@ def _spaced(values: np.ndarray) -> np.ndarray:
 
 def column_drift(data_dir: str | Path, split: str, label_column: str, result: dict[str, Any]
                  ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """(each numeric feature's drift, worst first; the worst column's two histograms, or None). A feature's
+    """(each numeric feature's drift, worst first; the worst column's two histograms, or None). The features:
+    the challenger's (`evaluate`'s drift names them), else every column but the label. A feature's
     drift: the KS distance between the training split and `split`, and the shares of rows outside the
     challenger's and the champion's training ranges (`evaluate`'s figures)."""
     import numpy as np
@@ -87,13 +89,15 @@ def column_drift(data_dir: str | Path, split: str, label_column: str, result: di
     from nightshift.datasets import read_split_frame
 
     train, tonight = read_split_frame(data_dir, "train"), read_split_frame(data_dir, split)
-    outside = ((result.get("challenger") or {}).get("drift") or {}).get("columns") or {}
+    drift = (result.get("challenger") or {}).get("drift") or {}
+    outside = drift.get("columns") or {}
+    features = set(drift["features"]) if drift.get("features") else None  # else: every column but the label
     theirs = ((result.get("champion") or {}).get("drift") or {}).get("columns") or {}
     has_champion = result.get("champion") is not None
     columns: list[dict[str, Any]] = []
     for column in tonight.columns:
-        if column == label_column or column not in train.columns:
-            continue
+        if column == label_column or column not in train.columns or (features and str(column) not in features):
+            continue  # an id, a timestamp the model never reads: its drift is no model's
         try:
             reference = _spaced(train[column].to_numpy(np.float64))
             current = _spaced(tonight[column].to_numpy(np.float64))
@@ -110,6 +114,8 @@ def column_drift(data_dir: str | Path, split: str, label_column: str, result: di
     reference, current = (frame[worst].to_numpy(np.float64) for frame in (train, tonight))
     reference, current = reference[np.isfinite(reference)], current[np.isfinite(current)]
     low, high = float(min(reference.min(), current.min())), float(max(reference.max(), current.max()))
+    if not math.isfinite(high - low):  # values near ±1.8e308 (a sentinel): no bins span them; the table has it
+        return columns, None
     edges = np.linspace(low, high if high > low else low + 1.0, BINS + 1)
     return columns, {"column": worst, "edges": edges.tolist(),
                      "train": (np.histogram(reference, edges)[0] / len(reference)).tolist(),
@@ -143,9 +149,19 @@ def gather(result: dict[str, Any], *, data_dir: str | Path, label_column: str) -
     page["curves"]["challenger"] = training_curves(str(result["run_id"]))
     champion = result.get("champion")
     if champion is not None:
+        from mlflow.exceptions import MlflowException
+
         version = tracking.client().get_model_version(str(result["model_name"]), str(champion["version"]))
-        if version.run_id:
-            page["curves"]["champion"] = training_curves(str(version.run_id))
+        try:
+            if version.run_id:
+                page["curves"]["champion"] = training_curves(str(version.run_id))
+        except MlflowException as err:
+            # The champion's training run is gone (`mlflow gc`) or not ours to read, while its model still
+            # serves: every night would fail on it until a challenger won, and none can win if evaluate fails.
+            if err.error_code not in GONE:
+                raise
+            page["curves_note"] = (f"the champion's training run {version.run_id} cannot be read "
+                                   f"({err.error_code}): its curves are not drawn")
     return page
 
 
@@ -219,6 +235,9 @@ def metric_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                 rule += "; not checked without a champion"
         else:
             role, rule, verdict = "reported", f"not gated ({better} is better)", ""
+        broken = next((r for r in reasons if r.startswith("the challenger's ")), "") if name in challenger else ""
+        if broken and not svg.finite(ours):  # decide rejects a challenger with any metric not a finite number
+            verdict, said = "fail", broken
         rows.append({"metric": name, "role": role, "challenger": ours, "champion": theirs, "change": change,
                      "rule": rule, "verdict": verdict, "reason": said})
     return rows
@@ -399,7 +418,8 @@ def _curves(page: dict[str, Any]) -> str:
                                          marker="triangle", dashed=True))
         if series:
             plots.append(svg.plot(series, title=title, x_label="epoch", y_label="value", width=520))
+    note = f"<p class='note'>{svg.text(page['curves_note'])}</p>" if page.get("curves_note") else ""
     if not plots:
-        return "<h2>Training</h2><p class='note'>The training runs logged no per-epoch metrics.</p>"
+        return f"<h2>Training</h2><p class='note'>The training runs logged no per-epoch metrics.</p>{note}"
     return ("<h2>Training</h2><p class='note'>Per-epoch metrics the trainer logged; the champion's run dashed.</p>"
-            + _figures(*plots))
+            + note + _figures(*plots))

@@ -189,7 +189,7 @@ def _predict(model: Any, frame: Any, where: str = "the split") -> Any:
 def outside_training_range(model: Any, frame: Any) -> dict[str, Any] | None:
     """Drift, as a figure: the share of `frame`'s rows with a value outside the range the model saw in training
     (a tabular model's train-split [min, max]; the demo's domain bounds), per column (those with any) and for
-    rows with any such column. None for a model that records no range."""
+    rows with any such column; `features`: the columns the model reads. None for a model that records no range."""
     classifier = _classifier(model)
     if classifier is None or len(frame) == 0:
         return None
@@ -206,7 +206,7 @@ def outside_training_range(model: Any, frame: Any) -> dict[str, Any] | None:
     outside = (values < low) | (values > high)
     shares = outside.mean(axis=0)
     return {"rows": float(outside.any(axis=1).mean()),
-            "columns": {c: float(v) for c, v in zip(columns, shares, strict=True) if v > 0}}
+            "columns": {c: float(v) for c, v in zip(columns, shares, strict=True) if v > 0}, "features": columns}
 
 
 def predict_proba(model_uri: str, frame: Any) -> np.ndarray:

@@ -6,7 +6,8 @@ pipeline's experiment, served-model folders) and what refers to it (the run ledg
 removing it reads the references again and removes only what a fresh plan still lets go, and an MLflow run only
 when no registered version of any model names it; anything that fails to be removed raises GcFailed naming it.
 Then the dataset versions (`nightshift.data.collect`): those the plan lets go once the workspaces are gone, planned
-again under the staging lock with the registry and the workspaces read afresh, leave the DVC cache and remote.
+again under the staging lock with the registry and the workspaces read afresh, leave the DVC cache (and the
+remote, when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is this machine's alone).
 """
 
 from __future__ import annotations
@@ -294,14 +295,20 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float,
         items = data.inventory(now)
         if not items:
             return []
-        decisions = plan(items, _data_facts(leaving), policy)
-        if not any(d.remove for d in decisions):
-            return decisions
+        try:
+            decisions = plan(items, _data_facts(leaving), policy)
+            if not any(d.remove for d in decisions):
+                return decisions
+        except data.DataCollectionFailed:
+            pass  # read without the lock: a staging may be writing a workspace's record; read it again under it
         with data.store() as opened:
             items = data.inventory(now)  # under the lock: no staging records or uses a version meanwhile
             decisions = plan(items, _data_facts(leaving), policy)
             freed = data.objects_to_remove(opened, [d.item.ident for d in decisions if d.remove])
-            decisions = [dataclasses.replace(d, item=dataclasses.replace(d.item, size=opened.size(freed[d.item.ident])))
+            where = "" if opened.exclusive else ("; from the staging cache only: the DVC remote is kept (it may be "
+                                                 "shared; NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 collects it too)")
+            decisions = [dataclasses.replace(d, reason=d.reason + where,
+                                             item=dataclasses.replace(d.item, size=opened.size(freed[d.item.ident])))
                          if d.remove else d for d in decisions]
             if not dry_run:
                 for decision in (d for d in decisions if d.remove):

@@ -11,7 +11,8 @@ Airflow, so the rows are cleaned by the `airflow` command of this environment, a
 - `prune_logs(folder, days)` removes the files under Airflow's `base_log_folder` last written over `days` ago,
   and the folders that leaves empty. It walks with directory descriptors and never follows a link: a link in
   the folder (to a file or folder anywhere) is neither followed nor removed. A file that cannot be removed is
-  LogPruneFailed naming it.
+  LogPruneFailed naming it. A folder that is not a local absolute path (`s3://...`, a relative path), or that holds
+  NIGHTSHIFT_HOME, AIRFLOW_HOME or the home folder (`/`, `~`), is LogPruneFailed before anything is removed.
 
 Airflow 3 gives a task process no metadata database (AIRFLOW__DATABASE__SQL_ALCHEMY_CONN is replaced by a
 placeholder), so the command gets the database explicitly: NIGHTSHIFT_AIRFLOW_METADATA_CONN when set (a team's
@@ -98,11 +99,16 @@ def clean_metadata(days: float, *, floor_days: float = 0.0, dry_run: bool = Fals
     declarations) when that is longer. Returns {"before", "days", "command", "output"}; AirflowCleanFailed when
     the command fails."""
     days = max(float(days), float(floor_days))
-    before = (now or datetime.now(UTC)) - timedelta(days=days)
+    now = now or datetime.now(UTC)
+    url = url or metadata_url()
+    before = now - timedelta(days=days)
+    held = _held_runs(url, now - timedelta(days=float(floor_days)))
+    if held:
+        before = min(before, min(started for started, _ in held.values()) - timedelta(seconds=1))
     command = [airflow_command(), "db", "clean", "--clean-before-timestamp", before.isoformat(timespec="seconds"),
                "--skip-archive", "--yes", "--error-on-cleanup-failure", *(["--dry-run"] if dry_run else [])]
     env = {k: v for k, v in os.environ.items() if k != "_AIRFLOW_PROCESS_CONTEXT"}
-    env[CONN_ENV] = url or metadata_url()
+    env[CONN_ENV] = url
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=CLEAN_TIMEOUT_S,
                               check=False)
@@ -114,14 +120,75 @@ def clean_metadata(days: float, *, floor_days: float = 0.0, dry_run: bool = Fals
         tail = "\n".join(output.splitlines()[-15:])
         raise AirflowCleanFailed(f"`airflow db clean --clean-before-timestamp {command[4]}` exited with status "
                                  f"{done.returncode}:\n{tail}")
-    return {"before": command[4], "days": days, "command": " ".join(command[1:]), "output": output[-4000:]}
+    return {"before": command[4], "days": days, "command": " ".join(command[1:]), "output": output[-4000:],
+            "held_by": sorted(f"{dag_id} {run_id} ({state})" for (dag_id, run_id), (_, state) in held.items())}
+
+
+# A dag run whose rows stay: not finished (running, queued, deferred tasks...), or failed since the resume floor.
+HELD_RUNS = """
+SELECT dr.dag_id, dr.run_id, dr.state, MIN(COALESCE(ti.start_date, dr.start_date)), MIN(dr.start_date)
+FROM dag_run dr LEFT JOIN task_instance ti ON ti.dag_id = dr.dag_id AND ti.run_id = dr.run_id
+WHERE dr.state IS NULL OR dr.state NOT IN ('success', 'failed') OR (dr.state = 'failed' AND dr.end_date >= :resume)
+GROUP BY dr.dag_id, dr.run_id, dr.state
+"""
+
+
+def _held_runs(url: str, resume: datetime) -> dict[tuple[str, str], tuple[datetime, str]]:
+    """(dag_id, run_id) -> (the earliest start of it or of its task instances, its state) for each run `airflow db
+    clean` must leave whole: it takes a dag_run and a task_instance by start_date alone, whatever their state
+    (airflow/utils/db_cleanup.py), so the cut-off goes before the earliest of them."""
+    from sqlalchemy import create_engine, text
+
+    try:
+        engine = create_engine(url)
+        try:
+            with engine.connect() as db:
+                rows = db.execute(text(HELD_RUNS), {"resume": resume}).all()
+        finally:
+            engine.dispose()
+    except Exception as err:
+        raise AirflowCleanFailed(f"reading the unfinished and resumable runs of the metadata database failed "
+                                 f"({type(err).__name__}: {redact(str(err))}); nothing was cleaned: which rows a "
+                                 f"resume needs cannot be told") from err
+    held = {}
+    for dag_id, run_id, state, first_task, started in rows:
+        first = min((_aware(t) for t in (first_task, started) if t is not None), default=None)
+        if first is not None:
+            held[(str(dag_id), str(run_id))] = (first, str(state))
+    return held
+
+
+def _aware(when: Any) -> datetime:
+    """A timestamp from the database (SQLite gives naive UTC ones, or text) as an aware datetime."""
+    value = when if isinstance(when, datetime) else datetime.fromisoformat(str(when))
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _log_root(folder: str | Path) -> Path:
+    """The folder to prune: `folder` (Airflow's base_log_folder) resolved, when it is a local absolute path that
+    holds none of the state a rollback, a resume or the lineage page needs; LogPruneFailed otherwise."""
+    given = os.path.expanduser(str(folder))
+    if "://" in given or not os.path.isabs(given):
+        raise LogPruneFailed(f"[logging] base_log_folder {folder!r} is not a local absolute path (a remote logging "
+                             f"URL belongs in remote_base_log_folder, and a relative one depends on the folder a "
+                             f"task runs in): no task log was pruned; set it to the absolute folder the task logs "
+                             f"are written to")
+    # The configured folder may itself be a link (onto another disk): walk its target. Below it, no link is followed.
+    root = Path(os.path.realpath(given))
+    for name, kept in (("NIGHTSHIFT_HOME", settings.home()), ("AIRFLOW_HOME", settings.airflow_home()),
+                       ("the home folder", Path.home())):
+        if Path(os.path.realpath(kept)).is_relative_to(root):
+            raise LogPruneFailed(f"[logging] base_log_folder {folder} holds {name} ({kept}): pruning every file "
+                                 f"there unwritten for days would take its run ledgers, dataset versions and "
+                                 f"configuration too; no task log was pruned: give the task logs a folder of their "
+                                 f"own (Airflow's default is AIRFLOW_HOME/logs)")
+    return root
 
 
 def prune_logs(folder: str | Path, days: float, *, now: float | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Remove the files under `folder` last written over `days` ago, and the folders that leaves empty; links are
     neither followed nor removed. Returns {"folder", "removed", "removed_bytes", "kept", "links"}."""
-    # The configured folder may itself be a link (onto another disk): walk its target. Below it, no link is followed.
-    root = Path(os.path.realpath(folder))
+    root = _log_root(folder)
     if not root.is_dir():
         return {"folder": str(root), "removed": [], "removed_bytes": 0, "kept": 0, "links": 0}
     cutoff = (time.time() if now is None else now) - float(days) * DAY

@@ -20,7 +20,8 @@ What a pipeline leaves behind, and what refers to it (found in the code, issue 3
   rolling back, or retraining it, pulls that version, so it is never collected; nor is a version a workspace under
   `workspaces_dir()` stages (a run kept above, or one running). Any other version goes `data_versions_days` after
   its last use (its first staging, or the newest ledger record of any pipeline naming it). The objects it shares with
-  a version that stays stay too (`nightshift.data.collect`).
+  a version that stays stay too, and the remote is collected only when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is
+  this machine's alone (`nightshift.data.collect`).
 
 `plan` takes an inventory (`Item`s) and what refers to it (`Facts`) and returns a `Decision` per item.
 """

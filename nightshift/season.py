@@ -107,10 +107,12 @@ def season_svg(records: Sequence[dict[str, Any]]) -> str:
 
     parts = [_metric_panel(entries, name, px), _strip(entries, px), _data_panel(entries, px, step)]
     marks = max(1, len(entries) // 12)
+    days = [e["when"][5:10] for e in entries]
+    same_day = len(set(days)) < len(days)  # runs by hand between the nights: the time tells them apart
     for i, entry in enumerate(entries):
         if i % marks == 0:
-            parts.append(f"<text x='{px(i):.1f}' y='{HEIGHT - 12}' text-anchor='middle'>"
-                         f"{svg.text(entry['when'][5:10])}</text>")
+            label = entry["when"][5:16].replace("T", " ") if same_day else days[i]
+            parts.append(f"<text x='{px(i):.1f}' y='{HEIGHT - 12}' text-anchor='middle'>{svg.text(label)}</text>")
     legend = svg.legend([("champion", CHAMPION, "circle"),
                          *((kind, color, shape) for kind, (color, shape, _) in DECISIONS.items())], LEFT, 32)
     title = f"{name} night by night, decisions and data (oldest left, {len(entries)} runs)"

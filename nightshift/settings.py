@@ -84,6 +84,21 @@ def dvc_remote() -> str:
     return os.environ.get("NIGHTSHIFT_DVC_REMOTE") or str(home() / "dvc-remote")
 
 
+def dvc_remote_exclusive() -> bool:
+    """NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1: the DVC remote holds only what this machine's staging pushed, so `nightshift
+    gc` may remove dataset versions from it. Unset (the default), gc collects the staging cache only: a remote is
+    often shared (the repository's `.dvc/config` names `~/.nightshift/dvc-remote`, the default remote, and the
+    demo's `dvc repro` output has the very `.dir` that staging it gives), and an object removed there is lost to
+    every `dvc pull` that names it, which no registry or ledger of this machine can tell."""
+    from nightshift.errors import UsageError
+
+    given = os.environ.get("NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE", "").strip()
+    if given not in ("", "0", "1"):
+        raise UsageError(f"NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE={given} is not 0 or 1; set 1 only when nothing but this "
+                         f"machine's staging pushes to NIGHTSHIFT_DVC_REMOTE")
+    return given == "1"
+
+
 def workspaces_dir() -> Path:
     return Path(os.environ.get("NIGHTSHIFT_WORKSPACES") or home() / "workspaces")
 

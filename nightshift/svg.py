@@ -45,7 +45,9 @@ def ticks(low: float, high: float, count: int = 5) -> list[float]:
     """Round values from `low` to `high` (about `count` of them) for an axis."""
     if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
         return [low] if math.isfinite(low) else []
-    raw = (high - low) / max(count - 1, 1)
+    raw = (high - low) / max(count, 1)
+    if not math.isfinite(raw) or raw <= 0:  # a span beyond the largest float, or below the smallest step
+        return [low]
     magnitude = 10 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
     first = math.ceil(low / step - 1e-9) * step

@@ -29,7 +29,7 @@ def add_parser(subparsers: Any) -> None:
 def _plan(args: argparse.Namespace) -> int:
     import contextlib
 
-    from nightshift_plan.plan import PlanError, diff, plan, plan_at_ref, render_yaml, validate_all
+    from nightshift_plan.plan import PlanError, diff, placeholders, plan, plan_at_ref, render_yaml, validate_all
     from operators.validation import ManifestInvalid
 
     try:
@@ -43,6 +43,9 @@ def _plan(args: argparse.Namespace) -> int:
     if unchecked:
         print(f"nightshift plan: not validated (no CRD schema found; set NIGHTSHIFT_SCHEMAS): "
               f"{', '.join(unchecked)}", file=sys.stderr)
+    stand_ins = placeholders(objects)
+    if stand_ins:
+        print(f"nightshift plan: placeholders, filled in at run time: {'; '.join(stand_ins)}", file=sys.stderr)
     if before is None:
         sys.stdout.write(render_yaml(objects))
     else:

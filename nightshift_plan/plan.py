@@ -122,9 +122,21 @@ def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None)
         task.settle()
         backend = task.make_backend("kubernetes" if name == AUTO else name)
         task.check_elastic(backend)  # as execute refuses before submitting: elastic with Kueue, say
-        return [backend.render(task.identity_from(context))]
+        # The namespace as the task resolves it: cluster.namespace, else the connection's, else "default".
+        return [backend.render(task.identity_from(context), backend.run.namespace())]
     except InvalidJobConfig as err:
         raise PlanError(f"{TRAIN_TASK}: {err}") from err
+
+
+def placeholders(objects: list[dict[str, Any]]) -> list[str]:
+    """The stand-in values a plan holds (known only once a run staged its data or recorded its commit)."""
+    import json
+
+    text = json.dumps(objects)
+    return [f"{value} ({what})" for value, what in (
+        (DATASET_VERSION_PLACEHOLDER, "the dataset version stage_dataset records"),
+        (CODE_VERSION_PLACEHOLDER, "the git commit check_changes records"),
+    ) if value in text]
 
 
 def validate_all(objects: list[dict[str, Any]]) -> list[str]:

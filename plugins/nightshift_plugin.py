@@ -456,10 +456,13 @@ def create_app() -> Any:
             target = page_path(dag_id, run_id)
         except UsageError as err:
             raise HTTPException(status_code=404, detail="no such decision page") from err
-        if name != target.name or not target.is_file():
+        # No link below decisions/ is followed (a run's folder linked to another DAG's would show that DAG's
+        # page to this DAG's readers): `evaluate` writes plain folders. decisions/ itself may be a link.
+        real = (home() / "decisions").resolve() / dag_id / run_id / target.name
+        if name != target.name or not target.is_file() or target.resolve() != real:
             raise HTTPException(status_code=404, detail="no such decision page: `evaluate` writes one per night "
                                                         "(decisions/<dag_id>/<MLflow run id>/decision.html)")
-        return FileResponse(target, media_type="text/html", headers=page_headers)
+        return FileResponse(real, media_type="text/html", headers=page_headers)
 
     @search.get("/search/", response_class=HTMLResponse)
     def search_index(request: Request, limit: int = limit_query,  # type: ignore[no-untyped-def]

@@ -282,14 +282,16 @@ def _python_reads(path: Path) -> Iterator[tuple[str, str, int]]:
         tree = ast.parse(path.read_text())
     except (SyntaxError, UnicodeDecodeError):
         return
-    scopes: dict[int, str] = {}
-    for node in ast.walk(tree):
+
+    def visit(node: ast.AST, scope: str) -> Iterator[tuple[str, str, int]]:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            for child in ast.walk(node):
-                scopes.setdefault(id(child), node.name)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and VARIABLE.fullmatch(node.value):
-            yield node.value, scopes.get(id(node), ""), node.lineno
+            scope = scope or node.name  # the outermost function or class
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and VARIABLE.fullmatch(node.value):
+            yield node.value, scope, node.lineno
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child, scope)
+
+    yield from visit(tree, "")
 
 
 _SHELL_USE = re.compile(r"(?<![A-Za-z0-9_])(?:\$\{|\$\(|\$|ENV |ARG |export |- name: )(NIGHTSHIFT_[A-Z0-9_]*[A-Z0-9])"
@@ -331,7 +333,10 @@ def variables() -> dict[str, dict[str, Any]]:
                     settings_docs.setdefault(child.value, doc.split("\n\n")[0])
     for path in sorted(_source_files(), key=lambda p: p != SETTINGS):
         where = str(path.relative_to(REPO))
-        lines = path.read_text(errors="replace").splitlines()
+        content = path.read_text(errors="replace")
+        if "NIGHTSHIFT_" not in content:
+            continue
+        lines = content.splitlines()
         reads = _python_reads(path) if path.suffix == ".py" else _other_reads(path)
         for name, scope, line in reads:
             entry = found.setdefault(name, {"where": {}, "doc": settings_docs.get(name, ""), "code": ""})
@@ -347,10 +352,8 @@ def variables() -> dict[str, dict[str, Any]]:
     return dict(sorted(found.items()))
 
 
-def _pages_mentioning(name: str, docs: Path) -> list[str]:
-    return sorted(str(p.relative_to(docs)) for p in docs.rglob("*.md")
-                  if not str(p.relative_to(docs)).startswith("reference/") and re.search(
-                      rf"(?<![A-Z0-9_]){name}(?![A-Z0-9_])", p.read_text()))
+def _pages_mentioning(name: str, pages: dict[str, str]) -> list[str]:
+    return sorted(page for page, content in pages.items() if re.search(rf"(?<![A-Z0-9_]){name}(?![A-Z0-9_])", content))
 
 
 def environment_page(docs: Path = DOCS) -> str:
@@ -359,6 +362,8 @@ def environment_page(docs: Path = DOCS) -> str:
              "(`nightshift/settings.py` holds where state lives; the others are read where they are used). "
              "`NIGHTSHIFT_*` variables reach the training ranks (the local backend's allowlist): never put a "
              "secret in one; name a file that holds it instead.", ""]
+    written = {str(p.relative_to(docs)): p.read_text() for p in sorted(docs.rglob("*.md"))
+               if not str(p.relative_to(docs)).startswith("reference/")}
     for name, entry in variables().items():
         lines += [f"## `{name}`", ""]
         if entry["doc"]:
@@ -368,7 +373,7 @@ def environment_page(docs: Path = DOCS) -> str:
         lines += ["Read in " + ", ".join(where) + ".", ""]
         if entry["code"] and len(entry["code"]) <= 200:
             lines += [f"In the code: {code(entry['code'])}", ""]
-        pages = _pages_mentioning(name, docs)
+        pages = _pages_mentioning(name, written)
         if pages:
             lines += ["Described in " + ", ".join(f"[{page.removesuffix('.md')}](../{page})" for page in pages)
                       + ".", ""]

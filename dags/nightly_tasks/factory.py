@@ -137,7 +137,9 @@ def read_declaration(declaration: Pipeline | str | os.PathLike[str]) -> Pipeline
     """The pipeline `declaration` is or names (a YAML path, or a stub's `__file__`); PipelineInvalid when the file
     is not valid, or another declaration declares its dag_id, model_name or dataset asset: one beside it, or one in
     a folder Airflow loads declarations from (the DAG folder and its subfolders, NIGHTSHIFT_PIPELINES:
-    nightshift.pipelines.declaration_folders). Both files then fail, each naming the other; the other DAGs load."""
+    nightshift.pipelines.declaration_folders) when the declaration lies in one of them (a DAG bundle's checkout
+    is compared with the declarations beside it only: check_unique). Both files then fail, each naming the other;
+    the other DAGs load."""
     from nightshift.pipelines import Pipeline, check_unique, declaration_folders, load_pipeline
 
     if isinstance(declaration, Pipeline):

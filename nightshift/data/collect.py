@@ -12,9 +12,12 @@ databases (the project's cache and `repo.cloud.get_remote_odb`), and removes onl
 - less every object that any `.dir` left in the cache or on the remote lists (a split shared with a version that
   stays, or with another project's data on the same remote),
 
-from the cache and from the remote, then the version's record. All of it under the staging lock, so that no staging
-runs meanwhile; a staging afterwards that needs a removed object copies and pushes it again. Any failure of DVC or
-of the remote is GcFailed naming the object and the remote: nothing is logged and passed over.
+from the cache, and from the remote only when it is declared this machine's alone (NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1:
+a `.dir` another project pushed to a shared remote, the repository's own `dvc push` of the demo data included, has
+the same hash as the version staged from the same files, and no registry or ledger here knows that project's git
+history), then the version's record. All of it under the staging lock, so that no staging runs meanwhile; a staging
+afterwards that needs a removed object copies and pushes it again. Any failure of DVC or of the remote is GcFailed
+naming the object and the remote: nothing is logged and passed over.
 """
 
 from __future__ import annotations
@@ -170,6 +173,7 @@ class Store:
     cache: Any
     remote: Any
     remote_name: str
+    exclusive: bool = False  # the remote is this machine's staging's alone: versions are removed from it too
 
     def _fail(self, what: str, err: BaseException) -> DataCollectionFailed:
         return DataCollectionFailed(f"{what} ({type(err).__name__}: {redact(str(err))}); fix the DVC remote "
@@ -210,12 +214,15 @@ class Store:
         return total
 
     def remove(self, oids: set[str]) -> None:
-        """Remove the objects from the remote, then from the cache (`.dir` objects first: a version is gone
-        before its files); DataCollectionFailed naming the first that fails."""
+        """Remove the objects from the remote (when it is `exclusive`), then from the cache, a version's `.dir` after
+        its files: a removal that fails half-way leaves the listing, by which the next gc finishes it (the `.dir`
+        first left the files it listed in no listing, never collected); DataCollectionFailed naming the first
+        that fails."""
         from dvc_data.hashfile.db import get_index
 
-        ordered = sorted(oids, key=lambda oid: (not oid.endswith(DIR_SUFFIX), oid))
-        for odb, where in ((self.remote, f"the DVC remote {self.remote_name}"), (self.cache, "the DVC cache")):
+        ordered = sorted(oids, key=lambda oid: (oid.endswith(DIR_SUFFIX), oid))
+        remote = [(self.remote, f"the DVC remote {self.remote_name}")] if self.exclusive else []
+        for odb, where in (*remote, (self.cache, "the DVC cache")):
             try:
                 present = set(odb.oids_exist(ordered))
             except Exception as err:
@@ -225,6 +232,8 @@ class Store:
                     odb.delete(oid)
                 except Exception as err:
                     raise self._fail(f"removing object {oid} from {where} failed", err) from err
+        if not self.exclusive:
+            return
         try:
             get_index(self.remote).clear()  # it would vouch for the removed objects to the next push
         except Exception as err:
@@ -249,7 +258,7 @@ def store() -> Iterator[Store]:
                                        f"({type(err).__name__}: {redact(str(err))}); no dataset version was "
                                        f"removed") from err
         try:
-            yield Store(repo.cache.local, odb, remote)
+            yield Store(repo.cache.local, odb, remote, settings.dvc_remote_exclusive())
         finally:
             repo.close()
 

@@ -27,9 +27,10 @@ the rule in words. From the sample it takes:
   standard deviation sqrt(p(1 - p)) for drift: the quantile rule's drift allowance, 10% of the 5-95% range, is a
   third of a normal column's standard deviation. For a two-valued column whose values split 50/50 that is 16.7
   points plus sampling error: a change of shares that moves its mean by a quarter of its standard deviation (12.5
-  points) passes, on any file size. Values the sample never held may be at most their Good-Turing share (that of
-  the values the sample holds once) plus SHARE_Z standard errors, and at least OUTLIER_COUNT values of the
-  smallest split: a flag re-coded, or whose units changed, fails here, as on its standard deviation;
+  points) passes, on any file size. Values the sample never held may be NEW_VALUES_SHARE of a file, or their
+  Good-Turing share (that of the values the sample holds once) plus SHARE_Z standard errors when more: a count's
+  tail brings values its sample missed (digits' pixel counts: up to 3.9% of a 180-row file), while a flag
+  re-coded, or whose units changed, holds nothing but new values and fails here, as on its standard deviation;
   The standard deviation's upper bound is at least half the width of the column's allowed range (values the
   range rule allows never fail on their spread: a near-empty column whose sample holds one rare value would
   refuse a file holding two). A column dominated by one value (MODE_SHARE of the sample or more) has no lower
@@ -80,6 +81,7 @@ MIN_CLASS_COUNT = 6            # expected count of the rarest class above which 
 DUPLICATE_REPEAT = 5           # a table whose smallest split repeated this often is not refused: no duplicate rule
 DISCRETE_VALUES = 10           # a numeric column with at most this many distinct values is judged by its shares
 DRIFT_SHARE_SD = 1 / 3         # a discrete value's share may drift by this much of its own standard deviation
+NEW_VALUES_SHARE = 0.10        # a discrete column's values never seen in the sample may be this share of a file
 MIN_ROWS, MIN_ROWS_SHARE = 10, 0.01  # row-count floor of a one-file sample
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 BOOTSTRAP = 400                # resamples of the sample, seeded: the same sample draws the same suite
@@ -195,7 +197,7 @@ def share_bounds(values: np.ndarray, validated: float, integer: bool) -> tuple[l
         found.append([_number(value, integer), math.floor(low * 10_000) / 10_000, math.ceil(high * 10_000) / 10_000])
     # values never seen: Good-Turing's estimate of their share (the values seen once), plus its error
     singletons = float((counts == 1).sum())
-    unseen = min(1.0, max((singletons + 1.0) / (size + 2.0) + error(singletons), OUTLIER_COUNT / max(validated, 1.0)))
+    unseen = min(1.0, max((singletons + 1.0) / (size + 2.0) + error(singletons), NEW_VALUES_SHARE))
     return found, math.ceil(unseen * 10_000) / 10_000
 
 
@@ -311,7 +313,7 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *
             f"distribution of discrete columns: the share of each value of {_shown(list(shares))} (at most "
             f"{DISCRETE_VALUES} distinct values) within its spread between samples of {math.floor(smallest):,} "
             f"rows, plus {DRIFT_SHARE_SD:.2g} of its own standard deviation for drift (±{100 * half:.1f} points for a "
-            f"value of half the rows); values the sample never held only a few", column_shares=shares,
+            f"value of half the rows); values the sample never held up to {NEW_VALUES_SHARE:.0%}", column_shares=shares,
             new_values=new_values))
     if stdevs:
         expectations.append(_expectation(
@@ -468,7 +470,11 @@ def init_suite(data: str | Path, label: str, out: str | Path, *, force: bool = F
         raise UsageError(f"the folder of {out} does not exist; create it first")
     frames = [(file.name, read_table(file)) for file in parquet_files(data)]
     if not nulls:
-        counts = pd.concat([frame.isna().sum() for _, frame in frames], axis=1).sum(axis=1)
+        # Only what such a loader reads: the label and numbers (tabular refuses any other column as a feature, so
+        # a free-text column with gaps is left out of dataset.features, and its nulls harm no training).
+        counts = pd.concat([frame[[column for column, kind in frame.dtypes.items() if column == label or
+                                   pd.api.types.is_numeric_dtype(kind) or pd.api.types.is_bool_dtype(kind)]]
+                            .isna().sum() for _, frame in frames], axis=1).sum(axis=1)
         named = [f"{column} ({int(n)} rows)" for column, n in counts.items() if n]
         if named:
             raise DataError(f"the sample has missing values in {', '.join(named[:8])}"

@@ -2,8 +2,10 @@
 
 Pure: a manifest dict and what this machine offers (volumes for claims, GPUs) go in, a `LocalJob` comes
 out, or `ManifestNotSupported` naming the field that cannot be honoured here. The pods, names, files
-(`/etc/mpi/hostfile`, `discover_hosts.sh`) and env added here are those of the MPI Operator v0.6
-(the version `deploy/README.md` installs): workers are `<job>-worker-<i>` behind the headless Service
+(`/etc/mpi/hostfile`, `discover_hosts.sh`) and env added here are those of the MPI Operator v0.6, which this
+module was written against; `deploy/README.md` installs v0.8.2, whose worker listing for elastic jobs
+(`getRunningWorkerPods`) the runner follows, and whose launcher env has not been compared line by line:
+workers are `<job>-worker-<i>` behind the headless Service
 `<job>-worker`, the launcher is `<job>-launcher`.
 """
 

@@ -89,20 +89,13 @@ def check_declaration(pipeline: Pipeline) -> list[str]:
 
     source = str(pipeline.source) if pipeline.source is not None else pipeline.dag_id
     problems: list[str] = []
-    loader = None
-    try:
-        loader = DATASETS.get(pipeline.dataset.loader)
-    except UsageError as err:
-        problems.append(f"{source}: dataset.loader: {err}")
+    loader = _factory(DATASETS, pipeline.dataset.loader, f"{source}: dataset.loader", problems)
     if loader is not None:
         options = keyword_arguments(loader, supplied=LOADER_ARGUMENTS)
         problems.extend(_unknown_arguments(source, "dataset.options", f"loader {pipeline.dataset.loader!r}",
                                            pipeline.dataset.options, options, "option"))
-    try:
-        model = MODELS.get(pipeline.model.name)
-    except UsageError as err:
-        problems.append(f"{source}: model.name: {err}")
-    else:
+    model = _factory(MODELS, pipeline.model.name, f"{source}: model.name", problems)
+    if model is not None:
         problems.extend(f"{source}: model.kwargs.{name}: set by the trainer from the data ({', '.join(MODEL_ARGUMENTS)}"
                         f"); remove it" for name in pipeline.model.kwargs if name in MODEL_ARGUMENTS)
         problems.extend(_unknown_arguments(source, "model.kwargs", f"model {pipeline.model.name!r}",
@@ -112,6 +105,18 @@ def check_declaration(pipeline: Pipeline) -> list[str]:
     if not takes_missing_values(pipeline.dataset.loader, loader):
         problems.extend(_null_problems(pipeline, source))
     return problems
+
+
+def _factory(registry: Any, name: str, where: str, problems: list[str]) -> Any:
+    """`registry`'s factory `name`, or None with a problem line: an unknown name, or a plugin module that fails to
+    import in any way (a SyntaxError or an error raised at import crashed the whole check with a traceback)."""
+    try:
+        return registry.get(name)
+    except UsageError as err:
+        problems.append(f"{where}: {err}")
+    except Exception as err:
+        problems.append(f"{where}: cannot import {name!r}: {type(err).__name__}: {err}; fix the plugin module")
+    return None
 
 
 def _unknown_arguments(source: str, key: str, owner: str, given: Iterable[str], accepted: list[str] | None,
@@ -187,8 +192,11 @@ def check_against_data(pipeline: Pipeline, *, home: str | Path | None = None,
     if pipeline.task == BINARY and pipeline.gate.positive_class is not None and label in columns:
         labels = label_values(train, label)
         if labels is not None and pipeline.gate.positive_class not in labels:
+            boolean = pipeline.gate.positive_class in ("True", "False")
             problem("gate.positive_class", f"{pipeline.gate.positive_class!r} is not a label of {train}: its labels "
-                                           f"are {_listing(labels)}; declare one of them as it is written there")
+                                           f"are {_listing(labels)}; declare one of them as it is written there"
+                                           + (" (YAML reads an unquoted yes, no, on, off, true or false as a "
+                                              "boolean: quote it, e.g. 'yes')" if boolean else ""))
     if pipeline.dataset.loader == TABULAR:
         for name in (c for c in features if c in columns):
             kind = arrow_schema.field(name).type

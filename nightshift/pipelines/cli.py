@@ -109,10 +109,16 @@ def _check(args: argparse.Namespace) -> dict[str, Any] | int:
     return 1 if problems else 0
 
 
-def _explain(args: argparse.Namespace) -> dict[str, Any]:
+def _explain(args: argparse.Namespace) -> dict[str, Any] | int:
+    from nightshift.pipelines import PipelineInvalid
     from nightshift.pipelines.explain import explain, readable
 
-    result = explain(args.declaration, data=not args.no_data)
+    try:
+        result = explain(args.declaration, data=not args.no_data)
+    except PipelineInvalid as err:  # every problem, as pipeline check says them: the first alone may mislead
+        for line in err.problems:
+            print(line, file=sys.stderr)
+        return err.exit_code
     for line in readable(result):
         print(line, file=sys.stderr)
     return result

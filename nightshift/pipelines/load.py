@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
@@ -546,13 +548,28 @@ def _yaml_below(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-def _declared_keys(path: Path) -> dict[str, Any] | None:
+def _names_any(text: str, values: Iterable[Any]) -> bool:
+    """Whether YAML `text` holds one of the name `values` as a whole scalar: not inside a longer name (a scalar
+    that went on with a letter, digit, '_', '.' or '-' would be another value)."""
+    names = [re.escape(v) for v in values if isinstance(v, str)]
+    return bool(names) and re.search(rf"(?<![\w.-])(?:{'|'.join(names)})(?![\w.-])", text) is not None
+
+
+def _declared_keys(path: Path, wanted: Iterable[Any]) -> dict[str, Any] | None:
     """UNIQUE_KEYS of the declaration in `path`, only parsed, not validated (None for a file that is not one: a
-    declaration that does not parse is its own DAG file's problem, another YAML file is none of ours)."""
+    declaration that does not parse is its own DAG file's problem, another YAML file is none of ours), or None when
+    it cannot declare any of the `wanted` values. Every DAG file of a declaration reads every YAML file of the DAG
+    folder (a dbt project's too) at each parse, and the pure-Python parser takes ~6 ms for a page and seconds for
+    a big file: text holding none of the values as a whole name, and no escape (`\\`) that could spell one, is
+    not parsed. Only a regular file is read (a FIFO would block the parse, a link to /dev/zero never end)."""
     try:
-        if path.stat().st_size > MAX_DECLARATION_BYTES:
+        status = path.stat()
+        if not stat.S_ISREG(status.st_mode) or status.st_size > MAX_DECLARATION_BYTES:
             return None
-        data = parse_yaml(path.read_text(), str(path))
+        text = path.read_text()
+        if "\\" not in text and not _names_any(text, wanted):
+            return None
+        data = parse_yaml(text, str(path))
     except (PipelineInvalid, OSError, UnicodeDecodeError):
         return None
     dataset = data.get("dataset")
@@ -576,10 +593,14 @@ def declared_elsewhere(pipeline: Pipeline, folders: Iterable[str | Path], *, sib
     mine = _unique_values(pipeline.dag_id, pipeline.model_name, pipeline.dataset.asset)
     problems: list[str] = []
     for other in files:
-        if other.resolve() in seen:
+        try:
+            resolved = other.resolve()
+        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13): no declaration
             continue
-        seen.add(other.resolve())
-        theirs = _declared_keys(other)
+        if resolved in seen:
+            continue
+        seen.add(resolved)
+        theirs = _declared_keys(other, mine.values())
         if theirs is None:
             continue
         if theirs["dag_id"] == mine["dag_id"]:  # one DAG id: its model and asset clash too, said once
@@ -592,7 +613,16 @@ def declared_elsewhere(pipeline: Pipeline, folders: Iterable[str | Path], *, sib
 
 def check_unique(pipeline: Pipeline, folders: Iterable[str | Path] = ()) -> None:
     """PipelineInvalid naming both files when a declaration beside `pipeline`'s file, or in `folders` (the folders
-    Airflow loads declarations from: `declaration_folders()`), declares its dag_id, model_name or dataset asset."""
-    problems = declared_elsewhere(pipeline, folders)
+    Airflow loads declarations from: `declaration_folders()`), declares its dag_id, model_name or dataset asset.
+
+    `folders` count only when `pipeline`'s file lies in one of them: otherwise they are another copy of the
+    project, not the tree this DAG file was loaded from (a GitDagBundle parses its own checkout of the repository
+    while [core] dags_folder still names the working copy, whose declarations are the same ones), and only the
+    declarations beside it are compared."""
+    if pipeline.source is None:
+        return
+    source = Path(pipeline.source).resolve()
+    folders = [Path(folder).resolve() for folder in folders]
+    problems = declared_elsewhere(pipeline, folders if any(source.is_relative_to(f) for f in folders) else [])
     if problems:
         raise PipelineInvalid(str(pipeline.source), problems)

@@ -59,7 +59,6 @@ def _foreign(browser: WebDriver, origin: str) -> list[str]:
 def test_the_docs_site_renders_searches_offline_and_fetches_nothing_foreign(
         site: str, browser: WebDriver, artifacts: Path) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{site}/getting-started.html")
@@ -78,9 +77,9 @@ def test_the_docs_site_renders_searches_offline_and_fetches_nothing_foreign(
     browser.save_screenshot(str(artifacts / "docs-reference-environment.png"))
 
     # Material's search runs in the page (a web worker over search/search_index.json): no server, no network.
-    browser.find_element(By.CSS_SELECTOR, "label.md-header__button[for='__search']").click()
-    box = browser.find_element(By.CSS_SELECTOR, "input.md-search__input")
-    box.send_keys("NIGHTSHIFT_SHARED_PVC", Keys.ENTER)
+    box = browser.find_element(By.CSS_SELECTOR, "input.md-search__input")  # in the header of a wide window
+    box.click()
+    box.send_keys("NIGHTSHIFT_SHARED_PVC")
     WebDriverWait(browser, 30).until(
         lambda driver: driver.find_elements(By.CSS_SELECTOR, ".md-search-result__item"),
         message="the search found nothing")

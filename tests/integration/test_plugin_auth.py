@@ -33,13 +33,15 @@ client = TestClient(create_app("core"))
 manager = get_auth_manager()
 tokens = {{name: manager.generate_jwt(SimpleAuthManagerUser(username=name, role=role))
           for name, role in (("alice", "viewer"), ("outsider", "viewer"), ("retrainer", "viewer"))}}
-paths = ["/nightshift/lineage", "/nightshift/lineage.json", "/nightshift/data-docs/run/index.html"]
+paths = ["/nightshift/lineage", "/nightshift/lineage.json", "/nightshift/data-docs/run/index.html",
+         "/nightshift/decisions/nightly_retrain/0123abcd/decision.html"]
 out = {{"anonymous": [client.get(p).status_code for p in paths]}}
 for name, token in tokens.items():
     answers = [client.get(p, headers={{"Authorization": f"Bearer {{token}}"}}) for p in paths]
     out[name] = [a.status_code for a in answers]
     out[name + "_bodies"] = [a.text for a in answers]
     out[name + "_csp"] = answers[2].headers.get("content-security-policy", "")
+    out[name + "_decision_csp"] = answers[3].headers.get("content-security-policy", "")
 cookie = client.get("/nightshift/lineage", cookies={{"_token": tokens["alice"]}})
 out["cookie"] = cookie.status_code
 escape = client.get("/nightshift/data-docs/..%2F..%2F..%2F..%2F..%2Fetc%2Fpasswd",
@@ -47,7 +49,8 @@ escape = client.get("/nightshift/data-docs/..%2F..%2F..%2F..%2F..%2Fetc%2Fpasswd
 out["escape"] = [escape.status_code, "root:" in escape.text]
 lineage.append_record("churn_model", {{"run_id": "c1", "status": "success", "dataset_version": "churn777"}})
 churn = ["/nightshift/lineage?pipeline=churn_model", "/nightshift/lineage.json?pipeline=churn_model",
-         "/nightshift/data-docs/pipelines/churn_model/run/index.html"]
+         "/nightshift/data-docs/pipelines/churn_model/run/index.html",
+         "/nightshift/decisions/churn_model/c0ffee01/decision.html"]
 for name in ("alice", "retrainer"):
     bearer = {{"Authorization": "Bearer " + tokens[name]}}
     answers = [client.get(p, headers=bearer) for p in churn]
@@ -83,6 +86,11 @@ def test_pages_need_a_login_and_read_access_to_the_dag(airflow_env: dict[str, st
     report.parent.mkdir(parents=True)
     report.write_text("<html>search report: trial 7 PRUNED</html>")
     (nightshift_home / "search" / "best.json").write_text('{"study": "demo"}')
+    for dag_id, run, text in (("nightly_retrain", "0123abcd", "<html>decision: accuracy 0.9123</html>"),
+                              ("churn_model", "c0ffee01", "<html>churn decision</html>")):
+        decision = nightshift_home / "decisions" / dag_id / run / "decision.html"
+        decision.parent.mkdir(parents=True)
+        decision.write_text(text)
     env = {**airflow_env,
            "AIRFLOW__CORE__AUTH_MANAGER": "tests.integration.auth_managers.DagScopedAuthManager",
            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "alice:viewer,outsider:viewer,retrainer:viewer",
@@ -91,24 +99,28 @@ def test_pages_need_a_login_and_read_access_to_the_dag(airflow_env: dict[str, st
     airflow = str(Path(sys.executable).with_name("airflow"))
     subprocess.run([airflow, "db", "migrate"], env=env, cwd=REPO, check=True, capture_output=True, timeout=300)
     out = run_json(PROBE, env)
-    assert out["anonymous"] == [401, 401, 401]
-    assert out["outsider"] == [403, 403, 403]
-    assert not any("abc123" in body or "99.5" in body for body in out["outsider_bodies"])
-    assert out["alice"] == [200, 200, 200]
-    html, records, docs = out["alice_bodies"]
+    assert out["anonymous"] == [401, 401, 401, 401]
+    assert out["outsider"] == [403, 403, 403, 403]
+    assert not any("abc123" in body or "99.5" in body or "0.9123" in body for body in out["outsider_bodies"])
+    assert out["alice"] == [200, 200, 200, 200]
+    html, records, docs, decision = out["alice_bodies"]
     assert "abc123" in html and "v7" in html and '"run_id":"r1"' in records.replace(" ", "") and "99.5" in docs
     assert out["cookie"] == 200  # the UI's session cookie is a login too
     assert out["escape"] == [404, False]
     assert "script-src 'none'" in out["alice_csp"]  # Data Docs run no script in the UI's origin
+    assert decision == "<html>decision: accuracy 0.9123</html>"  # a night's decision page (issue 38 item 2)
+    assert "default-src 'none'" in out["alice_decision_csp"] and "script-src" not in out["alice_decision_csp"]
     assert out["openapi"] == [401, 200]  # the API's description: a login too (it answered 500 once)
-    assert out["retrainer"] == [200, 200, 200]  # nightly_retrain's pages: yes
+    assert out["retrainer"] == [200, 200, 200, 200]  # nightly_retrain's pages: yes
 
     # Another pipeline's lineage and Data Docs: its own DAG's readers only, and listed to them only.
-    assert out["churn_alice"] == [200, 200, 200] and out["churn_alice_listed"]
-    html, records, docs = out["churn_alice_bodies"]
+    assert out["churn_alice"] == [200, 200, 200, 200] and out["churn_alice_listed"]
+    html, records, docs, decision = out["churn_alice_bodies"]
     assert "churn777" in html and '"run_id":"c1"' in records.replace(" ", "") and "42.5" in docs
-    assert out["churn_retrainer"] == [403, 403, 403] and not out["churn_retrainer_listed"]
-    assert not any("churn777" in body or "42.5" in body for body in out["churn_retrainer_bodies"])
+    assert "churn decision" in decision
+    assert out["churn_retrainer"] == [403, 403, 403, 403] and not out["churn_retrainer_listed"]
+    assert not any("churn777" in body or "42.5" in body or "churn decision" in body
+                   for body in out["churn_retrainer_bodies"])
     assert out["churn_escape"] == 422  # not a DAG id: never a path
 
     # The search reports: their search DAG's (model_search's, for one from before searches were per pipeline); the

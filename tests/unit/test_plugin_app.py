@@ -319,3 +319,27 @@ def test_the_lineage_page_links_decision_pages_and_draws_the_season(as_user: Cal
     season = page[page.index("<svg"):page.index("</svg>")]
     assert page.index("<svg") < page.index("<table")  # the chart above the table
     assert "accuracy night by night" in season and "champion v1 accuracy 0.9100" in season
+
+
+def test_a_link_under_decisions_serves_nothing(as_user: Callable[..., Any], tmp_path: Path) -> None:
+    """A run's folder (or its page) that is a link, to another DAG's page or out of NIGHTSHIFT_HOME: 404 (the
+    route followed it and showed another DAG's page to this DAG's readers); decisions/ itself may be a link."""
+    from nightshift.decision_page import page_path
+
+    other = write_decision_page("nightly_retrain", "d161t5", "<html>digits decision</html>")
+    mine = page_path("churn_model", "c0ffee01")
+    mine.parent.parent.mkdir(parents=True)
+    mine.parent.symlink_to(other.parent, target_is_directory=True)
+    outside = tmp_path / "outside.html"
+    outside.write_text("<html>not a page</html>")
+    page_path("churn_model", "c0ffee02").parent.mkdir()
+    page_path("churn_model", "c0ffee02").symlink_to(outside)
+    readers = as_user("churn_model")
+    for run in ("c0ffee01", "c0ffee02"):
+        answer = readers.get(f"/decisions/churn_model/{run}/decision.html")
+        assert answer.status_code == 404 and "decision" in answer.json()["detail"], (run, answer.status_code)
+    home = mine.parents[3]
+    (home / "decisions").rename(tmp_path / "decisions")
+    (home / "decisions").symlink_to(tmp_path / "decisions", target_is_directory=True)
+    answer = as_user("nightly_retrain").get("/decisions/nightly_retrain/d161t5/decision.html")
+    assert answer.status_code == 200 and answer.text == "<html>digits decision</html>"

@@ -173,7 +173,35 @@ def test_page_path_takes_only_ids(nightshift_home: Any) -> None:
 
 
 def test_ticks_are_round_numbers() -> None:
-    assert svg.ticks(0.0, 1.0) == [0.0, 0.25, 0.5, 0.75, 1.0]
-    assert svg.ticks(0.93, 0.97, 4) == pytest.approx([0.94, 0.96])
-    assert svg.ticks(-3.0, 7.0) == [-2.5, 0.0, 2.5, 5.0]
+    assert svg.ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert svg.ticks(0.9504, 0.9682, 4) == pytest.approx([0.955, 0.96, 0.965])  # a close season: 3 ticks, not 1
+    assert svg.ticks(-3.0, 7.0) == [-2.0, 0.0, 2.0, 4.0, 6.0]
     assert svg.ticks(5.0, 5.0) == [5.0]
+
+
+def test_a_feature_with_values_near_the_largest_float_never_fails_the_page(tmp_path: Any) -> None:
+    """A sentinel of ±1.8e308 in the most drifted column: no histogram spans it (np.histogram refused the bins and
+    evaluate failed, every night the data held it); the table still lists the column, and an axis that wide
+    draws (svg.ticks raised OverflowError)."""
+    import pandas as pd
+
+    top = float(np.finfo(np.float64).max)
+    pd.DataFrame({"x": [*np.ones(50), -top, top], "y": np.arange(52.0)}).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame({"x": [*np.full(50, 2.0), -top, top], "y": np.arange(52.0)}).to_parquet(tmp_path / "test.parquet")
+    columns, worst = decision_page.column_drift(tmp_path, "test", "y", {"challenger": {}, "champion": None})
+    assert [c["column"] for c in columns] == ["x"] and columns[0]["distance"] > 0.9 and worst is None
+    assert svg.ticks(-top, top) == [-top]
+    drawn = svg.plot([svg.Series("s", [(-top, 0.0), (top, 1.0)], "#000")], title="wide")
+    assert drawn.startswith("<svg") and drawn.endswith("</svg>")
+
+
+def test_a_metric_that_is_not_a_number_fails_where_the_gate_failed_it() -> None:
+    """A diverged challenger: decide rejects it for its NaN log_loss before any other check; that row (a guard)
+    and no other says fail (the page showed no verdict at all, as if nothing had been checked)."""
+    challenger = {**CHALLENGER, "log_loss": float("nan")}
+    evaluated = result(challenger, CHAMPION, GateConfig(task="multiclass"))
+    assert not evaluated["passed"] and evaluated["reasons"][0].startswith("the challenger's log_loss nan")
+    rows = {r["metric"]: r for r in decision_page.metric_rows(evaluated)}
+    assert {name: r["verdict"] for name, r in rows.items()} == {"accuracy": "", "log_loss": "fail", "macro_f1": ""}
+    assert rows["log_loss"]["reason"] == evaluated["reasons"][0]
+    assert ">fail</td>" in row_of(decision_page.render(evaluated), "log_loss")

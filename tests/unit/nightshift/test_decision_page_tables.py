@@ -174,3 +174,53 @@ def svg_text(value: str) -> str:
     from nightshift.svg import text
 
     return text(value)
+
+
+def test_a_champion_whose_training_run_is_gone_never_fails_the_night(wine: Path, tmp_path: Path) -> None:
+    """The champion's training run removed for good (`mlflow gc`), its registered model still serving and scored:
+    the page says its curves are gone; evaluate decides as before (it failed every night: no challenger could
+    ever win, so the champion, and the failure, stayed)."""
+    import subprocess
+    import sys
+
+    champion_run = fit(wine, tmp_path / "champion", task="multiclass", label="cultivar", epochs=3,
+                       run_key="wine_gone/manual__1")
+    version = crown(champion_run, "wine-gone")
+    tracking.client().delete_run(champion_run)
+    uri = tracking.tracking_uri()
+    gc = subprocess.run([str(Path(sys.executable).parent / "mlflow"), "gc", "--backend-store-uri", uri,
+                         "--tracking-uri", uri, "--run-ids", champion_run], capture_output=True, text=True, timeout=300)
+    assert gc.returncode == 0, gc.stderr[-2000:]
+    challenger = fit(wine, tmp_path / "challenger", task="multiclass", label="cultivar", epochs=20, seed=1,
+                     run_key="wine_gone/manual__2")
+    result = evaluate(challenger, data_dir=wine, model_name="wine-gone", label_column="cultivar",
+                      gate={"task": "multiclass"})
+    assert result["champion"] is not None and result["champion"]["version"] == version
+    page = Path(result["decision_page"]["path"]).read_text(encoding="utf-8")
+    assert f"the champion&#x27;s training run {champion_run} cannot be read (RESOURCE_DOES_NOT_EXIST)" in page
+    assert "<title>val_loss: 20, " in page and "(champion)" not in page
+
+
+def test_drift_is_shown_for_the_features_the_model_reads_only(tmp_path: Path) -> None:
+    """A pipeline declaring its `features` beside a column it never reads (a row id, a load time: in a table split
+    by time, wholly apart between train and test): the page's drift is the model's features', not that column's
+    (it was drawn as the night's worst drifted feature)."""
+    from sklearn.datasets import load_wine
+
+    from tests.tabular_data import train
+
+    frame = load_wine(as_frame=True).frame.rename(columns={"target": "cultivar"})
+    data = write_splits(frame, tmp_path / "wine")
+    for split, loaded in (("train", 0.0), ("validation", 1.0), ("test", 2.0)):
+        table = pd.read_parquet(data / f"{split}.parquet")
+        table["loaded_at"] = loaded
+        table.to_parquet(data / f"{split}.parquet")
+    features = [c for c in frame.columns if c != "cultivar"]
+    run_id = train(data, tmp_path / "run", task="multiclass", label="cultivar", features=features, epochs=5)
+    tracking.client().set_tag(run_id, "nightshift.run_key", "wine_features/manual__1")
+    result = evaluate(run_id, data_dir=data, model_name="wine-features", label_column="cultivar",
+                      gate={"task": "multiclass"})
+    page = Path(result["decision_page"]["path"]).read_text(encoding="utf-8")
+    assert "loaded_at" not in page
+    assert f"of {len(features)} features</text>" in page
+    assert result["challenger"]["drift"]["features"] == features

@@ -54,10 +54,12 @@ def age_version(version: str, days: float) -> None:
 
 
 @pytest.fixture
-def store(trained: Path, tmp_path: Path, digits_pipeline: Any) -> dict[str, Any]:  # noqa: F811
+def store(trained: Path, tmp_path: Path, digits_pipeline: Any,  # noqa: F811
+          monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Three versions staged 40 days ago: `registered` (a registered model version's lineage names it; its
     workspace is gone), `old` (shares its test split with `registered`; used by a run 35 days ago, nothing names
-    it now) and `current` (a workspace stages it)."""
+    it now) and `current` (a workspace stages it). The remote is declared this machine's alone (collected too)."""
+    monkeypatch.setenv("NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE", "1")
     tracking.configure()
     registered_data = dataset(tmp_path, 1)
     old_data = dataset(tmp_path, 2, test_from=registered_data)
@@ -153,7 +155,7 @@ def test_a_failure_of_the_remote_fails_the_collection_loudly_and_keeps_the_versi
         raise PermissionError(13, "Permission denied", self.oid_to_path(oid))
 
     monkeypatch.setattr(ObjectDB, "delete", refuse)
-    with pytest.raises(gc.GcFailed, match=r"removing object \w+\.dir from the DVC remote .*Permission denied"):
+    with pytest.raises(gc.GcFailed, match=r"removing object \w+ from the DVC remote .*Permission denied"):
         gc.collect(store["pipeline"])
     assert (project_dir() / "versions" / f"{store['versions']['old']}.json").is_file(), "tried again next time"
 
@@ -176,3 +178,63 @@ def test_a_version_registered_without_its_lineage_tag_keeps_the_data_its_trainin
     kept = data_entries(gc.collect(store["pipeline"]), "keep")
     assert kept[old] == "named by registered by-hand-model v1: a rollback or a retrain of it needs its data"
     assert (project_dir() / "versions" / f"{old}.json").is_file()
+
+
+def test_a_remote_shared_with_the_repositorys_own_dvc_data_keeps_it_after_a_gc(
+        tmp_path: Path, digits_pipeline: Any) -> None:
+    """Issue 36 review: the repository's `.dvc/config` pushes `dvc repro`'s data/digits to the default staging
+    remote, and staging that folder gives a version with the very same `.dir`. A gc of the version (no registered
+    model names it, 40 days old) removed the `.dir` from the remote: `dvc pull` of the repository then failed. By
+    default the remote is not collected (it may be shared): only the staging cache is."""
+    tracking.configure()
+    dvc = [str(Path(sys.executable).with_name("dvc"))]
+    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True, timeout=60)
+    write_demo_dataset(repo / "data" / "digits", seed=0)
+    for command in (["init"], ["remote", "add", "-d", "local", settings.dvc_remote()], ["add", "data/digits"],
+                    ["push"]):
+        subprocess.run([*dvc, *command], cwd=repo, env=env, check=True, capture_output=True, timeout=300)
+    workspace = settings.workspaces_dir() / DAG / "r1"
+    version = stage_dataset(repo / "data" / "digits", workspace, roots=[repo])["hash"]
+    assert f"md5: {version}.dir" in (repo / "data" / "digits.dvc").read_text(), "the same .dir as the repository's"
+    shutil.rmtree(workspace)
+    age_version(version, 40)
+
+    result = gc.collect(dataclasses.replace(digits_pipeline, retention=RetentionPolicy(data_versions_days=30)))
+    assert data_entries(result, "remove")[version].endswith("from the staging cache only: the DVC remote is kept "
+                                                            "(it may be shared; NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 "
+                                                            "collects it too)")
+    assert not cache_object(version + ".dir").exists()
+    shutil.rmtree(repo / ".dvc" / "cache")
+    shutil.rmtree(repo / "data" / "digits")
+    pulled = subprocess.run([*dvc, "pull"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+    assert (repo / "data" / "digits" / "train.parquet").is_file()
+
+
+def test_a_removal_that_fails_half_way_is_finished_by_the_next_gc_leaving_no_orphan(
+        store: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36 review: the `.dir` went first, so a failure on one of its files left the rest of the files in the
+    cache with no `.dir` listing them: the next gc found nothing to remove, dropped the version's record, and those
+    objects stayed for good. The `.dir` goes last: the next gc finds the listing and finishes."""
+    from dvc_objects.db import ObjectDB
+
+    versions, data = store["versions"], store["data"]
+    old_files = {md5(data["old"] / "train.parquet"), md5(data["old"] / "validation.parquet")}
+    delete = ObjectDB.delete
+    failed: list[str] = []
+
+    def fail_once_in_the_cache(self: Any, oid: str) -> None:
+        if oid in old_files and not failed and "dvc-remote" not in str(self.path):
+            failed.append(oid)
+            raise OSError(5, "Input/output error", self.oid_to_path(oid))
+        delete(self, oid)
+
+    monkeypatch.setattr(ObjectDB, "delete", fail_once_in_the_cache)
+    with pytest.raises(gc.GcFailed, match="Input/output error"):
+        gc.collect(store["pipeline"])
+    assert data_entries(gc.collect(store["pipeline"]), "remove").keys() == {versions["old"]}
+    assert not any(cache_object(oid).exists() or remote_object(oid).exists()
+                   for oid in old_files | {versions["old"] + ".dir"})

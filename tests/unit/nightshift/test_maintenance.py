@@ -130,3 +130,23 @@ def test_db_clean_never_cleans_closer_than_the_longest_resumable_days(tmp_path: 
     (tmp_path / "slow.yaml").write_text(yaml.safe_dump(data))
     assert maintenance.resume_floor_days([DIGITS_YAML.parent, tmp_path / "none"]) == 7  # pipelines/digits.yaml
     assert maintenance.resume_floor_days([DIGITS_YAML.parent, tmp_path]) == 45
+
+
+@pytest.mark.parametrize("where", ["nightshift_home", "parent", "root", "relative", "url"])
+def test_a_log_folder_that_holds_nightshifts_state_or_is_not_a_local_absolute_path_is_refused(
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36 review: base_log_folder set to NIGHTSHIFT_HOME (or a folder above it, or '/') removed every file
+    there unwritten for 30 days: the run ledger of a pipeline paused for a month (the lineage page), the dataset
+    version records, DVC cache objects of registered versions. A relative folder is relative to whatever folder
+    the task runs in, and s3://... is a remote logging URL, not a folder: each is refused, nothing removed."""
+    home = settings.home()
+    ledger_file = home / "airflow" / "paused_dag" / "runs.jsonl"
+    ledger_file.parent.mkdir(parents=True)
+    ledger_file.write_text("{}\n")
+    os.utime(ledger_file, (time.time() - 60 * 86400,) * 2)
+    monkeypatch.chdir(home)
+    folder = {"nightshift_home": str(home), "parent": str(home.parent), "root": "/", "relative": "airflow",
+              "url": "s3://bucket/logs"}[where]
+    with pytest.raises(maintenance.LogPruneFailed, match=r"base_log_folder"):
+        maintenance.prune_logs(folder, 30, dry_run=where == "root")
+    assert ledger_file.is_file()

@@ -6,6 +6,9 @@ that refuses them; and `nightshift pipeline explain` shows the gate a declaratio
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,20 @@ def test_an_unknown_loader_or_model_is_named_with_the_file_key_and_known_choices
     assert model.startswith(f"{path}: model.name: unknown model 'resnet'; known: ") and "digits_cnn, mlp" in model
     (line,) = check_declaration(load_pipeline(declare(folder, model={"name": "no_such.module:Net"})))
     assert line.startswith(f"{path}: model.name: cannot import model 'no_such.module:Net'")
+
+
+def test_a_plugin_module_failing_at_import_is_a_problem_line_not_a_crash(
+        folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model module with a syntax error (or raising at import) crashed pipeline check with a traceback, and the
+    other declarations went unchecked."""
+    (tmp_path / "broken_net.py").write_text("def net(:\n")
+    (tmp_path / "raising_loader.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = declare(folder, model={"name": "broken_net:net"}, dataset={"loader": "raising_loader:load"})
+    loader, model = check_declaration(load_pipeline(path))
+    assert loader == (f"{path}: dataset.loader: cannot import 'raising_loader:load': RuntimeError: no GPU here; "
+                      f"fix the plugin module")
+    assert model.startswith(f"{path}: model.name: cannot import 'broken_net:net': SyntaxError: ")
 
 
 def test_model_arguments_its_constructor_does_not_take_are_named_with_those_it_takes(folder: Path) -> None:
@@ -127,6 +144,23 @@ def test_suite_init_for_a_loader_refusing_nulls_never_draws_a_suite_letting_them
                for e in suite["expectations"])
 
 
+def test_suite_init_for_a_loader_refusing_nulls_takes_gaps_in_a_column_it_cannot_read(tmp_path: Path) -> None:
+    """A free-text column can be no feature of the tabular loader (it is left out of dataset.features): its nulls
+    refused the whole sample, and no suite could be drawn for a table holding such a column."""
+    from sklearn.datasets import load_breast_cancer
+
+    frame = load_breast_cancer(as_frame=True).frame.rename(columns=lambda c: c.replace(" ", "_"))
+    frame["notes"] = ["seen twice" if i % 7 else None for i in range(len(frame))]
+    data = tmp_path / "sample.parquet"
+    frame.to_parquet(data, index=False)
+    out = tmp_path / "suite.json"
+    assert main(["suite", "init", str(data), "--label", "target", "--out", str(out)]) == 0
+    frame.loc[::20, "mean_radius"] = None
+    frame.to_parquet(data, index=False)
+    with pytest.raises(DataError, match=r"missing values in mean_radius \(29 rows\), and the tabular loader"):
+        main(["suite", "init", str(data), "--label", "target", "--out", str(out), "--force"])
+
+
 # ---- the positive class ----------------------------------------------------------------------------------------
 
 def test_a_declared_positive_class_must_be_one_of_the_labels(folder: Path, cancer: Path) -> None:
@@ -135,6 +169,21 @@ def test_a_declared_positive_class_must_be_one_of_the_labels(folder: Path, cance
     assert check_against_data(load_pipeline(path)) == [
         f"{path}: gate.positive_class: 'malignant' is not a label of {cancer / 'train.parquet'}: its labels are 0, 1; "
         f"declare one of them as it is written there"]
+
+
+def test_a_positive_class_yaml_read_as_a_boolean_is_told_to_be_quoted(folder: Path, cancer: Path) -> None:
+    """`positive_class: yes` over no/yes labels: YAML reads yes as true, and the check said only that 'True' is not
+    a label, naming a value nobody wrote."""
+    frame = pd.read_parquet(cancer / "train.parquet")
+    frame["diagnosis"] = frame["diagnosis"].map({0: "no", 1: "yes"})
+    frame.to_parquet(cancer / "train.parquet", index=False)
+    path = folder / "cancer.yaml"
+    path.write_text(declare(folder).read_text().replace("primary: roc_auc", "primary: roc_auc\n  positive_class: yes"))
+    (line,) = check_against_data(load_pipeline(path))
+    assert line.startswith(f"{path}: gate.positive_class: 'True' is not a label of ") and line.endswith(
+        "(YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote it, e.g. 'yes')")
+    path.write_text(path.read_text().replace("positive_class: yes", "positive_class: 'yes'"))
+    assert check_against_data(load_pipeline(path)) == []
 
 
 def test_only_a_binary_task_has_a_positive_class(folder: Path) -> None:
@@ -209,6 +258,78 @@ def test_cli_check_compares_with_the_dag_folder_it_is_given(folder: Path, dags: 
                                f"each pipeline its own model_name"]
 
 
+def test_a_dag_bundles_own_checkout_of_the_declarations_is_no_clash(folder: Path, dags: Path, tmp_path: Path) -> None:
+    """A GitDagBundle parses its own checkout of the repository while [core] dags_folder still names the working
+    copy (scripts/airflow.sh with NIGHTSHIFT_DAG_BUNDLE=git): the bundle's copy of a declaration clashed with the
+    working copy's, and every DAG the bundle serves failed to import. A declaration outside the DAG folder's tree
+    is compared with the declarations beside it only."""
+    declare(folder, "cancer.yaml")
+    bundle = tmp_path / "dag-bundles" / "nightshift" / "versions" / "0123abc"
+    shutil.copytree(folder, bundle / "pipelines")
+    copy = load_pipeline(bundle / "pipelines" / "cancer.yaml")
+    check_unique(copy, declaration_folders(dags))
+    declare(bundle / "pipelines", "twin.yaml", dag_id="twin")  # beside it, the same model name: still a clash
+    with pytest.raises(PipelineInvalid, match=r"model_name: 'cancer' is also the model_name of .*twin\.yaml"):
+        check_unique(copy, declaration_folders(dags))
+
+
+def test_yaml_in_the_dag_folder_that_cannot_name_the_pipelines_values_is_not_parsed(
+        folder: Path, dags: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every declared DAG file reads every YAML file of the DAG folder at each parse: a dbt project's schema.yml of
+    0.5 MB cost 5.5 s of parsing per DAG file, 500 declarations 2.9 s. Only a file holding one of the values (or an
+    escape that could spell one) is parsed."""
+    from nightshift.pipelines import load as load_module
+
+    mine = load_pipeline(declare(folder, "cancer.yaml"))
+    (dags / "dbt").mkdir()
+    (dags / "dbt" / "schema.yml").write_text(yaml.safe_dump({"version": 2, "models": [{"name": f"m{i}"}
+                                                                                      for i in range(50)]}))
+    (dags / "churn.yaml").write_text("dag_id: churn\nmodel_name: churn\n")
+    (dags / "escaped.yaml").write_text('dag_id: esc\nmodel_name: "canc\\x65r"\n')  # "cancer", spelled with an escape
+    parsed: list[str] = []
+    real = load_module.parse_yaml
+
+    def spy(text: str, source: str) -> dict[str, Any]:
+        parsed.append(Path(source).name)
+        return real(text, source)
+
+    monkeypatch.setattr(load_module, "parse_yaml", spy)
+    with pytest.raises(PipelineInvalid, match=r"model_name: 'cancer' is also the model_name of .*escaped\.yaml"):
+        check_unique(mine, declaration_folders(dags))
+    assert parsed == ["escaped.yaml"]
+
+
+def test_a_symlink_loop_in_the_dag_folder_breaks_no_dag(folder: Path, dags: Path) -> None:
+    """`a.yml -> b.yml -> a.yml` anywhere in the DAG folder raised RuntimeError (Symlink loop) out of every declared
+    DAG file's clash check: every such DAG failed to import, with a traceback naming no declaration."""
+    mine = load_pipeline(declare(folder, "cancer.yaml"))
+    (dags / "a.yml").symlink_to("b.yml")
+    (dags / "b.yml").symlink_to("a.yml")
+    check_unique(mine, declaration_folders(dags))
+
+
+def test_a_fifo_in_the_dag_folder_is_never_read(folder: Path, dags: Path) -> None:
+    """Only regular files are read: a FIFO named *.yaml blocked the parse of every declared DAG file (and a link
+    to /dev/zero read forever). Here a writer waits on the FIFO with a clashing declaration: reading it would
+    report the clash."""
+    mine = load_pipeline(declare(folder, "cancer.yaml"))
+    fifo = dags / "pipe.yaml"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        with open(fifo, "w") as out:
+            out.write("dag_id: other\nmodel_name: cancer\n")
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        check_unique(mine, declaration_folders(dags))
+    finally:
+        release = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer through when nothing read it
+        writer.join(timeout=30)
+        os.close(release)
+
+
 # ---- pipeline explain --------------------------------------------------------------------------------------------
 
 def test_explain_shows_each_gate_key_and_where_it_came_from(folder: Path, cancer: Path,
@@ -243,3 +364,14 @@ def test_explain_of_a_declared_gate_and_no_guards(folder: Path) -> None:
     assert result["require_approval"]["from"] == "default"
     with pytest.raises(PipelineInvalid):
         explain(declare(folder, gate={"primary": "rmse"}))
+
+
+def test_explain_of_an_invalid_declaration_names_every_problem(folder: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The first problem alone asked for a floor for rmse, when rmse is no metric of a binary task at all."""
+    path = declare(folder, gate={"primary": "rmse", "floor": None})
+    path.write_text(path.read_text().replace("  floor: null\n", ""))
+    assert main(["pipeline", "explain", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: gate.primary: metric 'rmse' does not fit a binary task" in err
+    assert len(err.splitlines()) == len(problems_of(path)) >= 2

@@ -81,3 +81,10 @@ def test_the_primary_metric_of_older_records_is_the_tasks_default() -> None:
     assert season.season_svg([]) == ""
     only_failures = season.season_svg([night(1, "failed at validate_data", status="failed")])
     assert "no night was scored yet" in only_failures
+
+
+def test_runs_of_one_day_are_told_apart_by_their_time() -> None:
+    assert ">11-01</text>" in season.season_svg(MONTH)
+    again = season.season_svg([*MONTH, night(5, "promoted v3 (promoted)", challenger=0.96, champion=0.95,
+                                             recorded_at="2026-11-05T14:30:00+00:00")])
+    assert ">11-05 02:03</text>" in again and ">11-05 14:30</text>" in again

@@ -221,3 +221,15 @@ def test_against_a_ref_a_change_of_default_workers_shows_as_replicas_and_nothing
     assert sorted(changed) == sorted(["-      replicas: 2", "+      replicas: 3", "-            - '2'",
                                       "+            - '3'"]), done.stdout
     assert "-np" in done.stdout  # the '2' -> '3' is horovodrun's -np
+
+
+def test_the_namespace_is_resolved_as_the_task_resolves_it_and_placeholders_are_named(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The connection's namespace (no cluster.namespace set), not "default"; the stand-in values are listed."""
+    connection = json.dumps({"conn_type": "kubernetes", "extra": {"namespace": "nightshift", "in_cluster": False}})
+    code, out, err = plan_here({"backend": "kubernetes"}, monkeypatch, capsys,
+                               AIRFLOW_CONN_KUBERNETES_DEFAULT=connection)
+    assert code == 0, err
+    (job,) = list(yaml.safe_load_all(out))
+    assert job["metadata"]["namespace"] == "nightshift"
+    assert "placeholders, filled in at run time: md5:dataset-version" in err
