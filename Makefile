@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 SYSTEM_PACKAGES := sshd:openssh-server redis-server:redis-server ip:iproute2 nft:nftables chromium:chromium \
 	chromedriver:chromium-driver podman:podman buildah:buildah runc:runc debootstrap:debootstrap patch:patch
 
-.PHONY: setup system-packages demo test test-fast airflow bench lint docs clean images
+.PHONY: setup system-packages demo test test-fast airflow bench lint docs clean images constraints
 
 setup: system-packages $(STAMP)
 
@@ -33,11 +33,12 @@ system-packages:
 		echo "note: not root, not installing Debian packages$$missing (the tests that need them skip)"; \
 	fi
 
-$(STAMP): pyproject.toml constraints.txt scripts/horovod-wheel.sh images/trainer/horovod-0.28.1-elastic-join.patch
+HOROVOD_BUILD := nightshift/horovod_build
+$(STAMP): pyproject.toml constraints.txt $(HOROVOD_BUILD)/horovod-wheel.sh $(HOROVOD_BUILD)/horovod-0.28.1-elastic-join.patch
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "pip==26.3"
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q "$$(scripts/horovod-wheel.sh $(BIN)/python)"
+	$(PIP) install -q "$$($(HOROVOD_BUILD)/horovod-wheel.sh $(BIN)/python)"
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
@@ -73,6 +74,14 @@ airflow: setup
 
 bench: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m bench
+
+# constraints.txt from this venv, after a change of pyproject.toml's ranges was installed and tested: every
+# package pip freeze lists, less this project (editable) and Horovod (the patched local build); torch without its
+# local version label, so that the CPU (+cpu) and CUDA (+cu128) builds of that version both satisfy it.
+constraints: setup
+	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable \
+		| grep -v -i -e '^horovod[= @]' -e '^nightshift[= @]' | sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,8 +1,8 @@
 """DAG benchmarks (issue 6), each measured side by side in one run.
 
 1. Parse cost: `python dags/nightly_retrain.py` against an empty DAG file importing the same Airflow
-   modules (airflow.sdk, the standard provider's HITL operators, the GX provider's operator,
-   operators.horovod), interleaved, median of N. Goal <= 1.1x.
+   modules (airflow.sdk, the standard provider's HITL operators, operators.horovod), interleaved, median
+   of N. Goal <= 1.1x.
 2. Orchestration overhead: wall time of the demo's `airflow dags test nightly_retrain` run (local backend,
    2 Horovod workers) against the sum of the same steps run directly through the CLI on the same data,
    each in a fresh NIGHTSHIFT_HOME; seconds per task side by side.
@@ -36,7 +36,6 @@ from __future__ import annotations
 from airflow.sdk import DAG, Asset, Param, get_current_context, task  # noqa: F401
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException  # noqa: F401
 from airflow.providers.standard.operators.hitl import ApprovalOperator  # noqa: F401
-from great_expectations_provider.operators.validate_batch import GXValidateBatchOperator  # noqa: F401
 from operators.horovod import HorovodKubernetesOperator  # noqa: F401
 
 with DAG(dag_id="empty", schedule=None):
@@ -171,7 +170,7 @@ parsing and scheduling between tasks.
 are imported once per DAG run (training still runs in `horovodrun` subprocesses); each CLI step pays
 those imports anew (3–5 s each), which is why the DAG run comes out faster than the CLI sum. A
 scheduler-driven run (LocalExecutor, one process per task) pays them per task, like the CLI.
-The DAG validates twice on success (the GX provider's gate in `validate_data`, then `nightshift stage`
+The DAG validates twice on success (the GX gate in `validate_data`, then `nightshift stage`
 re-checks before versioning), as the CLI path does (`nightshift validate`, then `nightshift stage`).
 """
     text = RESULTS.read_text()

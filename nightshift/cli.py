@@ -30,6 +30,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "nightshift.stream.cli",
     "nightshift.pipelines.cli",
     "nightshift.gc",
+    "nightshift.doctor",
 )
 # Subcommands that use MLflow: main configures it (nightshift.tracking.configure) before they run. `train`
 # configures it itself, in rank 0 only.

@@ -93,3 +93,15 @@ class EventNotHeard(NightshiftError):
 
 class BadEvent(NightshiftError):
     """A "new data" event is not one `nightshift publish-data` writes (not JSON, wrong kind, no source)."""
+
+
+class HorovodUnusable(NightshiftError):
+    """The Horovod of this environment cannot run the trainer (missing, no torch or no Gloo support, no join patch)."""
+
+    exit_code = 1
+
+
+class HorovodBuildFailed(NightshiftError):
+    """Building or installing the patched Horovod wheel failed."""
+
+    exit_code = 1

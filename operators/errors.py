@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 
 class HorovodJobError(AirflowException):
@@ -67,6 +67,11 @@ class KubernetesApiUnavailable(KubernetesApiError):
 
 class MPIJobConflict(HorovodJobError):
     """An MPIJob with the same name exists but belongs to another task try."""
+
+
+class LocalHorovodUnusable(HorovodJobError, AirflowFailException):
+    """This machine's Horovod cannot run the job (no torch or Gloo support, no join patch for an elastic job): the
+    task fails at once, without a retry (another try would fail the same way), naming the fix."""
 
 
 class HorovodRunFailed(HorovodJobError):

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from operators.errors import HorovodRunFailed, HorovodRunTimeout, InvalidJobConfig
+from operators.errors import HorovodRunFailed, HorovodRunTimeout, InvalidJobConfig, LocalHorovodUnusable
 from operators.mpijob_spec import ELASTIC_COOLDOWN_RANGE, check_no_credentials, with_elastic_flag
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,21 @@ def find_horovodrun() -> str:
     if found is None:
         raise InvalidJobConfig("horovodrun not found beside the Python interpreter or on PATH")
     return found
+
+
+def check_local_horovod(*, elastic: bool = False) -> None:
+    """LocalHorovodUnusable, naming the fix, when the Horovod the ranks would import cannot train: checked in a child
+    interpreter with the ranks' environment (`nightshift doctor`'s full form), before horovodrun starts anything."""
+    from nightshift.doctor import REQUIRED, REQUIRED_ELASTIC, check_in_child, unusable
+    from nightshift.errors import HorovodUnusable
+
+    try:
+        problem = unusable(check_in_child(sys.executable, child_environment(os.environ)),
+                           REQUIRED_ELASTIC if elastic else REQUIRED)
+    except HorovodUnusable as err:
+        problem = str(err)
+    if problem is not None:
+        raise LocalHorovodUnusable(f"backend=local cannot train with this machine's Horovod: {problem}")
 
 
 def horovodrun_argv(num_processes: int, command: Sequence[str], *, horovodrun: str | None = None,

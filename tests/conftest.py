@@ -28,6 +28,7 @@ LONGEST_FIRST = (
     "tests/integration/test_served_model_standalone.py",
     "tests/integration/test_nightly_retrain.py",
     "tests/integration/test_user_pipelines.py",
+    "tests/integration/test_wheel_install.py",
     "tests/integration/test_hosts_backend.py",
     "tests/integration/test_run_mpijob_elastic.py",
     "tests/integration/test_new_data_event.py",

@@ -1,8 +1,9 @@
-"""Small adapters around the operators the DAG uses, for what their constructors cannot take at parse time.
+"""Small operators of the DAG's own, and adapters around those it uses, for what their constructors cannot take at
+parse time.
 
-- `GXDataGateOperator`: the GX Airflow provider's `GXValidateBatchOperator`, run once per Parquet split of
-  a data source known only at run time (a DAG param), with the pipeline's suite; a failure names every
-  failed expectation with sample bad values and the Data Docs page (nightshift's report).
+- `GXDataGateOperator`: validates every Parquet split of a data source known only at run time (a DAG param, or
+  the new-data event's) with the pipeline's GX suite, through GX core (nightshift.data.validate); a failure
+  names every failed expectation with sample bad values and the Data Docs page.
 - `OptionalApprovalOperator`: the standard provider's HITL `ApprovalOperator`, skipped unless the run's
   `require_approval` param is on.
 """
@@ -10,19 +11,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
+from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
-from great_expectations_provider.operators.validate_batch import GXValidateBatchOperator
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from nightshift.pipelines import Pipeline
-
-GX_SOURCE = "nightshift"
 
 
 def failing_pages(report: Any) -> list[str]:
@@ -31,48 +30,30 @@ def failing_pages(report: Any) -> list[str]:
     return [f["data_docs"] for f in report["files"] if f.get("data_docs") and not f["success"]]
 
 
-def _batch_definition(gx_context: Any) -> Any:
-    # The provider builds the GX context itself and hands it here first: the only place to turn off its
-    # progress bars (tqdm on stderr, which the task supervisor logs at ERROR, one line per split).
-    from nightshift.data.validate import disable_progress_bars
-
-    disable_progress_bars(gx_context)
-    source = gx_context.data_sources.add_or_update_pandas(name=GX_SOURCE)
-    return source.add_dataframe_asset(name="split").add_batch_definition_whole_dataframe("whole")
-
-
-def _suite(suite_file: str, gx_context: Any) -> Any:
-    from nightshift.data.validate import load_suite_file
-
-    return load_suite_file(suite_file)
-
-
-class GXDataGateOperator(GXValidateBatchOperator):
+class GXDataGateOperator(BaseOperator):
     """Validate every split of `data_source` (empty: the new-data event's source when one started the run, else
-    the pipeline's declared data) with the GX provider and the pipeline's suite.
+    the pipeline's declared data) with the pipeline's GX suite: one ephemeral GX context per try, a pandas data
+    source whose batches are the splits as read, and a Data Docs page for each split that fails (filed under the
+    DAG: the plugin shows it to the DAG's readers only, as the "GX Data Docs" link).
 
-    Returns {"path", "files": {split: rows}}; raises AirflowFailException (no retry: bad data does not heal)
-    naming each failed expectation, its rule and sample unexpected values, and the Data Docs page.
+    Returns {"path", "files": {split: rows}, "fingerprint"} (the fingerprint of the very bytes validated, which
+    staging trusts); raises AirflowFailException (no retry: bad data does not heal) naming each failed
+    expectation, its rule and sample unexpected values, and the Data Docs page.
     """
 
-    template_fields: Sequence[str] = (*GXValidateBatchOperator.template_fields, "data_source")
+    template_fields: Sequence[str] = ("data_source",)
 
     def __init__(self, *, pipeline: Pipeline, data_source: str, **kwargs: Any) -> None:
-        super().__init__(configure_batch_definition=_batch_definition,
-                         configure_expectations=partial(_suite, str(pipeline.suite_path)),
-                         result_format="BOOLEAN_ONLY", context_type="ephemeral", **kwargs)
+        super().__init__(**kwargs)
         self.pipeline = pipeline
         self.data_source = data_source
 
-    def execute(self, context: Context) -> dict[str, Any]:  # type: ignore[override]
-        from great_expectations_provider.common.errors import GXValidationFailed
-
+    def execute(self, context: Context) -> dict[str, Any]:
         from nightly_tasks.events import event_data_source
         from nightly_tasks.steps import resolve_data_source
-        from nightshift.data.validate import check_data, describe_failures, quiet_gx_logging, read_tables
+        from nightshift.data.validate import check_frames, describe_failures, read_tables
         from nightshift.errors import DataError, UsageError
 
-        quiet_gx_logging()  # before the provider first imports GX, which logs ~200 INFO lines on import
         try:
             # The data_source Param, else (a run a new-data event started) the event's source; both confined.
             path = resolve_data_source(self.pipeline,
@@ -83,30 +64,19 @@ class GXDataGateOperator(GXValidateBatchOperator):
             # Each split read once: the fingerprint is of the very bytes the suite runs on, so staging trusts
             # this gate only for those bytes.
             validated, frames = read_tables(path)
-        except DataError as err:
+            report = check_frames(path, frames, data_docs="failed", suite_file=self.pipeline.suite_path,
+                                  pipeline=self.pipeline.dag_id)
+        except (DataError, UsageError) as err:
             raise AirflowFailException(f"validate_data: {err}") from err
-        failed: list[str] = []
-        for file, frame in frames:
-            self.batch_parameters = {"dataframe": frame}
-            try:
-                super().execute(context)
-                self.log.info("GX suite passed on %s (%d rows)", file.name, len(frame))
-            except GXValidationFailed as err:
-                failed.append(f"{file.name}: {', '.join(err.failed_expectation_types)}")
-        result = {"path": str(path), "files": {f.stem: len(frame) for f, frame in frames}}
-        if not failed:
-            result["fingerprint"] = validated
-        if failed:
-            # The provider says which expectation types failed; nightshift's report adds the columns,
-            # sample bad values and a Data Docs page a person can open.
-            # The pages hold sample values: filed under this DAG, the plugin shows them to its readers only.
-            report = check_data(path, suite_file=self.pipeline.suite_path, pipeline=self.pipeline.dag_id)
+        for file in report["files"]:
+            if file["success"]:
+                self.log.info("GX suite passed on %s (%d rows)", Path(file["path"]).name, file["rows"])
+        if not report["success"]:
             pages = failing_pages(report)
             if pages:
                 context["ti"].xcom_push(key="data_docs", value=pages[0])
-            detail = describe_failures(report) if not report["success"] else "; ".join(failed)
-            raise AirflowFailException(f"validate_data: data failed the GX suite: {detail}")
-        return result
+            raise AirflowFailException(f"validate_data: data failed the GX suite: {describe_failures(report)}")
+        return {"path": str(path), "files": {f.stem: len(frame) for f, frame in frames}, "fingerprint": validated}
 
 
 class OptionalApprovalOperator(ApprovalOperator):

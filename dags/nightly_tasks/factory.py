@@ -85,14 +85,37 @@ def declaration_path(given: str | os.PathLike[str]) -> Path:
 def pipeline_dag(declaration: Pipeline | str | os.PathLike[str]) -> DAG:
     """The retraining DAG of `declaration` (a Pipeline, a YAML path, or a stub's `__file__`); for a declaration
     that is not valid, an `InvalidPipelineDag` that fails the file's import with the loader's one line."""
+    from nightshift.errors import HorovodUnusable
     from nightshift.pipelines import PipelineInvalid
 
     try:
         pipeline = read_declaration(declaration)
         check_declared_backend(pipeline)
-    except PipelineInvalid as err:
+        check_local_horovod(pipeline)
+    except (PipelineInvalid, HorovodUnusable) as err:
         return invalid_dag(declaration, err)
     return build_dag(pipeline)
+
+
+def check_local_horovod(pipeline: Pipeline) -> None:
+    """HorovodUnusable, naming the fix, when the pipeline trains here by default (backend local) and the Horovod
+    installed here has no torch extension (`nightshift doctor`'s quick form: package metadata and a file probe,
+    nothing imported). A machine without Horovod passes: the Airflow image has none, its runs train on the cluster;
+    the train task checks everything (`nightshift doctor`'s full form) before it starts horovodrun."""
+    from nightshift.doctor import quick_checks, unusable
+    from nightshift.errors import HorovodUnusable
+
+    if default_backend(pipeline) != "local":
+        return
+    problem = unusable(quick_checks(), ("torch",))
+    if problem is not None:
+        raise HorovodUnusable(f"{pipeline.source or pipeline.dag_id}: training.backend is local and this machine's "
+                              f"Horovod cannot train: {problem}")
+
+
+def default_backend(pipeline: Pipeline) -> str:
+    """The `backend` Param's default: the declaration's training.backend, else NIGHTSHIFT_BACKEND, else local."""
+    return pipeline.training.backend or os.environ.get("NIGHTSHIFT_BACKEND", "local")
 
 
 def check_declared_backend(pipeline: Pipeline) -> None:
@@ -245,7 +268,7 @@ def pipeline_params(pipeline: Pipeline) -> dict[str, Param]:
                                            "was last suspended) before train fails with the reason it waited. "
                                            "Empty: no limit."),
         # Scheduled runs take the default: a cluster deployment sets NIGHTSHIFT_BACKEND=kubernetes.
-        "backend": Param(training.backend or os.environ.get("NIGHTSHIFT_BACKEND", "local"), type="string",
+        "backend": Param(default_backend(pipeline), type="string",
                          enum=list(backend_choices()), title="Backend", description=backend_help()),
         # As the schema: no maximum, since rmse and mae gain in the target's units, not in [0, 1].
         "min_improvement": Param(pipeline.gate.min_improvement, type="number", minimum=0,

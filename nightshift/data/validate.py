@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import pandas as pd
 
@@ -38,6 +39,8 @@ DOCS_SITE = "nightshift"
 SAMPLE_SIZE = 5
 # Failures named in the one-line error; the JSON report lists all of them.
 SUMMARY_FAILURES = 8
+# Which tables get a Data Docs page: every one, only those that fail, or none.
+DataDocs = bool | Literal["failed"]
 
 # GX logs its internals at INFO: on import ~200 "Skipping registering function ..." lines (its public-API
 # docs registry), then "Multiple declarations of metric ...", "Created temporary directory ..." per context.
@@ -337,13 +340,14 @@ def _docs_page(context: Any, identifier: Any) -> str | None:
 def validate_frame(
     frame: pd.DataFrame,
     suite: gx.ExpectationSuite | None = None,
-    data_docs: bool = True,
+    data_docs: DataDocs = True,
     *,
     context: Any = None,
     name: str = "table",
 ) -> tuple[bool, list[ExpectationFailure], str | None]:
     """Run the suite on one table: (success, failures with samples, Data Docs page or None).
 
+    `data_docs`: True builds the table's page, "failed" only when the table fails, False never.
     `context` (from one `check_data` run) lets several tables share one Data Docs site; `name`
     must then differ per table.
     """
@@ -353,11 +357,12 @@ def validate_frame(
     if not validation.success:
         identifier, validation = _run(context, frame, suite, "SUMMARY", name)
     failures = _failures(validation) if not validation.success else []
-    page = _docs_page(context, identifier) if data_docs else None
+    wanted = data_docs is True or (data_docs == "failed" and not validation.success)
+    page = _docs_page(context, identifier) if wanted else None
     return bool(validation.success), failures, page
 
 
-def check_data(path: str | Path, data_docs: bool = True, suite_file: str | Path | None = None,
+def check_data(path: str | Path, data_docs: DataDocs = True, suite_file: str | Path | None = None,
                pipeline: str | None = None) -> ValidationReport:
     """Validate a Parquet file or each Parquet file of a directory; report, never raise on failed rules.
 
@@ -368,14 +373,27 @@ def check_data(path: str | Path, data_docs: bool = True, suite_file: str | Path 
     """
     files = parquet_files(path)
     frames = [(file, read_table(file)) for file in files]  # read all first: unreadable input fails early
+    return check_frames(path, frames, data_docs=data_docs, suite_file=suite_file, pipeline=pipeline)
+
+
+def check_frames(path: str | Path, frames: Sequence[tuple[Path, pd.DataFrame]], data_docs: DataDocs = True,
+                 suite_file: str | Path | None = None, pipeline: str | None = None) -> ValidationReport:
+    """`check_data` of tables already read (`read_tables`): each (file, frame) against the suite, in one GX
+    context whose Data Docs site is this run's own (`data_docs` as `validate_frame`'s; a site no page was
+    written to is removed)."""
     suite = load_suite_file(suite_file) if suite_file is not None else load_suite()
-    context = _context(_new_site_dir(pipeline))
+    site_dir = _new_site_dir(pipeline)
+    context = _context(site_dir)
     reports: list[FileReport] = []
-    for file, frame in frames:
-        success, failures, page = validate_frame(frame, suite, data_docs=data_docs, context=context,
-                                                 name=file.stem)
-        reports.append(FileReport(path=str(file), rows=len(frame), success=success, failures=failures,
-                                  data_docs=page))
+    try:
+        for file, frame in frames:
+            success, failures, page = validate_frame(frame, suite, data_docs=data_docs, context=context,
+                                                     name=file.stem)
+            reports.append(FileReport(path=str(file), rows=len(frame), success=success, failures=failures,
+                                      data_docs=page))
+    finally:
+        if not any(r["data_docs"] for r in reports):
+            shutil.rmtree(site_dir, ignore_errors=True)  # this run's own folder (a timestamp and a random id)
     return ValidationReport(path=str(path), suite=suite.name, success=all(r["success"] for r in reports),
                             files=reports)
 

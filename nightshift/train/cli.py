@@ -171,8 +171,8 @@ def _join_elastic_job(config: TrainConfig) -> Any:
     require_elastic_launcher()
     if not horovod_has_join_patch():
         logging.getLogger("nightshift.train").warning(
-            "this Horovod is built without Nightshift's elastic-join patch (images/trainer/horovod-0.28.1-elastic-"
-            "join.patch; scripts/horovod-wheel.sh builds it): --join-timeout has no effect, and a process joining "
+            "this Horovod is built without Nightshift's elastic-join patch (`nightshift doctor --build-horovod` "
+            "builds and installs one with it): --join-timeout has no effect, and a process joining "
             "later than --collective-timeout terminates every rank, failing the job")
     set_collective_timeout(config.collective_timeout, config.join_timeout)
     join(hvd)

@@ -106,7 +106,7 @@ def set_collective_timeout(seconds: int, join_seconds: int) -> None:
     long in `hvd.init()`'s rendezvous for every process of the job, and then terminates the process: the ranks
     already training, waiting for the process Horovod starts on a host that is added or comes back, all died when
     that process was slower to start than the collective timeout (a loaded node, a cold page cache), failing the
-    job. Nightshift's Horovod (images/trainer/horovod-0.28.1-elastic-join.patch) separates the two:
+    job. Nightshift's Horovod (nightshift/horovod_build/horovod-0.28.1-elastic-join.patch) separates the two:
 
     HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS (`join_timeout`): how long the rendezvous waits; when it runs out (a
     joiner late, or gone), `hvd.init()` fails instead of terminating, and `join` tries again, which puts this rank
@@ -155,19 +155,16 @@ def join(hvd: Any, attempts: int | None = JOIN_ATTEMPTS) -> None:
 
 
 def horovod_has_join_patch() -> bool:
-    """Whether the installed Horovod is built with images/trainer/horovod-0.28.1-elastic-join.patch (its torch
-    extension knows HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS): without it a joiner slower than the collective
-    timeout terminates every rank, failing the job."""
-    import glob
+    """Whether the installed Horovod is built with nightshift/horovod_build/horovod-0.28.1-elastic-join.patch (its
+    torch extension knows HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS): without it a joiner slower than the collective
+    timeout terminates every rank, failing the job. `nightshift doctor` checks it too."""
+    from pathlib import Path
 
     import horovod.torch
 
-    libraries = glob.glob(os.path.join(os.path.dirname(horovod.torch.__file__), "mpi_lib_v2*.so"))
-    for library in libraries:
-        with open(library, "rb") as binary:
-            if b"HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS" in binary.read():
-                return True
-    return False
+    from nightshift.doctor import join_patch_built, torch_extensions
+
+    return join_patch_built(torch_extensions(Path(horovod.torch.__file__).parent.parent))
 
 
 def _seed_rank(seed: int, step: int, rank: int) -> None:

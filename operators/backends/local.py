@@ -57,19 +57,25 @@ class LocalBackend(TrainingBackend):
         self._tmp: Path | None = None  # an elastic job's discovery script's folder
 
     def submit(self, identity: TaskIdentity, context: Mapping[str, Any]) -> dict[str, Any]:
-        from operators.local_launcher import LocalHorovodLauncher, check_local_capacity, write_discovery_script
+        from operators.local_launcher import (
+            LocalHorovodLauncher,
+            check_local_capacity,
+            check_local_horovod,
+            write_discovery_script,
+        )
 
         run = self.run
         if run.job.gpus:  # this machine is the one node: one worker with all the GPUs asked for
             run.use_job(replace(run.job, num_workers=1, gpus_per_worker=int(run.job.gpus), gpus=0))
         job = run.job
         ranks = check_local_capacity(int(job.num_workers), int(job.gpus_per_worker))
+        elastic = job.elastic_range()
+        check_local_horovod(elastic=elastic is not None)
         checkpoint_dir = run.checkpoint_dir(identity)
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         command = with_checkpoint_dir(split_command(job.command), checkpoint_dir)
         self.log.info("Training with %d rank(s) here (%d worker(s) x %d GPU(s)); checkpoints of this task "
                       "(every try): %s", ranks, job.num_workers, job.gpus_per_worker, checkpoint_dir)
-        elastic = job.elastic_range()
         try:
             discovery, fewest = None, None
             if elastic is not None:  # num_workers is max_workers (settled)

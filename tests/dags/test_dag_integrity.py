@@ -16,12 +16,13 @@ HEAVY = ("torch", "horovod", "great_expectations", "dvc", "dvc_data", "mlflow", 
          "nightshift", "kubernetes")
 # What of nightshift a DAG file may import at parse time: the pipeline declaration reader (PyYAML, jsonschema) and
 # what it needs (the retention policy a declaration carries: dataclasses only), and the registries the backend and
-# deploy_target Params list (nightshift.plugins; nightshift.deploy's package module, which imports no target).
+# deploy_target Params list (nightshift.plugins; nightshift.deploy's package module, which imports no target), and
+# nightshift doctor's quick check of the Horovod a local-backend pipeline trains with (metadata and files only).
 # Anything else of nightshift (the ML library) is imported by the tasks.
 PARSE_TIME_NIGHTSHIFT = {"nightshift", "nightshift.errors", "nightshift.settings", "nightshift.tasks",
                          "nightshift.pipelines", "nightshift.pipelines.check", "nightshift.pipelines.load",
                          "nightshift.pipelines.spec", "nightshift.plugins", "nightshift.deploy",
-                         "nightshift.retention"}
+                         "nightshift.retention", "nightshift.doctor"}
 
 DAGBAG = """
 import json, sys

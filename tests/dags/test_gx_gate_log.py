@@ -76,7 +76,7 @@ def test_gate_passes_good_data(gate_log: tuple[dict, list[dict]]) -> None:
     events = [str(line.get("event", "")) for line in lines]
     assert result["exit_code"] == 0, "\n".join(events[-20:])
     passed = [e for e in events if e.startswith("GX suite passed on")]
-    assert len(passed) == 3, events  # train, validation, test: the provider really ran the suite
+    assert len(passed) == 3, events  # train, validation, test: GX really ran the suite
     assert any(method == "POST" and path.endswith("/validate_data/return_value")
                for method, path in result["calls"]), "the task pushed no return value"
 

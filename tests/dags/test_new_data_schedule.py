@@ -120,6 +120,8 @@ from nightly_tasks.events import NEW_DATA_URI, event_data_source
 def event(data, minutes, uri=NEW_DATA_URI):
     return AssetEventDagRunReferenceResult(
         asset={{"name": uri, "uri": uri, "extra": {{}}}}, source_aliases=[],
+        # required (None for a watcher's event: no task made it) from Airflow 3.3.1 on, optional before
+        source_task_id=None, source_dag_id=None, source_run_id=None, source_map_index=None,
         timestamp=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=minutes),
         extra={{"from_trigger": True, "payload": {{"type": "stream", "stream": "s", "id": "1-0", "data": data}}}})
 

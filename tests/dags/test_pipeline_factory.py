@@ -283,6 +283,37 @@ def test_a_bad_declaration_fails_its_own_dag_file_in_one_line(tmp_path: Path, ai
 
 
 
+def test_a_horovod_without_torch_fails_the_dag_files_that_train_here_naming_the_fix(
+        tmp_path: Path, airflow_env: dict[str, str]) -> None:
+    """Issue 37 item 4: pip's build of PyPI's Horovod sdist has no torch extension; a pipeline that trains here
+    (backend local) is refused at parse time with the fix, instead of three failed tries of `train`; one that trains
+    on the cluster is not (the Airflow image has no Horovod at all)."""
+    import os
+
+    from tests.fake_horovod import fake_horovod
+
+    site = fake_horovod(tmp_path / "site", torch=False)
+    folder = tmp_path / "user-dags"
+    folder.mkdir()
+    _declare(folder, "here", dag_id="here_retrain", model_name="here-model",
+             **{"dataset.asset": "here", "training.backend": "local"})
+    _declare(folder, "cluster", dag_id="cluster_retrain", model_name="cluster-model",
+             **{"dataset.asset": "cluster", "training.backend": "kubernetes"})
+    for name in ("here", "cluster"):
+        (folder / f"{name}.py").write_text(STUB)
+    env = {k: v for k, v in airflow_env.items() if k not in ENV}
+    env["AIRFLOW__CORE__DAGS_FOLDER"] = str(folder)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    out = run_json(DAGBAG.format(dags=str(DAGS), folder=str(folder)), env)
+    assert out["dags"] == ["cluster_retrain"]
+    assert list(out["errors"]) == [str(folder / "here.py")]
+    (error,) = out["errors"].values()
+    assert "\n" not in error.strip() and "Traceback" not in error
+    assert error.startswith(f"HorovodUnusable: {folder / 'here.yaml'}: training.backend is local and this machine's "
+                            f"Horovod cannot train: Horovod 0.28.1 has no torch extension ({site / 'horovod'}")
+    assert "Fix: run `nightshift doctor --build-horovod`" in error
+
+
 def test_a_pipeline_gets_its_own_search_dag(tmp_path: Path) -> None:
     from nightly_tasks import search
 

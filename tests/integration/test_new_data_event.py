@@ -158,9 +158,9 @@ def test_one_publish_starts_exactly_one_run_on_that_data(standalone: dict[str, A
 
 
 def _new_data_events(api: Api) -> list[dict[str, Any]]:
-    """The new-data asset's events. Airflow 3.3.0 answers GET /assets/events with 500 while a run an event
-    created is queued (its start_date is NULL, which the response model refuses: apache/airflow#71360); the
-    scheduler starts such a run in its next loops, so a 500 is asked again for up to 120 s."""
+    """The new-data asset's events. Airflow 3.3.0 to 3.3.2 answer GET /assets/events with 500 while a run an
+    event created is queued (its start_date is NULL, which the response model refuses: apache/airflow#71360, fixed
+    on main for 3.4); the scheduler starts such a run in its next loops, so a 500 is asked again for up to 120 s."""
     assets = api.call("GET", "/assets?uri_pattern=nightshift://events/new-data")["assets"]
     (asset,) = [a for a in assets if a["uri"] == NEW_DATA_URI]
     deadline = time.monotonic() + 120

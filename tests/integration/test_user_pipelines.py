@@ -36,6 +36,7 @@ from tests.integration.airflow_helpers import (
     postgres_database,
     stop_model_server,
 )
+from tests.integration.wheel_helpers import build_wheel
 from tests.tabular_data import breast_cancer, diabetes
 
 pytestmark = pytest.mark.integration
@@ -62,25 +63,7 @@ DIABETES = {
     "training": {"epochs": 5, "workers": 1, "backend": "local"},
 }
 PIPELINES = {"cancer": CANCER, "diabetes": DIABETES}
-# What the wheel is built from: the distribution's sources, copied so that no build/ lands in the checkout.
-SOURCES = ("pyproject.toml", "README.md", "nightshift", "nightshift_plan", "operators", "dags/nightly_tasks")
-
-
 # ---- Nightshift from a wheel ------------------------------------------------------------------------------------
-
-def build_wheel(out: Path) -> Path:
-    """`pip wheel --no-deps` of a copy of this checkout's distribution sources."""
-    source = out / "source"
-    for name in SOURCES:
-        if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    str(source), "-w", str(out / "dist")], check=True, capture_output=True, timeout=300)
-    return next((out / "dist").glob("nightshift-*.whl"))
-
 
 def wheel_venv(wheel: Path, venv: Path) -> Path:
     """A virtualenv holding `wheel` (installed --no-deps) whose other packages are the project venv's; returns

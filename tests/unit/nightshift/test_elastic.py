@@ -209,8 +209,8 @@ def test_a_failed_rendezvous_is_tried_again_a_bounded_number_of_times(monkeypatc
 
 
 def test_the_installed_horovod_carries_the_elastic_join_patch() -> None:
-    """make setup builds Horovod with images/trainer/horovod-0.28.1-elastic-join.patch; the trainer warns when a
-    Horovod lacks it (a slow joiner then terminates every rank)."""
+    """make setup builds Horovod with nightshift/horovod_build/horovod-0.28.1-elastic-join.patch; the trainer warns
+    when a Horovod lacks it (a slow joiner then terminates every rank)."""
     from nightshift.train.elastic import horovod_has_join_patch
 
     assert horovod_has_join_patch()

@@ -1,4 +1,5 @@
-"""The GX data gate: the suite in gx/, `validate_data`, `nightshift validate`, and the GX Airflow provider."""
+"""The GX data gate: the suite in gx/, `validate_data`, `nightshift validate` (the DAG's operator:
+tests/dags/test_gx_gate.py)."""
 
 from __future__ import annotations
 
@@ -185,37 +186,3 @@ def test_gx_file_context_in_git_loads_and_its_checkpoint_runs(demo_data: Path, t
     result = checkpoint.run(batch_parameters={"dataframe": read_table(demo_data / "test.parquet")})
     assert result.success
     assert (nightshift_home / "gx" / "data_docs").is_dir()
-
-
-class _TaskInstance:
-    """The one piece of the Airflow task context the provider's operator touches."""
-
-    def __init__(self) -> None:
-        self.xcom: dict[str, object] = {}
-
-    def xcom_push(self, key: str, value: object) -> None:
-        self.xcom[key] = value
-
-
-@pytest.mark.integration
-def test_gx_airflow_provider_runs_the_suite_and_fails_the_task_on_bad_data(demo_data: Path,
-                                                                          bad_file: Path) -> None:
-    """What the DAG will do: GXValidateDataFrameOperator with `read_table` and `load_suite`."""
-    from great_expectations_provider.common.errors import GXValidationFailed
-    from great_expectations_provider.operators.validate_dataframe import GXValidateDataFrameOperator
-
-    def operator(path: Path) -> GXValidateDataFrameOperator:
-        return GXValidateDataFrameOperator(
-            task_id="validate_data",
-            configure_dataframe=lambda: read_table(path),
-            configure_expectations=lambda context: load_suite(),
-            result_format="SUMMARY",
-        )
-
-    ti = _TaskInstance()
-    operator(demo_data / "validation.parquet").execute(context={"ti": ti})  # type: ignore[arg-type]
-    assert ti.xcom["return_value"]["success"] is True  # type: ignore[index]
-
-    with pytest.raises(GXValidationFailed) as caught:
-        operator(bad_file).execute(context={"ti": _TaskInstance()})  # type: ignore[arg-type]
-    assert "expect_column_values_to_be_in_set" in str(caught.value)

@@ -264,6 +264,33 @@ def test_a_kill_before_horovodrun_starts_starts_nothing(tmp_path: Path, monkeypa
     assert not marker.exists()
 
 
+@pytest.mark.slow  # the check runs in a child interpreter
+def test_a_horovod_without_torch_fails_the_train_task_at_once_before_horovodrun(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37 item 4: `horovodrun --gloo` on pip's build of PyPI's Horovod sdist failed three tries over four
+    minutes with "Gloo support has not been built"; the local backend checks the Horovod the ranks would import
+    first (nightshift doctor's full form, in a child with the ranks' environment) and fails without a retry."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    import operators.local_launcher as local_launcher
+    from operators.errors import LocalHorovodUnusable
+    from tests.fake_horovod import fake_horovod
+
+    site = fake_horovod(tmp_path / "site", torch=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    started: list[object] = []
+    monkeypatch.setattr(local_launcher.LocalHorovodLauncher, "start", lambda self: started.append(self))
+    op = horovod_operator(task_id="train", command=["python", "-c", "pass"], backend="local")
+    with pytest.raises(LocalHorovodUnusable) as caught:
+        op.execute(make_context())  # type: ignore[arg-type]
+    assert isinstance(caught.value, AirflowFailException)  # no retry: the next try would fail the same way
+    message = str(caught.value)
+    assert message.startswith("backend=local cannot train with this machine's Horovod: Horovod 0.28.1: `import "
+                              "horovod.torch` fails: Extension horovod.torch has not been built")
+    assert "Fix: run `nightshift doctor --build-horovod`" in message
+    assert started == []
+
+
 def test_a_failed_deferral_is_given_to_the_backend_that_deferred(toy_plugin: ModuleType,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Review finding: after a deferral timeout, "auto" was resolved again (a connection lookup could now say
