@@ -80,6 +80,33 @@ def _spaced(values: np.ndarray) -> np.ndarray:
     return values[np.linspace(0, len(values) - 1, DRIFT_ROWS).astype(int)] if len(values) > DRIFT_ROWS else values
 
 
+class _ColumnReader:
+    """A split's Parquet file read one column at a time: a training split larger than the evaluate task's
+    memory is never held whole (evaluate holds the evaluated split's table already)."""
+
+    def __init__(self, data_dir: str | Path, split: str) -> None:
+        import pyarrow.parquet as pq
+
+        from nightshift.datasets import split_path
+
+        self.path = split_path(data_dir, split)
+        if not self.path.is_file():
+            raise DataError(f"{self.path} is missing: no {split} split to compare with")
+        try:
+            self.file = pq.ParquetFile(self.path)
+        except Exception as err:  # pyarrow raises several unrelated types for unreadable files
+            raise DataError(f"{self.path} is not a readable Parquet file ({type(err).__name__}: {err})") from err
+        index = {c for c in (self.file.schema_arrow.pandas_metadata or {}).get("index_columns", [])
+                 if isinstance(c, str)}  # a pandas index saved as a column (__index_level_0__): not data
+        self.columns = [str(c) for c in self.file.schema_arrow.names if c not in index]
+
+    def values(self, column: str) -> np.ndarray:
+        """The column as float64 (nulls NaN); TypeError or ValueError for a column of text."""
+        import numpy as np
+
+        return np.asarray(self.file.read(columns=[column]).column(0).to_pandas().to_numpy(np.float64))
+
+
 def column_drift(data_dir: str | Path, split: str, label_column: str, result: dict[str, Any]
                  ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """(each numeric feature's drift, worst first; the worst column's two histograms, or None). The features:
@@ -88,24 +115,20 @@ def column_drift(data_dir: str | Path, split: str, label_column: str, result: di
     challenger's and the champion's training ranges (`evaluate`'s figures)."""
     import numpy as np
 
-    from nightshift.datasets import read_split_frame
-
-    train, tonight = read_split_frame(data_dir, "train"), read_split_frame(data_dir, split)
+    train, tonight = _ColumnReader(data_dir, "train"), _ColumnReader(data_dir, split)
     # A model that records no training range (drift None, a pyfunc of another kind): its shares are unknown, not 0.
     drift, their_drift = ((result.get(who) or {}).get("drift") for who in ("challenger", "champion"))
     outside = (drift or {}).get("columns") or {}
     features = set(drift["features"]) if drift and drift.get("features") else None  # else: all but the label
     theirs = (their_drift or {}).get("columns") or {}
     columns: list[dict[str, Any]] = []
-    for column in tonight.columns:
-        if column == label_column or column not in train.columns or (features and str(column) not in features):
+    for name in tonight.columns:
+        if name == label_column or name not in train.columns or (features and name not in features):
             continue  # an id, a timestamp the model never reads: its drift is no model's
         try:
-            reference = _spaced(train[column].to_numpy(np.float64))
-            current = _spaced(tonight[column].to_numpy(np.float64))
-        except (TypeError, ValueError):  # a text or date column: no distance of this kind
+            reference, current = _spaced(train.values(name)), _spaced(tonight.values(name))
+        except (TypeError, ValueError):  # a text column: no distance of this kind
             continue
-        name = str(column)
         columns.append({"column": name, "distance": ks_distance(reference, current),
                         "outside": float(outside.get(name, 0.0)) if drift is not None else None,
                         "outside_champion": float(theirs.get(name, 0.0)) if their_drift is not None else None})
@@ -113,7 +136,7 @@ def column_drift(data_dir: str | Path, split: str, label_column: str, result: di
     if not columns or not math.isfinite(columns[0]["distance"]):
         return columns, None
     worst = columns[0]["column"]
-    reference, current = (frame[worst].to_numpy(np.float64) for frame in (train, tonight))
+    reference, current = train.values(worst), tonight.values(worst)
     reference, current = reference[np.isfinite(reference)], current[np.isfinite(current)]
     low, high = float(min(reference.min(), current.min())), float(max(reference.max(), current.max()))
     if not math.isfinite(high - low):  # values near ±1.8e308 (a sentinel): no bins span them; the table has it

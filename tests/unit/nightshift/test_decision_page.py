@@ -244,3 +244,28 @@ def test_a_figure_that_cannot_be_drawn_never_fails_the_night(monkeypatch: pytest
     monkeypatch.setattr(decision_page, "training_curves", lambda run_id: {})
     gathered = decision_page.gather({**evaluated, "champion": None}, data_dir=tmp_path, label_column="y")
     assert "it could not be computed (ValueError: a column no test had)" in gathered["drift_note"]
+
+
+def test_the_training_split_is_read_one_column_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The drift reads each feature of the training split on its own: a training split larger than the
+    evaluate task's memory never comes whole (it was read whole, text columns and all: evaluate, and the
+    night, died where the training pod had had the memory). A saved pandas index is no feature."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    frame = pd.DataFrame({"a": np.arange(30.0), "b": np.arange(30.0) ** 2, "note": ["x"] * 30, "y": [0, 1] * 15},
+                         index=pd.Index(np.arange(100, 130), name="row"))
+    frame.to_parquet(tmp_path / "train.parquet")
+    frame.assign(a=frame["a"] + 10).to_parquet(tmp_path / "test.parquet")
+    asked: list[Any] = []
+    read = pq.ParquetFile.read
+
+    def recorded(self: Any, columns: Any = None, **kwargs: Any) -> Any:
+        asked.append(columns)
+        return read(self, columns=columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", recorded)
+    monkeypatch.setattr(pd, "read_parquet", lambda *a, **k: pytest.fail(f"a split read whole: {a}"))
+    columns, worst = decision_page.column_drift(tmp_path, "test", "y", {"challenger": {"drift": None}})
+    assert [c["column"] for c in columns] == ["a", "b"] and worst is not None and worst["column"] == "a"
+    assert asked and all(isinstance(c, list) and len(c) == 1 for c in asked), asked
