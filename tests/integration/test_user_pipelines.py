@@ -337,7 +337,9 @@ def bad_declarations(folder: Path, suites: Path) -> dict[str, tuple[Path, str]]:
 
 def test_each_bad_declaration_gives_one_line_in_pipeline_check(user: UserRepo, tmp_path: Path) -> None:
     good = json.loads(user.run("nightshift", "pipeline", "check", str(user.dags)).stdout)
+    compared = good.pop("compared_with")  # every folder whose declarations were checked for clashes
     assert good == {"valid": ["cancer_retrain", "diabetes_retrain"], "problems": []}
+    assert str(user.dags.resolve()) in [str(Path(folder).resolve()) for folder in compared], compared
     bad = bad_declarations(tmp_path, user.dags / "suites")
     proc = user.run("nightshift", "pipeline", "check", *(str(path) for path, _ in bad.values()), check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -186,7 +186,7 @@ def test_a_decision_for_a_person_promotes_nothing_outside_airflow(cancer: Path, 
 
     args = argparse.Namespace(guard=None, primary="accuracy", min_improvement=0.001, floor=0.8, task="binary",
                               run_id=challenger, out=None, data=str(cancer), model_name="cancer", split="test",
-                              label_column="diagnosis")
+                              label_column="diagnosis", positive_class=None)
     assert _evaluate(args) == 3
     result = json.loads(capsys.readouterr().out)
     with pytest.raises(ChallengerRejected):

@@ -110,7 +110,8 @@ def test_evaluating_a_regression_run_logs_the_regression_metrics(sugar: dict[str
     result = evaluate(run_id, data_dir=sugar["data"], model_name="diabetes", label_column="progression",
                       gate=GateConfig(task="regression"))
     assert result["passed"] and result["confusion_matrix_artifact"] is None
-    assert set(result["challenger"]) == {"model_uri", "rows", "drift", "rmse", "mae", "r2"}
+    # residuals: a sample of (label, prediction) pairs the decision page draws
+    assert set(result["challenger"]) == {"model_uri", "rows", "drift", "rmse", "mae", "r2", "residuals"}
     logged = tracking.client().get_run(run_id).data.metrics
     assert logged["test_rmse"] == pytest.approx(result["challenger"]["rmse"])
     assert {"test_mae", "test_r2"} <= set(logged) and "test_accuracy" not in logged
