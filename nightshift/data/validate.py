@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -116,7 +117,33 @@ def load_suite_file(path: str | Path) -> gx.ExpectationSuite:
     data.pop("id", None)
     for expectation in data["expectations"]:
         expectation.pop("id", None)
-    return gx.ExpectationSuite(**data)
+    if not data["expectations"]:
+        raise UsageError(f"expectation suite file {path} has no expectations: it would pass any data; write one "
+                         f"with `nightshift suite init`")
+    try:
+        suite = gx.ExpectationSuite(**data)
+    except (ValueError, TypeError, gx.exceptions.GreatExpectationsError) as err:  # pydantic: a ValueError
+        raise UsageError(f"expectation suite file {path}: {_unbuildable(data, err)}; fix its kwargs") from err
+    # GX logs and drops an expectation whose type it does not know: that rule would silently check nothing.
+    built = Counter(e.expectation_type for e in suite.expectations)
+    dropped = Counter(e.get("type") for e in data["expectations"]) - built
+    if dropped:
+        raise UsageError(f"expectation suite file {path} names expectation types GX does not know: "
+                         f"{', '.join(sorted(map(str, dropped)))}; fix the type (a typo?) or register it")
+    return suite
+
+
+def _unbuildable(data: dict[str, Any], err: Exception) -> str:
+    """Which expectation of suite JSON `data` GX could not build (`err`), and why, in one line."""
+    import great_expectations as gx
+
+    for expectation in data["expectations"]:
+        try:
+            gx.ExpectationSuite(name=data["name"], expectations=[expectation])
+        except (ValueError, TypeError, gx.exceptions.GreatExpectationsError) as found:
+            return f"{expectation.get('type')} {json.dumps(expectation.get('kwargs'))} is invalid: " \
+                   f"{' '.join(str(found).split())}"
+    return " ".join(str(err).split())
 
 
 def _add_suite(digest: Any, suite: str) -> None:
@@ -387,6 +414,9 @@ def check_frames(path: str | Path, frames: Sequence[tuple[Path, pd.DataFrame]], 
     reports: list[FileReport] = []
     try:
         for file, frame in frames:
+            if frame.empty:  # every column rule passes on no rows: an empty split is refused whatever the suite
+                raise DataError(f"{file} has 0 rows: an empty split is nothing to train or evaluate on; "
+                                f"check what wrote it")
             success, failures, page = validate_frame(frame, suite, data_docs=data_docs, context=context,
                                                      name=file.stem)
             reports.append(FileReport(path=str(file), rows=len(frame), success=success, failures=failures,

@@ -186,3 +186,44 @@ def test_gx_file_context_in_git_loads_and_its_checkpoint_runs(demo_data: Path, t
     result = checkpoint.run(batch_parameters={"dataframe": read_table(demo_data / "test.parquet")})
     assert result.success
     assert (nightshift_home / "gx" / "data_docs").is_dir()
+
+
+def _suite_file(tmp_path: Path, expectations: list[dict[str, object]]) -> Path:
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps({"name": "reviewed", "expectations": expectations}))
+    return path
+
+
+@pytest.mark.parametrize(("expectations", "named"), [
+    ([], "no expectations"),
+    # GX's ExpectationSuite logs and drops an expectation whose type it does not know: the typo'd rule would
+    # be no rule at all, and a suite of only such rules passes every table.
+    ([{"type": "expect_column_values_to_not_be_null", "kwargs": {"column": "label"}},
+      {"type": "expect_column_values_to_be_in_sett", "kwargs": {"column": "label", "value_set": [0, 1]}}],
+     "expect_column_values_to_be_in_sett"),
+    ([{"type": "expect_column_values_to_be_between", "kwargs": {"column": "label", "min_valu": 0}}],
+     "expect_column_values_to_be_between"),
+])
+def test_a_suite_that_would_check_less_than_it_says_is_refused(tmp_path: Path, expectations: list[dict[str, object]],
+                                                                named: str) -> None:
+    """issue 37 review: a suite that is empty, or one whose expectation GX cannot build, refuses the data (a
+    UsageError naming the suite and the expectation) instead of passing it unchecked."""
+    from nightshift.data.validate import load_suite_file
+    from nightshift.errors import UsageError
+
+    suite = _suite_file(tmp_path, expectations)
+    with pytest.raises(UsageError, match=named) as caught:
+        load_suite_file(suite)
+    assert str(suite) in str(caught.value)
+
+
+def test_an_empty_split_fails_even_a_suite_without_a_row_count(demo_data: Path, tmp_path: Path) -> None:
+    """issue 37 review: a 0-row split passes every column rule vacuously; the gate refuses it whatever the
+    suite says."""
+    suite = _suite_file(tmp_path, [{"type": "expect_column_values_to_be_in_set",
+                                    "kwargs": {"column": "label", "value_set": list(range(10))}}])
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    pd.read_parquet(data / "test.parquet").iloc[:0].to_parquet(data / "test.parquet", index=False)
+    with pytest.raises(DataError, match=r"test\.parquet has 0 rows"):
+        check_data(data, data_docs=False, suite_file=suite)
