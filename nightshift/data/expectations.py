@@ -252,7 +252,8 @@ class ColumnsStdevOutside(TableMetricProvider):
 class ColumnsValueSharesOutside(TableMetricProvider):
     """For each column of `column_shares` ({column: [[value, low, high], ...]}) whose finite values hold a listed
     value in a share outside its [low, high], or values not listed in a share above `new_values[column]`: the
-    shares observed. A column without finite values is not judged (the null rule speaks for it)."""
+    shares observed (a boolean column's values are 0 and 1). A column without finite values is not judged (the null
+    rule speaks for it)."""
 
     metric_name = "columns.value_shares_outside"
     value_keys = ("column_shares", "new_values")
@@ -269,9 +270,11 @@ class ColumnsValueSharesOutside(TableMetricProvider):
             if column not in frame.columns:
                 failing[column] = {"observed_value": "missing column"}
                 continue
-            values = _numeric(frame[column])
+            series = frame[column]
+            values = (series.to_numpy(dtype="float64", na_value=np.nan) if pd.api.types.is_bool_dtype(series.dtype)
+                      else _numeric(series))  # a boolean flag: False 0, True 1
             if values is None:
-                failing[column] = {"observed_value": f"not numeric: {frame[column].dtype}"}
+                failing[column] = {"observed_value": f"not numeric: {series.dtype}"}
                 continue
             finite = values[np.isfinite(values)]
             if finite.size == 0:

@@ -19,7 +19,8 @@ the rule in words. From the sample it takes:
   bootstrap spread at the size of the smallest split (Z standard errors, at least the bootstrap's own
   extremes), widened by DRIFT_ALLOWANCE of the column's 5-95% spread (the standard deviation by a factor of
   at least SPREAD_FACTOR down and SPREAD_HIGH up). A column stuck at one value, or whose units changed, fails here.
-  A discrete column (at most DISCRETE_VALUES distinct values in the sample: a code, a count, a flag) has no
+  A discrete column (at most DISCRETE_VALUES distinct values in the sample: a code, a count, a flag; every
+  boolean column but the label, which has no other distribution rule) has no
   quantile rule: its quantiles jump from one value to the next as the shares move, so a quantile range drawn from
   the sample's values refuses a small change of shares. Its distribution is the share of each of its values
   instead, each within SHARE_Z standard errors between samples (the smallest split's and the sample's, a share
@@ -300,6 +301,10 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *
             shares[column], new_values[column] = share_bounds(values, validated, integer)
         else:
             quantiles[column] = bounds[0]
+    for column in (c for c in columns if c != label and pd.api.types.is_bool_dtype(table[c].dtype)):
+        values = table[column].dropna().to_numpy(np.float64)  # a flag the loader trains on: False 0, True 1
+        if values.size:
+            shares[column], new_values[column] = share_bounds(values, smallest * values.size / len(table), True)
     if quantiles:
         expectations.append(_expectation(
             "expect_columns_quantiles_to_be_between",

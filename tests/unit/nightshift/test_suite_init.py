@@ -497,3 +497,24 @@ def test_a_counts_tail_may_bring_values_its_sample_missed(gx_validate: Any, tmp_
     tail = np.r_[np.zeros(172), 1.0, 4.0, 5.0, 5.0, 6.0, 9.0, 10.0, 11.0]
     fresh = pd.DataFrame({"x": rng.normal(0.0, 1.0, tail.size), "pixel": tail, "target": rng.integers(0, 2, tail.size)})
     assert [f for f in gx_validate(fresh, suite) if f["column"] == "pixel"] == []
+
+
+def test_a_boolean_feature_is_judged_by_its_shares(gx_validate: Any, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Review of item 6: the tabular loader trains on boolean columns, but a suite drew no rule for them but their
+    # type and nulls: a flag 30% True stuck at True, or every value flipped, passed.
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    rng = np.random.default_rng(0)
+
+    def table(rows: int) -> pd.DataFrame:
+        return pd.DataFrame({"x": rng.normal(0.0, 1.0, rows), "urgent": rng.random(rows) < 0.3,
+                             "target": rng.integers(0, 2, rows)})
+
+    suite = build_suite(cut(table(1000)), "target", "s", task="binary")
+    (shares,) = by_type(suite, "expect_columns_value_shares_to_be_between")
+    assert [value for value, _, _ in shares["column_shares"]["urgent"]] == [0, 1]
+    fresh = table(200)
+    assert gx_validate(fresh, suite) == []
+    for broken in (fresh.assign(urgent=True), fresh.assign(urgent=~fresh["urgent"])):
+        assert {(f["expectation"], f["column"]) for f in gx_validate(broken, suite)} == {
+            ("expect_columns_value_shares_to_be_between", "urgent")}
