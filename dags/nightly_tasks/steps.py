@@ -108,8 +108,9 @@ def stage(pipeline: Pipeline, validated: dict[str, Any], dag_id: str, run_id: st
     workspace = workspace_for(dag_id, run_id)
     # Confined again, under the staging lock: the gate ran earlier (a retry may come hours later) and a split
     # may have been relinked out of the roots since. The declared data gets no root of its own.
+    # Data changed since the gate is validated again, with the suite the gate ran.
     version = dict(stage_dataset(validated["path"], workspace, validated=validated.get("fingerprint"),
-                                 roots=data_roots()))
+                                 roots=data_roots(), suite_file=pipeline.suite_path))
     log.info("Dataset version %s (%d rows) staged in %s", version["hash"], version["rows"], version["path"])
     return {**version, "workspace": str(workspace)}
 

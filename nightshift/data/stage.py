@@ -406,22 +406,23 @@ def _snapshot(sources: Sources, hashed: Mapping[str, Hashed]) -> Iterator[Snapsh
         yield Snapshot(path, md5)
 
 
-def _validate_copy(copy: Path, data: Path) -> dict[str, int]:
-    """Rows per split of the private copy `copy` of `data`, validated; errors name `data`, not the copy."""
+def _validate_copy(copy: Path, data: Path, suite_file: str | Path | None = None) -> dict[str, int]:
+    """Rows per split of the private copy `copy` of `data`, validated (with `suite_file`, else gx/'s suite);
+    errors name `data`, not the copy."""
     try:
-        report: ValidationReport = validate_data(copy)
+        report: ValidationReport = validate_data(copy, suite_file=suite_file)
     except (DataError, DataValidationFailed) as err:
         raise type(err)(str(err).replace(str(copy), str(data))) from err
     return {Path(f["path"]).stem: f["rows"] for f in report["files"]}
 
 
-def _validate_objects(objects: Mapping[str, Path], data: Path) -> dict[str, int]:
+def _validate_objects(objects: Mapping[str, Path], data: Path, suite_file: str | Path | None = None) -> dict[str, int]:
     """Rows per split of the cache objects `objects` (split file name: object), validated under the split
     names (a directory of links to them); errors name `data`."""
     with _private_dir() as view:
         for name, path in objects.items():
             (view / name).symlink_to(path)
-        return _validate_copy(view, data)
+        return _validate_copy(view, data, suite_file)
 
 
 def _parquet_rows(file: Path) -> int:
@@ -438,12 +439,13 @@ def _check_workspace(data: Path, workspace: str | Path) -> Path:
 
 
 def stage_dataset(path: str | Path, workspace: str | Path, *, validated: str | None = None,
-                  roots: Sequence[str | Path] | None = None) -> DatasetVersion:
+                  roots: Sequence[str | Path] | None = None, suite_file: str | Path | None = None) -> DatasetVersion:
     """Validate `path`, version it with DVC, push it and materialise it in `workspace/data`.
 
     `validated`: the fingerprint (`validate.fingerprint`) of a gate that passed on this data. When the
     bytes staging reads and the suite still have that fingerprint the suite is not run again; when anything
-    changed since, the data is validated as if no gate had run.
+    changed since, the data is validated as if no gate had run: with `suite_file` (the pipeline's suite, the
+    one its gate ran), else gx/'s suite.
 
     `roots`: data roots the source must lie in, every file with its links resolved (as
     `settings.confined_data_source`), checked again under the lock: UsageError naming the file otherwise.
@@ -464,7 +466,7 @@ def stage_dataset(path: str | Path, workspace: str | Path, *, validated: str | N
             log.info("%s is unchanged since it was staged into %s as %s: DVC not opened", data, workspace,
                      unchanged["hash"])
             return unchanged
-        return _stage(sources, workspace, validated=validated)
+        return _stage(sources, workspace, validated=validated, suite_file=suite_file)
 
 
 def version_validated(data: Path, workspace: str | Path, splits: dict[str, int], *,
@@ -486,7 +488,7 @@ def version_validated(data: Path, workspace: str | Path, splits: dict[str, int],
 
 
 def _stage(sources: Sources, workspace: Path, *, validated: str | None = None,
-           splits: dict[str, int] | None = None) -> DatasetVersion:
+           splits: dict[str, int] | None = None, suite_file: str | Path | None = None) -> DatasetVersion:
     """Validate (unless `splits` are given or the gate's fingerprint `validated` holds), version, push and
     materialise the open `sources`. Call under `project_lock`."""
     data = sources.data
@@ -511,12 +513,12 @@ def _stage(sources: Sources, workspace: Path, *, validated: str | None = None,
         if all(path.is_file() for path in objects.values()) and not sources.changed():
             # The bytes hashed are cache objects already: validate and version those, copy nothing.
             log.info("%s: every file is in the DVC cache already; nothing copied", data)
-            found = rows(objects, lambda: _validate_objects(objects, data))
+            found = rows(objects, lambda: _validate_objects(objects, data, suite_file))
             meta, tree = _cached_version(cache, hashed)
         else:
             with _snapshot(sources, hashed) as copy:
                 copies = {name: copy.path / name for name in copy.md5}
-                found = rows(copies, lambda: _validate_copy(copy.path, data))
+                found = rows(copies, lambda: _validate_copy(copy.path, data, suite_file))
                 meta, tree, cache = _version(repo, copy.path, expected=copy.md5)
         return _record(repo, sources, workspace, found, meta, tree, cache)
 

@@ -452,13 +452,14 @@ def describe_failures(report: ValidationReport) -> str:
             f"{'; '.join(parts)}{more}{docs}")
 
 
-def validate_data(path: str | Path) -> ValidationReport:
-    """Validate `path` (a Parquet file or a directory of them) and return the report as a dict.
+def validate_data(path: str | Path, suite_file: str | Path | None = None) -> ValidationReport:
+    """Validate `path` (a Parquet file or a directory of them) with `suite_file` (else gx/'s suite) and return
+    the report as a dict.
 
     Raises DataValidationFailed naming each failed expectation with sample unexpected values, and
     DataError when the input is missing or unreadable.
     """
-    report = check_data(path)
+    report = check_data(path, suite_file=suite_file)
     if not report["success"]:
         raise DataValidationFailed(describe_failures(report))
     return report

@@ -111,3 +111,27 @@ def test_the_data_source_is_a_template_field_rendered_at_run_time(gate: Any) -> 
     operator = gate("{{ params.data_source or '' }}")
     assert "data_source" in operator.template_fields
     assert operator.data_source == "{{ params.data_source or '' }}"  # stored unchanged; rendered in execute
+
+
+def test_data_changed_after_the_gate_is_validated_again_with_the_pipelines_own_suite(
+        gate: Any, demo_data: Path, tmp_path: Path, nightshift_home: Path, digits_pipeline: Any) -> None:
+    """issue 37 review: when the bytes staging reads are not those the gate passed (another fingerprint), staging
+    runs the suite again; it ran gx/'s digits suite whatever the pipeline declared, so data its own, stricter
+    suite refuses was versioned and trained on (and a pipeline of other columns was refused for digits' columns)."""
+    import dataclasses
+    import json
+
+    from nightly_tasks.steps import stage
+
+    from nightshift.errors import DataValidationFailed
+
+    suite = json.loads(digits_pipeline.suite_path.read_text())
+    suite["expectations"].append({"type": "expect_column_values_to_be_in_set",
+                                  "kwargs": {"column": "label", "value_set": list(range(9))},
+                                  "meta": {"rule": "no nines"}})
+    strict = tmp_path / "strict.json"
+    strict.write_text(json.dumps(suite))
+    pipeline = dataclasses.replace(digits_pipeline, suite_path=strict)
+    data = _data(demo_data, tmp_path)  # the demo data has nines: the pipeline's suite refuses it
+    with pytest.raises(DataValidationFailed, match=r"no nines"):
+        stage(pipeline, {"path": str(data), "fingerprint": "sha256:what-the-gate-passed"}, "nightly_retrain", "r1")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -217,7 +218,7 @@ def test_a_passed_gate_is_trusted_only_for_the_same_bytes(demo_data: Path, tmp_p
     passed = validate.fingerprint(data)
     calls: list[Path] = []
     real = stage.validate_data
-    monkeypatch.setattr(stage, "validate_data", lambda path: calls.append(Path(path)) or real(path))
+    monkeypatch.setattr(stage, "validate_data", lambda path, **kw: calls.append(Path(path)) or real(path, **kw))
     version = stage_dataset(data, tmp_path / "ws1", validated=passed)
     assert calls == [] and version["splits"] == {"train": 1257, "validation": 270, "test": 270}
     # One value changed after the gate passed: another fingerprint, so the suite runs again and refuses it.
@@ -438,8 +439,8 @@ def test_data_changed_after_validation_is_never_versioned(demo_data: Path, tmp_p
     validated = {f.name: _md5(f) for f in data.iterdir()}
     real = stage.validate_data
 
-    def validate_then_change(path: Path) -> object:
-        report = real(path)
+    def validate_then_change(path: Path, **kw: Any) -> object:
+        report = real(path, **kw)
         _break_a_pixel(data / "train.parquet")
         return report
 

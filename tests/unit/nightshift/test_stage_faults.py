@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -494,9 +495,9 @@ def test_unchanged_data_staged_into_a_new_workspace_is_validated_from_the_cache_
     validated: list[set[str]] = []
     real = stage.validate_data
 
-    def validate(path: Path) -> object:
+    def validate(path: Path, **kw: Any) -> object:
         validated.append({_md5(f) for f in Path(path).iterdir()})
-        return real(path)
+        return real(path, **kw)
 
     monkeypatch.setattr(stage, "validate_data", validate)
     monkeypatch.setattr(stage, "_copy_hashing", lambda source, target: pytest.fail("copied cached data"))
