@@ -321,9 +321,9 @@ def _failures(validation: ExpectationSuiteValidationResult) -> list[ExpectationF
         rule = str((config.meta or {}).get("rule", "")) if config else ""
         observed = details.get("observed_value")
         extra = details.get("details")
-        if result.exception_info and result.exception_info.get("raised_exception"):
-            message = str(result.exception_info.get("exception_message", "")).splitlines()
-            observed = f"error: {message[0] if message else 'expectation raised'}"
+        raised = _raised(result.exception_info)
+        if raised is not None:
+            observed = f"error: {raised}"
         elif isinstance(extra, dict) and isinstance(extra.get("columns"), dict):
             # A wide expectation (nightshift/data/expectations.py): one failure per failing column.
             failures.extend(_column_failure(name, rule, str(column), found)
@@ -344,6 +344,18 @@ def _failures(validation: ExpectationSuiteValidationResult) -> list[ExpectationF
             )
         )
     return failures
+
+
+def _raised(info: Any) -> str | None:
+    """The first line of what an expectation raised, else None. GX puts it in `exception_info` directly, or
+    (a metric that failed to compute, e.g. a column the table lacks) in a dict per metric."""
+    if not isinstance(info, dict):
+        return None
+    for found in (info, *(v for v in info.values() if isinstance(v, dict))):
+        if found.get("raised_exception"):
+            lines = str(found.get("exception_message") or "").strip().splitlines()
+            return lines[0] if lines else "the expectation raised"
+    return None
 
 
 def _column_failure(expectation: str, rule: str, column: str, found: dict[str, Any]) -> ExpectationFailure:

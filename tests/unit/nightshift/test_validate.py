@@ -227,3 +227,14 @@ def test_an_empty_split_fails_even_a_suite_without_a_row_count(demo_data: Path, 
     pd.read_parquet(data / "test.parquet").iloc[:0].to_parquet(data / "test.parquet", index=False)
     with pytest.raises(DataError, match=r"test\.parquet has 0 rows"):
         check_data(data, data_docs=False, suite_file=suite)
+
+
+def test_an_expectation_that_raised_refuses_the_table_and_says_why(demo_data: Path, tmp_path: Path) -> None:
+    """issue 37 review: an expectation GX could not run (here a column the table lacks) fails the table, and the
+    report names the error GX raised (GX keys it by metric: it read as `observed None`)."""
+    suite = _suite_file(tmp_path, [{"type": "expect_column_values_to_not_be_null", "kwargs": {"column": "nope"}}])
+    report = check_data(demo_data / "test.parquet", data_docs=False, suite_file=suite)
+    assert report["success"] is False
+    (failure,) = report["files"][0]["failures"]
+    assert failure["column"] == "nope"
+    assert str(failure["observed"]).startswith("error: ") and "nope" in str(failure["observed"])
