@@ -76,6 +76,43 @@ class ExpectColumnValueSharesToBeAtLeast(ColumnAggregateExpectation):
         }
 
 
+class ExpectColumnClassesToBePresent(ColumnAggregateExpectation):
+    """Expect every class of `class_shares` ([[class, share], ...]) that a file of this size expects at least
+    `min_count` times (its share times the column's non-null values) to be present.
+
+    A label's class set by the file's size: a class merged into another, or lost, is refused in a file large
+    enough that its absence is improbable (exp(-min_count)), and not in a file too small to be sure of it.
+    The observed value lists the missing classes with the count each was expected.
+    """
+
+    class_shares: list[list[Any]]
+    min_count: float
+
+    metric_dependencies = ("column.value_counts",)
+    success_keys = ("class_shares", "min_count")
+    args_keys = ("column", "class_shares", "min_count")
+    library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
+
+    def _validate(
+        self,
+        metrics: dict[str, Any],
+        runtime_configuration: dict[str, Any] | None = None,
+        execution_engine: Any = None,
+    ) -> dict[str, Any]:
+        counts = metrics["column.value_counts"]
+        total = int(counts.sum())
+        missing = {str(value): round(share * total, 1) for value, share in self.class_shares
+                   if share * total >= self.min_count and not (value in counts.index and int(counts[value]))}
+        return {
+            "success": not missing,
+            "result": {
+                "observed_value": f"classes missing (expected count): {missing}" if missing else "every class "
+                                  "expected present",
+                "details": {"missing": missing, "labels": total, "min_count": self.min_count},
+            },
+        }
+
+
 # ---- metrics: one pass over the listed columns, reporting only the columns that fail ---------------------
 
 def _table(execution_engine: PandasExecutionEngine, domain_kwargs: dict[str, Any]) -> pd.DataFrame:

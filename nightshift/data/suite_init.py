@@ -40,7 +40,8 @@ the rule in words. From the sample it takes:
   MAX_LABEL_VALUES values is a class label, anything else a quantity): a classification label's set of
   classes, every one of them in every file when the rarest is expected MIN_CLASS_COUNT times or more in the
   smallest file the row-count rule allows (then its absence has a probability under 1%; otherwise at least
-  two classes), and each class's share at least its sampling lower bound; a
+  two classes, and every class a file expects PRESENT_COUNT times by its own size), and each class's share at
+  least its sampling lower bound; a
   regression target only a range and a distribution like any numeric column, never a set of values;
 - duplicates: the share of a file's rows that repeat another grows with the file for a table with natural
   duplicates (few discrete values): a file of m rows drawn from a distribution whose rows are equal with
@@ -79,6 +80,7 @@ OUTLIER_MOSTLY = 0.99
 OUTLIER_COUNT = 2              # values a file may have outside the range however small it is (with mostly < 1)
 MODE_SHARE = 0.95              # a column this dominated by one value gets no lower bound on its spread
 MIN_CLASS_COUNT = 6            # expected count of the rarest class above which every class must be present
+PRESENT_COUNT = 9              # a class a file expects this often by its own size must be in it (absent: e^-9)
 DUPLICATE_REPEAT = 5           # a table whose smallest split repeated this often is not refused: no duplicate rule
 DISCRETE_VALUES = 10           # a numeric column with at most this many distinct values is judged by its shares
 DRIFT_SHARE_SD = 1 / 3         # a discrete value's share may drift by this much of its own standard deviation
@@ -423,6 +425,13 @@ def _label_expectations(values: pd.Series, label: str, task: str, smallest: floa
                      f"labels: at least {min_classes} distinct classes in every file ({why})", column=label,
                      min_value=min_classes, max_value=len(value_set)),
     ]
+    if not every and len(value_set) > 1:  # then by the file's size: a larger file must hold every class it expects
+        found.append(_expectation(
+            "expect_column_classes_to_be_present",
+            f"labels: every class a file expects at least {PRESENT_COUNT} times (its sample share times the "
+            f"file's labels) is present", column=label,
+            class_shares=[[_plain(v), math.floor(float(shares[v]) * 10_000) / 10_000] for v in counts.index],
+            min_count=PRESENT_COUNT))
     rows = max(smallest * counts.sum() / len(values), 1.0)
     lower = rarest - SHARE_Z * math.sqrt(rarest * (1 - rarest) / rows) - DRIFT_ALLOWANCE * rarest
     if lower >= 0.005 and len(value_set) > 1:

@@ -518,3 +518,22 @@ def test_a_boolean_feature_is_judged_by_its_shares(gx_validate: Any, tmp_path: P
     for broken in (fresh.assign(urgent=True), fresh.assign(urgent=~fresh["urgent"])):
         assert {(f["expectation"], f["column"]) for f in gx_validate(broken, suite)} == {
             ("expect_columns_value_shares_to_be_between", "urgent")}
+
+
+def test_a_class_merged_into_another_is_refused_in_a_file_large_enough_to_hold_it(
+        gx_validate: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Review of item 6: every class had to be present only when the smallest file the row count allows expects the
+    # rarest 6 times; otherwise at least two classes. An iris half (15-row splits) then passed a 45-row train split
+    # whose third species was relabelled as another (its absence has a probability of (2/3)^45, 1e-8).
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))
+    iris = sklearn_table("iris")
+    for seed in range(3):
+        sample, fresh = halves(iris, seed)
+        suite = build_suite(sample, "target", "s", task="multiclass")
+        for file, part in fresh:
+            assert gx_validate(part, suite) == [], file
+        train = fresh[0][1]
+        merged = gx_validate(train.assign(target=train["target"].replace({2: 1})), suite)
+        assert [(f["expectation"], f["column"]) for f in merged] == [("expect_column_classes_to_be_present",
+                                                                     "target")], seed
+        assert merged[0]["rule"] and "2" in str(merged[0]["observed"])
