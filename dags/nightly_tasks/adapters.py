@@ -63,7 +63,7 @@ class GXDataGateOperator(BaseOperator):
         try:
             # Each split read once: the fingerprint is of the very bytes the suite runs on, so staging trusts
             # this gate only for those bytes.
-            validated, frames = read_tables(path)
+            validated, frames = read_tables(path, suite=self.pipeline.suite_path)
             report = check_frames(path, frames, data_docs="failed", suite_file=self.pipeline.suite_path,
                                   pipeline=self.pipeline.dag_id)
         except (DataError, UsageError) as err:

@@ -71,6 +71,7 @@ import yaml
 from nightshift import settings
 from nightshift.data.files import chunks, not_regular, open_regular
 from nightshift.data.validate import (
+    SUITE,
     ValidationReport,
     fingerprint_of,
     suite_fingerprint,
@@ -495,7 +496,8 @@ def _stage(sources: Sources, workspace: Path, *, validated: str | None = None,
     hashed = {name: _hash(source) for name, source in sorted(sources.files.items())}
     trusted = splits is not None
     if validated is not None:
-        trusted = validated == fingerprint_of({name: h.sha256 for name, h in hashed.items()})
+        suite = SUITE if suite_file is None else Path(suite_file)  # the suite the gate ran, as it is now
+        trusted = validated == fingerprint_of({name: h.sha256 for name, h in hashed.items()}, suite)
         if trusted:
             log.info("%s passed the gate with fingerprint %s: not validated again", data, validated)
         else:

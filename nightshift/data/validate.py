@@ -146,8 +146,9 @@ def _unbuildable(data: dict[str, Any], err: Exception) -> str:
     return " ".join(str(err).split())
 
 
-def _add_suite(digest: Any, suite: str) -> None:
-    suite_file = gx_dir() / "expectations" / f"{suite}.json"
+def _add_suite(digest: Any, suite: str | Path) -> None:
+    # A name is gx/'s suite of that name; a Path, a suite file (a pipeline's own).
+    suite_file = suite if isinstance(suite, Path) else gx_dir() / "expectations" / f"{suite}.json"
     for part in (suite_file, Path(__file__).with_name("expectations.py")):
         digest.update(part.name.encode() + b"\0" + (part.read_bytes() if part.is_file() else b"") + b"\0")
 
@@ -159,9 +160,10 @@ def suite_fingerprint(suite: str = SUITE) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def fingerprint(path: str | Path, suite: str = SUITE) -> str:
+def fingerprint(path: str | Path, suite: str | Path = SUITE) -> str:
     """What a validation result is about: the suite (its JSON and the custom expectations' code) and every
-    data file's name and bytes. Staging trusts a passed gate only for the same fingerprint."""
+    data file's name and bytes. Staging trusts a passed gate only for the same fingerprint. `suite`: gx/'s suite
+    of that name, or (a Path) a suite file."""
     digests = {}
     for file in parquet_files(path):
         fd = open_regular(file)
@@ -170,7 +172,7 @@ def fingerprint(path: str | Path, suite: str = SUITE) -> str:
     return fingerprint_of(digests, suite)
 
 
-def fingerprint_of(digests: Mapping[str, bytes], suite: str = SUITE) -> str:
+def fingerprint_of(digests: Mapping[str, bytes], suite: str | Path = SUITE) -> str:
     """`fingerprint` from each data file's name and SHA-256 digest, for bytes the caller has already read."""
     digest = hashlib.sha256()
     _add_suite(digest, suite)
@@ -214,7 +216,7 @@ def parse_table(path: str | Path, data: bytes) -> pd.DataFrame:
             from err
 
 
-def read_tables(path: str | Path, suite: str = SUITE) -> tuple[str, list[tuple[Path, pd.DataFrame]]]:
+def read_tables(path: str | Path, suite: str | Path = SUITE) -> tuple[str, list[tuple[Path, pd.DataFrame]]]:
     """Each Parquet file of `path` as a DataFrame, and the `fingerprint` of exactly the bytes parsed.
 
     Each file is read once: its bytes are hashed and parsed from the same buffer, so a file rewritten while

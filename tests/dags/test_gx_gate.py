@@ -135,3 +135,34 @@ def test_data_changed_after_the_gate_is_validated_again_with_the_pipelines_own_s
     data = _data(demo_data, tmp_path)  # the demo data has nines: the pipeline's suite refuses it
     with pytest.raises(DataValidationFailed, match=r"no nines"):
         stage(pipeline, {"path": str(data), "fingerprint": "sha256:what-the-gate-passed"}, "nightly_retrain", "r1")
+
+
+def test_a_suite_changed_after_the_gate_passed_is_run_again_at_staging(
+        demo_data: Path, tmp_path: Path, nightshift_home: Path, digits_pipeline: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 37 review: the gate's fingerprint, which staging trusts instead of running the suite again, covered
+    gx/'s digits suite whatever the pipeline's suite was: a pipeline's suite made stricter between the gate and
+    staging (a retry of stage hours later) was never run on the data staged."""
+    import dataclasses
+    import json
+
+    from nightly_tasks.adapters import GXDataGateOperator
+    from nightly_tasks.steps import stage
+
+    from nightshift.errors import DataValidationFailed
+
+    monkeypatch.syspath_prepend(str(DAGS))
+    monkeypatch.setenv("NIGHTSHIFT_DATA_ROOTS", str(tmp_path / "roots"))
+    own = tmp_path / "own.json"
+    shutil.copy(digits_pipeline.suite_path, own)
+    pipeline = dataclasses.replace(digits_pipeline, suite_path=own)
+    data = _data(demo_data, tmp_path)
+    passed = GXDataGateOperator(task_id="validate_data", pipeline=pipeline, data_source=str(data)).execute(
+        {"ti": _TaskInstance(), "params": {}})
+    suite = json.loads(own.read_text())
+    suite["expectations"].append({"type": "expect_column_values_to_be_in_set",
+                                  "kwargs": {"column": "label", "value_set": list(range(9))},
+                                  "meta": {"rule": "no nines"}})
+    own.write_text(json.dumps(suite))
+    with pytest.raises(DataValidationFailed, match=r"no nines"):
+        stage(pipeline, passed, "nightly_retrain", "r1")
