@@ -51,6 +51,7 @@ class GXDataGateOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from nightly_tasks.events import event_data_source
         from nightly_tasks.steps import resolve_data_source
+        from nightshift.data.stage import check_layout
         from nightshift.data.validate import check_frames, describe_failures, read_tables
         from nightshift.errors import DataError, UsageError
 
@@ -63,6 +64,7 @@ class GXDataGateOperator(BaseOperator):
         try:
             # Each split read once: the fingerprint is of the very bytes the suite runs on, so staging trusts
             # this gate only for those bytes.
+            check_layout(path)  # exactly the splits: what staging versions, all of it validated here
             validated, frames = read_tables(path, suite=self.pipeline.suite_path)
             report = check_frames(path, frames, data_docs="failed", suite_file=self.pipeline.suite_path,
                                   pipeline=self.pipeline.dag_id)

@@ -150,7 +150,9 @@ def _remote_id() -> str:
     return f"sha256:{hashlib.sha256(settings.dvc_remote().encode()).hexdigest()}"
 
 
-def _check_layout(data: Path) -> None:
+def check_layout(data: Path) -> None:
+    """DataError unless `data` is a directory holding exactly the splits, each a regular file (the gate checks
+    it too, so a folder staging would refuse never passes the gate)."""
     if not data.is_dir():
         raise DataError(f"{data} is not a directory; `nightshift stage` takes a dataset directory holding "
                         f"{', '.join(s + '.parquet' for s in SPLITS)}")
@@ -300,7 +302,7 @@ def _open_sources(data: Path, roots: Sequence[str | Path] | None) -> Iterator[So
         if confined != data:
             raise UsageError(f"{data} now resolves to {confined}: a directory on its path was relinked since "
                              f"it was checked; nothing was staged: stage the data source again")
-    _check_layout(data)
+    check_layout(data)
     files: dict[str, Source] = {}
     try:
         for split in SPLITS:
@@ -459,7 +461,7 @@ def stage_dataset(path: str | Path, workspace: str | Path, *, validated: str | N
     changes while it is read, and DatasetPushFailed when the remote does not take all of it.
     """
     data = _resolve(path)
-    _check_layout(data)  # early, for a one-line answer before waiting for the lock; again under it
+    check_layout(data)  # early, for a one-line answer before waiting for the lock; again under it
     workspace = _check_workspace(data, workspace)
     with project_lock(), _open_sources(data, roots) as sources:
         unchanged = restaged(data, workspace, sources.before)

@@ -166,3 +166,23 @@ def test_a_suite_changed_after_the_gate_passed_is_run_again_at_staging(
     own.write_text(json.dumps(suite))
     with pytest.raises(DataValidationFailed, match=r"no nines"):
         stage(pipeline, passed, "nightly_retrain", "r1")
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ("drop train", r"lacks train\.parquet"),
+    ("add a copy", r"holds files other than the splits \(extra\.parquet\)"),
+])
+def test_a_data_source_without_exactly_the_splits_fails_the_gate(gate: Any, demo_data: Path, tmp_path: Path,
+                                                                  change: str, named: str) -> None:
+    """issue 37 review: the gate validated whatever *.parquet the folder held and passed a folder without
+    train.parquet (or with a file staging refuses), so validate_data went green and stage_dataset failed later,
+    after its retries."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    data = _data(demo_data, tmp_path)
+    if change == "drop train":
+        (data / "train.parquet").unlink()
+    else:
+        shutil.copy(data / "test.parquet", data / "extra.parquet")
+    with pytest.raises(AirflowFailException, match=named):
+        gate(str(data)).execute({"ti": _TaskInstance(), "params": {}})

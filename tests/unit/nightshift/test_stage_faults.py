@@ -114,7 +114,7 @@ SWAPS = {"a FIFO": _fifo, "a link to /dev/zero": _dev_zero}
 @pytest.mark.parametrize("swap", list(SWAPS))
 def test_a_split_swapped_for_a_non_regular_file_while_staging_waits_is_refused_at_once(
         swap: str, demo_data: Path, tmp_path: Path) -> None:
-    """`_check_layout` (is_file) runs before the lock; the copy opens whatever the name is once the lock is
+    """`check_layout` (is_file) runs before the lock; the copy opens whatever the name is once the lock is
     held. A FIFO makes staging block in open() for ever while holding the project lock (every staging on the
     machine then waits); /dev/zero is copied until the disk holding NIGHTSHIFT_HOME is full (here an 8 MiB
     tmpfs; in production the shared volume holding workspaces and checkpoints). Either must be refused as
