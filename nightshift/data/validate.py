@@ -429,8 +429,8 @@ def check_frames(path: str | Path, frames: Sequence[tuple[Path, pd.DataFrame]], 
     try:
         for file, frame in frames:
             if frame.empty:  # every column rule passes on no rows: an empty split is refused whatever the suite
-                raise DataError(f"{file} has 0 rows: an empty split is nothing to train or evaluate on; "
-                                f"check what wrote it")
+                raise DataError(f"{file} has {len(frame)} rows and {len(frame.columns)} columns: an empty split is "
+                                f"nothing to train or evaluate on; check what wrote it")
             success, failures, page = validate_frame(frame, suite, data_docs=data_docs, context=context,
                                                      name=file.stem)
             reports.append(FileReport(path=str(file), rows=len(frame), success=success, failures=failures,
