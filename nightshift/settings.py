@@ -44,20 +44,23 @@ def confined_data_source(data_source: str | Path, roots: Sequence[str | Path] | 
     (and report sample values of) files it was never meant to serve as training data.
     """
     from nightshift.errors import UsageError
+    from nightshift.redaction import redact
+
+    shown = redact(str(data_source))  # a URL typed into the trigger form may carry a key: never echo it
 
     def resolved(entry: Path, name: str) -> Path:
         try:
             return entry.resolve()
         except (RuntimeError, OSError) as err:  # Python 3.11 raises RuntimeError for a symlink loop
-            raise UsageError(f"data_source {data_source}: {name} is a symbolic link loop or cannot be resolved "
+            raise UsageError(f"data_source {shown}: {name} is a symbolic link loop or cannot be resolved "
                              f"({err}); remove or fix the link") from err
 
-    path = resolved(Path(data_source).expanduser(), str(data_source))
+    path = resolved(Path(data_source).expanduser(), shown)
     configured = [Path(root).expanduser() for root in roots] if roots is not None else data_roots()
     allowed_roots = [root.resolve() for root in configured]
     allowed = ", ".join(str(root) for root in configured)
     if not any(path.is_relative_to(root) for root in allowed_roots):
-        raise UsageError(f"data_source {data_source} is outside the allowed data roots ({allowed}); put the data "
+        raise UsageError(f"data_source {shown} is outside the allowed data roots ({allowed}); put the data "
                          f"under one of them, or add its directory to NIGHTSHIFT_DATA_ROOTS")
     if path.is_dir():
         # os.walk does not descend into symlinked directories: each link is judged by where it resolves to.
@@ -66,7 +69,7 @@ def confined_data_source(data_source: str | Path, roots: Sequence[str | Path] | 
                 entry = Path(parent) / name
                 target = resolved(entry, str(entry.relative_to(path)))
                 if not any(target.is_relative_to(root) for root in allowed_roots):
-                    raise UsageError(f"data_source {data_source}: {entry.relative_to(path)} is a link to {target}, "
+                    raise UsageError(f"data_source {shown}: {entry.relative_to(path)} is a link to {target}, "
                                      f"outside the allowed data roots ({allowed}); copy the file under a data root "
                                      f"instead of linking to it")
     return path

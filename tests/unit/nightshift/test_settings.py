@@ -89,3 +89,15 @@ def test_a_pipelines_data_docs_lie_in_its_own_folder(nightshift_home: Path) -> N
     assert _new_site_dir().parent == docs  # `nightshift validate`'s pages: no owner
     with pytest.raises(DagIdInvalid):
         settings.pipeline_data_docs_dir("../gx")
+
+
+def test_a_refused_data_source_is_named_without_the_credentials_it_carries(nightshift_home: Path,
+                                                                          tmp_path: Path) -> None:
+    """issue 37 review: a data_source typed as a URL with a key in it was echoed whole into the gate's failure
+    (the task log); the refusal names it with the credentials masked."""
+    from nightshift.errors import UsageError
+    from nightshift.settings import confined_data_source
+
+    with pytest.raises(UsageError, match="outside the allowed data roots") as caught:
+        confined_data_source("s3://AKIAEXAMPLE:topsecret@bucket/data", [tmp_path])
+    assert "topsecret" not in str(caught.value) and "bucket/data" in str(caught.value)
