@@ -289,11 +289,12 @@ class ColumnsStdevOutside(TableMetricProvider):
 class ColumnsValueSharesOutside(TableMetricProvider):
     """For each column of `column_shares` ({column: [[value, low, high], ...]}) whose finite values hold a listed
     value in a share outside its [low, high], or values not listed in a share above `new_values[column]`: the
-    shares observed (a boolean column's values are 0 and 1). A column without finite values is not judged (the null
-    rule speaks for it)."""
+    shares observed (a boolean column's values are 0 and 1). A listed value with a fourth element, its sample share,
+    is also outside when absent from a file whose finite values expect it `present_count` times or more (0: never).
+    A column without finite values is not judged (the null rule speaks for it)."""
 
     metric_name = "columns.value_shares_outside"
-    value_keys = ("column_shares", "new_values")
+    value_keys = ("column_shares", "new_values", "present_count")
 
     @metric_value(engine=PandasExecutionEngine)
     def _pandas(cls, execution_engine: PandasExecutionEngine, metric_domain_kwargs: dict[str, Any],
@@ -316,16 +317,18 @@ class ColumnsValueSharesOutside(TableMetricProvider):
             finite = values[np.isfinite(values)]
             if finite.size == 0:
                 continue
-            shares = {value: float((finite == value).mean()) for value, _, _ in listed}
-            outside = {f"{value:g}": round(shares[value], 4) for value, low, high in listed
-                       if not low <= shares[value] <= high}
+            present_count = float(metric_value_kwargs.get("present_count") or 0.0)
+            shares = {entry[0]: float((finite == entry[0]).mean()) for entry in listed}
+            outside = {f"{value:g}": round(shares[value], 4) for value, low, high, *seen in listed
+                       if not low <= shares[value] <= high
+                       or (present_count and seen and shares[value] == 0 and seen[0] * finite.size >= present_count)}
             unseen = 1.0 - sum(shares.values())
             limit = new_values.get(column, 1.0)
             if unseen > limit + 1e-12:
                 outside["values never seen"] = round(unseen, 4)
             if outside:
                 failing[column] = {"observed_value": outside,
-                                   "expected": {**{f"{value:g}": [low, high] for value, low, high in listed},
+                                   "expected": {**{f"{value:g}": [low, high] for value, low, high, *_ in listed},
                                                 "values never seen": [0.0, limit]}}
         return {"columns": failing}
 
@@ -503,9 +506,10 @@ class ExpectColumnsStdevToBeBetween(BatchExpectation):
 
 
 class ExpectColumnsValueSharesToBeBetween(BatchExpectation):
-    """Expect, for every column of `column_shares` ({column: [[value, low, high], ...]}), each listed value to make
-    up a share of the column's finite values within its [low, high], and values not listed at most
-    `new_values[column]` of them (a column it does not name: no bound).
+    """Expect, for every column of `column_shares` ({column: [[value, low, high(, sample share)], ...]}), each listed
+    value to make up a share of the column's finite values within its [low, high], and values not listed at most
+    `new_values[column]` of them (a column it does not name: no bound); with `present_count`, a value whose sample
+    share times the file's finite values is at least that to be present.
 
     The distribution rule of a discrete column (a flag, a code, a small count), whose quantiles jump from value to
     value as its shares move. Each failing column is named in `details.columns` with the shares out of bounds.
@@ -513,9 +517,10 @@ class ExpectColumnsValueSharesToBeBetween(BatchExpectation):
 
     column_shares: dict[str, list[list[float]]]
     new_values: dict[str, float]
+    present_count: float = 0.0
 
     metric_dependencies = ("columns.value_shares_outside",)
-    success_keys = ("column_shares", "new_values")
+    success_keys = ("column_shares", "new_values", "present_count")
     args_keys = ("column_shares", "new_values")
     library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
 

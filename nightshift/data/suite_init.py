@@ -31,7 +31,10 @@ the rule in words. From the sample it takes:
   points) passes, on any file size. Values the sample never held may be NEW_VALUES_SHARE of a file, or their
   Good-Turing share (that of the values the sample holds once) plus SHARE_Z standard errors when more: a count's
   tail brings values its sample missed (digits' pixel counts: up to 3.9% of a 180-row file), while a flag
-  re-coded, or whose units changed, holds nothing but new values and fails here, as on its standard deviation;
+  re-coded, or whose units changed, holds nothing but new values and fails here, as on its standard deviation.
+  A value gone from a file that expects it PRESENT_COUNT times by its sample share fails too (a drift allowance
+  of a third of a share's standard deviation is the whole share for a value of 10% or less: a flag 90% one value
+  stuck at it, or a code merged into another, would pass on its shares);
   The standard deviation's upper bound is at least half the width of the column's allowed range (values the
   range rule allows never fail on their spread: a near-empty column whose sample holds one rare value would
   refuse a file holding two). A column dominated by one value (MODE_SHARE of the sample or more) has no lower
@@ -182,7 +185,7 @@ def distribution_bounds(values: np.ndarray, validated: float, rng: np.random.Gen
 
 
 def share_bounds(values: np.ndarray, validated: float, integer: bool) -> tuple[list[list[float | int]], float]:
-    """([value, low, high] of each distinct value's share, the largest share of values never seen) that a file of
+    """([value, low, high, sample share] of each distinct value, the largest share of values never seen) that a file of
     `validated` values from the distribution of the discrete column `values` keeps (see the module's rules)."""
     distinct, counts = np.unique(values, return_counts=True)
     size = values.size
@@ -197,7 +200,8 @@ def share_bounds(values: np.ndarray, validated: float, integer: bool) -> tuple[l
         share = count / size
         slack = error(float(count)) + DRIFT_SHARE_SD * math.sqrt(share * (1.0 - share))
         low, high = max(0.0, share - slack), min(1.0, share + slack)
-        found.append([_number(value, integer), math.floor(low * 10_000) / 10_000, math.ceil(high * 10_000) / 10_000])
+        found.append([_number(value, integer), math.floor(low * 10_000) / 10_000, math.ceil(high * 10_000) / 10_000,
+                      math.floor(share * 10_000) / 10_000])
     # values never seen: Good-Turing's estimate of their share (the values seen once), plus its error
     singletons = float((counts == 1).sum())
     unseen = min(1.0, max((singletons + 1.0) / (size + 2.0) + error(singletons), NEW_VALUES_SHARE))
@@ -321,7 +325,7 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *
             f"{DISCRETE_VALUES} distinct values) within its spread between samples of {math.floor(smallest):,} "
             f"rows, plus {DRIFT_SHARE_SD:.2g} of its own standard deviation for drift (±{100 * half:.1f} points for a "
             f"value of half the rows); values the sample never held up to {NEW_VALUES_SHARE:.0%}", column_shares=shares,
-            new_values=new_values))
+            new_values=new_values, present_count=PRESENT_COUNT))
     if stdevs:
         expectations.append(_expectation(
             "expect_columns_stdev_to_be_between",
