@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import mmap
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -149,8 +150,13 @@ def check_in_child(python: str = sys.executable, env: Mapping[str, str] | None =
         return [Check(**found) for found in json.loads(proc.stdout.strip().splitlines()[-1])]
     except (ValueError, IndexError, TypeError) as err:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise HorovodUnusable(f"checking this environment's Horovod ({python} -m {__name__}) exited "
-                              f"{proc.returncode} without a result: {' | '.join(tail)}") from err
+        # A signal, silently: e.g. SIGBUS from a torch extension truncated on disk, SIGSEGV from one built for
+        # another torch.
+        killer = next((s.name for s in signal.Signals if s == -proc.returncode), f"signal {-proc.returncode}")
+        how = (f"was killed by {killer} (importing Horovod crashes the interpreter)" if proc.returncode < 0
+               else f"exited {proc.returncode}")
+        raise HorovodUnusable(f"checking this environment's Horovod ({python} -m {__name__}) {how} without a "
+                              f"result{': ' + ' | '.join(tail) if tail else ''}. Fix: {fix()}") from err
 
 
 # ---- the command ---------------------------------------------------------------------------------------------

@@ -120,6 +120,15 @@ def test_a_child_that_dies_checking_is_a_refusal_naming_its_exit(site: Path) -> 
         doctor.check_in_child()
 
 
+def test_a_child_killed_by_a_signal_names_it_and_the_fix(site: Path) -> None:
+    """issue 37 review: a torch extension truncated on disk kills the importing interpreter with SIGBUS, printing
+    nothing: the refusal read `exited -7 without a result: ` with neither the cause nor the fix."""
+    fake_horovod(site, crash=True)
+    (site / "horovod" / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGBUS)\n")
+    with pytest.raises(HorovodUnusable, match=r"killed by SIGBUS .*Fix: run `nightshift doctor --build-horovod`"):
+        doctor.check_in_child()
+
+
 def test_the_projects_own_horovod_passes_every_check() -> None:
     """What `make setup` installs (the patched wheel): what the other tests' trainers run on."""
     checks = doctor.check_in_child()
