@@ -464,7 +464,7 @@ def stage_dataset(path: str | Path, workspace: str | Path, *, validated: str | N
     check_layout(data)  # early, for a one-line answer before waiting for the lock; again under it
     workspace = _check_workspace(data, workspace)
     with project_lock(), _open_sources(data, roots) as sources:
-        unchanged = restaged(data, workspace, sources.before)
+        unchanged = restaged(data, workspace, sources.before, _suite(suite_file))
         if unchanged is not None:
             log.info("%s is unchanged since it was staged into %s as %s: DVC not opened", data, workspace,
                      unchanged["hash"])
@@ -498,8 +498,7 @@ def _stage(sources: Sources, workspace: Path, *, validated: str | None = None,
     hashed = {name: _hash(source) for name, source in sorted(sources.files.items())}
     trusted = splits is not None
     if validated is not None:
-        suite = SUITE if suite_file is None else Path(suite_file)  # the suite the gate ran, as it is now
-        trusted = validated == fingerprint_of({name: h.sha256 for name, h in hashed.items()}, suite)
+        trusted = validated == fingerprint_of({name: h.sha256 for name, h in hashed.items()}, _suite(suite_file))
         if trusted:
             log.info("%s passed the gate with fingerprint %s: not validated again", data, validated)
         else:
@@ -524,7 +523,7 @@ def _stage(sources: Sources, workspace: Path, *, validated: str | None = None,
                 copies = {name: copy.path / name for name in copy.md5}
                 found = rows(copies, lambda: _validate_copy(copy.path, data, suite_file))
                 meta, tree, cache = _version(repo, copy.path, expected=copy.md5)
-        return _record(repo, sources, workspace, found, meta, tree, cache)
+        return _record(repo, sources, workspace, found, meta, tree, cache, _suite(suite_file))
 
 
 def _reason(err: BaseException) -> str:
@@ -620,8 +619,14 @@ def _push(repo: Any, tree: Any) -> None:
                                 f"versioned: check the remote (NIGHTSHIFT_DVC_REMOTE) and stage again")
 
 
+def _suite(suite_file: str | Path | None) -> str | Path:
+    """What the suite part of a fingerprint or staging record is of: the suite file given (the one the
+    pipeline's gate ran, as it is now), else gx/'s suite."""
+    return SUITE if suite_file is None else Path(suite_file)
+
+
 def _record(repo: Any, sources: Sources, workspace: Path, splits: dict[str, int], meta: Any, tree: Any,
-            cache: Any) -> DatasetVersion:
+            cache: Any, suite: str | Path = SUITE) -> DatasetVersion:
     """Push and materialise the version `tree` of `sources`, then record it. Call under `project_lock`."""
     data = sources.data
     workspace.mkdir(parents=True, exist_ok=True)
@@ -650,7 +655,7 @@ def _record(repo: Any, sources: Sources, workspace: Path, splits: dict[str, int]
         atomic_write_json(versions / f"{digest}.json", {**version, "path": None})
     atomic_write_json(workspace / "dataset.json", version)
     if not sources.changed():
-        _write_record(data, workspace, sources.before, version, tree, cache)
+        _write_record(data, workspace, sources.before, version, tree, cache, suite)
     else:
         log.warning("%s changed after it was read for staging: version %s holds the bytes validated before the "
                     "change; no staging record, the next staging takes the full path", data, digest)
@@ -693,7 +698,7 @@ def _object_stats(path: Path) -> dict[str, Any]:
 
 
 def _write_record(data: Path, workspace: Path, sources: dict[str, dict[str, int]], version: DatasetVersion,
-                  tree: Any, cache: Any) -> None:
+                  tree: Any, cache: Any, suite: str | Path = SUITE) -> None:
     objects = {"/".join(key): cache.oid_to_path(oid.value) for key, _, oid in tree}
     target = workspace / "data"
     record = {
@@ -702,7 +707,7 @@ def _write_record(data: Path, workspace: Path, sources: dict[str, dict[str, int]
         "workspace": str(workspace),
         "project": str(project_dir()),
         "remote": _remote_id(),
-        "suite": suite_fingerprint(),
+        "suite": suite_fingerprint(suite),
         "sources": sources,
         "links": {name: _link_stats(target / name) for name in objects},
         "objects": {name: _object_stats(Path(path)) for name, path in objects.items()},
@@ -712,9 +717,11 @@ def _write_record(data: Path, workspace: Path, sources: dict[str, dict[str, int]
     atomic_write_json(workspace / RECORD, record)
 
 
-def restaged(data: Path, workspace: str | Path, sources: dict[str, dict[str, int]]) -> DatasetVersion | None:
+def restaged(data: Path, workspace: str | Path, sources: dict[str, dict[str, int]],
+             suite: str | Path = SUITE) -> DatasetVersion | None:
     """The version recorded in `workspace` when `data` (whose files have `sources` stats) is exactly what was
-    staged there and everything DVC made for it is still in place; None when anything differs.
+    staged there, under the same `suite` (gx/'s suite name, or a suite file), and everything DVC made for it
+    is still in place; None when anything differs.
 
     Reads two small JSON files, stats a few files and asks git for HEAD; imports nothing of DVC or GX.
     Call under `project_lock`.
@@ -727,7 +734,7 @@ def restaged(data: Path, workspace: str | Path, sources: dict[str, dict[str, int
         if not (record.get("format") == RECORD_FORMAT and record["source"] == str(data)
                 and record["workspace"] == str(workspace) and record["project"] == str(project_dir())
                 and record["remote"] == _remote_id() and version["remote"] == redact(settings.dvc_remote())
-                and record["sources"] == sources and record["suite"] == suite_fingerprint()
+                and record["sources"] == sources and record["suite"] == suite_fingerprint(suite)
                 and version["path"] == str(target)):
             return None
         if sorted(p.name for p in target.iterdir()) != sorted(record["links"]):

@@ -153,7 +153,7 @@ def _add_suite(digest: Any, suite: str | Path) -> None:
         digest.update(part.name.encode() + b"\0" + (part.read_bytes() if part.is_file() else b"") + b"\0")
 
 
-def suite_fingerprint(suite: str = SUITE) -> str:
+def suite_fingerprint(suite: str | Path = SUITE) -> str:
     """The suite's part of `fingerprint` alone (its JSON and the custom expectations' code): a few KB read."""
     digest = hashlib.sha256()
     _add_suite(digest, suite)

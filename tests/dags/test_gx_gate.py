@@ -4,6 +4,7 @@ failed expectation (the GX Airflow provider did this before; issue 37 item 1).""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,15 @@ def _data(demo_data: Path, tmp_path: Path, **bad: tuple[int, object]) -> Path:
             frame.loc[row, column] = value
         frame.to_parquet(data / "train.parquet", index=False)
     return data
+
+
+def _refuse_nines(suite_file: Path) -> None:
+    """Make the suite file stricter: the label 9 (which the demo data has) is refused, by the rule "no nines"."""
+    suite = json.loads(suite_file.read_text())
+    suite["expectations"].append({"type": "expect_column_values_to_be_in_set",
+                                  "kwargs": {"column": "label", "value_set": list(range(9))},
+                                  "meta": {"rule": "no nines"}})
+    suite_file.write_text(json.dumps(suite))
 
 
 def _docs_sites(home: Path) -> list[Path]:
@@ -119,18 +129,14 @@ def test_data_changed_after_the_gate_is_validated_again_with_the_pipelines_own_s
     runs the suite again; it ran gx/'s digits suite whatever the pipeline declared, so data its own, stricter
     suite refuses was versioned and trained on (and a pipeline of other columns was refused for digits' columns)."""
     import dataclasses
-    import json
 
     from nightly_tasks.steps import stage
 
     from nightshift.errors import DataValidationFailed
 
-    suite = json.loads(digits_pipeline.suite_path.read_text())
-    suite["expectations"].append({"type": "expect_column_values_to_be_in_set",
-                                  "kwargs": {"column": "label", "value_set": list(range(9))},
-                                  "meta": {"rule": "no nines"}})
     strict = tmp_path / "strict.json"
-    strict.write_text(json.dumps(suite))
+    shutil.copy(digits_pipeline.suite_path, strict)
+    _refuse_nines(strict)
     pipeline = dataclasses.replace(digits_pipeline, suite_path=strict)
     data = _data(demo_data, tmp_path)  # the demo data has nines: the pipeline's suite refuses it
     with pytest.raises(DataValidationFailed, match=r"no nines"):
@@ -144,7 +150,6 @@ def test_a_suite_changed_after_the_gate_passed_is_run_again_at_staging(
     gx/'s digits suite whatever the pipeline's suite was: a pipeline's suite made stricter between the gate and
     staging (a retry of stage hours later) was never run on the data staged."""
     import dataclasses
-    import json
 
     from nightly_tasks.adapters import GXDataGateOperator
     from nightly_tasks.steps import stage
@@ -159,13 +164,33 @@ def test_a_suite_changed_after_the_gate_passed_is_run_again_at_staging(
     data = _data(demo_data, tmp_path)
     passed = GXDataGateOperator(task_id="validate_data", pipeline=pipeline, data_source=str(data)).execute(
         {"ti": _TaskInstance(), "params": {}})
-    suite = json.loads(own.read_text())
-    suite["expectations"].append({"type": "expect_column_values_to_be_in_set",
-                                  "kwargs": {"column": "label", "value_set": list(range(9))},
-                                  "meta": {"rule": "no nines"}})
-    own.write_text(json.dumps(suite))
+    _refuse_nines(own)
     with pytest.raises(DataValidationFailed, match=r"no nines"):
         stage(pipeline, passed, "nightly_retrain", "r1")
+
+
+def test_a_retry_of_staging_runs_a_suite_changed_since_the_first_try(
+        demo_data: Path, tmp_path: Path, nightshift_home: Path, digits_pipeline: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 37 review: a stage retry into the run's workspace returns the recorded version unless the data or
+    the suite changed; the record held gx/'s digits suite, so the pipeline's own suite made stricter in between
+    was never run on the data the retry handed to training."""
+    import dataclasses
+
+    from nightly_tasks.steps import stage
+
+    from nightshift.errors import DataValidationFailed
+
+    monkeypatch.syspath_prepend(str(DAGS))
+    monkeypatch.setenv("NIGHTSHIFT_DATA_ROOTS", str(tmp_path / "roots"))
+    own = tmp_path / "own.json"
+    shutil.copy(digits_pipeline.suite_path, own)
+    pipeline = dataclasses.replace(digits_pipeline, suite_path=own)
+    data = _data(demo_data, tmp_path)
+    stage(pipeline, {"path": str(data)}, "nightly_retrain", "r1")  # the first try: staged, and recorded
+    _refuse_nines(own)
+    with pytest.raises(DataValidationFailed, match=r"no nines"):
+        stage(pipeline, {"path": str(data)}, "nightly_retrain", "r1")
 
 
 @pytest.mark.parametrize(("change", "named"), [
