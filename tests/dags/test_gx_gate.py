@@ -52,6 +52,16 @@ def _data(demo_data: Path, tmp_path: Path, **bad: tuple[int, object]) -> Path:
     return data
 
 
+@pytest.fixture
+def own_suite(gate: Any, tmp_path: Path, digits_pipeline: Any) -> tuple[Any, Path]:
+    """The digits pipeline with a suite file of its own (a copy of gx/'s, for a test to change), and that file."""
+    import dataclasses
+
+    own = tmp_path / "own.json"
+    shutil.copy(digits_pipeline.suite_path, own)
+    return dataclasses.replace(digits_pipeline, suite_path=own), own
+
+
 def _refuse_nines(suite_file: Path) -> None:
     """Make the suite file stricter: the label 9 (which the demo data has) is refused, by the rule "no nines"."""
     suite = json.loads(suite_file.read_text())
@@ -144,23 +154,16 @@ def test_data_changed_after_the_gate_is_validated_again_with_the_pipelines_own_s
 
 
 def test_a_suite_changed_after_the_gate_passed_is_run_again_at_staging(
-        demo_data: Path, tmp_path: Path, nightshift_home: Path, digits_pipeline: Any,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        demo_data: Path, tmp_path: Path, nightshift_home: Path, own_suite: tuple[Any, Path]) -> None:
     """issue 37 review: the gate's fingerprint, which staging trusts instead of running the suite again, covered
     gx/'s digits suite whatever the pipeline's suite was: a pipeline's suite made stricter between the gate and
     staging (a retry of stage hours later) was never run on the data staged."""
-    import dataclasses
-
     from nightly_tasks.adapters import GXDataGateOperator
     from nightly_tasks.steps import stage
 
     from nightshift.errors import DataValidationFailed
 
-    monkeypatch.syspath_prepend(str(DAGS))
-    monkeypatch.setenv("NIGHTSHIFT_DATA_ROOTS", str(tmp_path / "roots"))
-    own = tmp_path / "own.json"
-    shutil.copy(digits_pipeline.suite_path, own)
-    pipeline = dataclasses.replace(digits_pipeline, suite_path=own)
+    pipeline, own = own_suite
     data = _data(demo_data, tmp_path)
     passed = GXDataGateOperator(task_id="validate_data", pipeline=pipeline, data_source=str(data)).execute(
         {"ti": _TaskInstance(), "params": {}})
@@ -170,22 +173,15 @@ def test_a_suite_changed_after_the_gate_passed_is_run_again_at_staging(
 
 
 def test_a_retry_of_staging_runs_a_suite_changed_since_the_first_try(
-        demo_data: Path, tmp_path: Path, nightshift_home: Path, digits_pipeline: Any,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        demo_data: Path, tmp_path: Path, nightshift_home: Path, own_suite: tuple[Any, Path]) -> None:
     """issue 37 review: a stage retry into the run's workspace returns the recorded version unless the data or
     the suite changed; the record held gx/'s digits suite, so the pipeline's own suite made stricter in between
     was never run on the data the retry handed to training."""
-    import dataclasses
-
     from nightly_tasks.steps import stage
 
     from nightshift.errors import DataValidationFailed
 
-    monkeypatch.syspath_prepend(str(DAGS))
-    monkeypatch.setenv("NIGHTSHIFT_DATA_ROOTS", str(tmp_path / "roots"))
-    own = tmp_path / "own.json"
-    shutil.copy(digits_pipeline.suite_path, own)
-    pipeline = dataclasses.replace(digits_pipeline, suite_path=own)
+    pipeline, own = own_suite
     data = _data(demo_data, tmp_path)
     stage(pipeline, {"path": str(data)}, "nightly_retrain", "r1")  # the first try: staged, and recorded
     _refuse_nines(own)
