@@ -384,6 +384,9 @@ def _check_suite_file(path: Path) -> None:
         raise UsageError(f"{path} is not a GX expectation suite: expected a JSON object with a 'name' and a "
                          f"list of 'expectations', each with a 'type' and 'kwargs' (see gx/expectations/*.json "
                          f"or write one with `nightshift suite init`)")
+    if not expectations:
+        raise UsageError(f"{path} is not a GX expectation suite to gate data with: it has no expectations, so "
+                         f"any data would pass; write one with `nightshift suite init`")
 
 
 def _data_problems(data: Mapping[str, Any]) -> list[str]:

@@ -221,6 +221,8 @@ def test_an_absolute_suite_inside_the_folder_is_allowed(folder: Path) -> None:
     ("{not json", "not readable JSON"),
     (json.dumps({"name": "x", "expectations": [{"kwargs": {}}]}), "each with a 'type' and 'kwargs'"),
     (json.dumps([1, 2]), "expected a JSON object"),
+    # issue 37 review: a suite without expectations passes any data
+    (json.dumps({"name": "x", "expectations": []}), "it has no expectations"),
 ])
 def test_a_suite_must_be_a_gx_suite(folder: Path, content: str, reason: str) -> None:
     (folder / "suites" / "bad.json").write_text(content)
