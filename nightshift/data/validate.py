@@ -113,7 +113,16 @@ def load_suite_file(path: str | Path) -> gx.ExpectationSuite:
     if not path.is_file():
         raise UsageError(f"expectation suite file {path} not found")
     stat = path.stat()
-    data = json.loads(_suite_json(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+    try:
+        data = json.loads(_suite_json(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"expectation suite file {path} is not a GX expectation suite: not readable JSON "
+                         f"({err})") from err
+    if not (isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"]
+            and isinstance(data.get("expectations"), list)
+            and all(isinstance(e, dict) for e in data["expectations"])):
+        raise UsageError(f"expectation suite file {path} is not a GX expectation suite: expected a JSON object "
+                         f"with a 'name' and a list of 'expectations' (write one with `nightshift suite init`)")
     data.pop("id", None)
     for expectation in data["expectations"]:
         expectation.pop("id", None)

@@ -217,6 +217,20 @@ def test_a_suite_that_would_check_less_than_it_says_is_refused(tmp_path: Path, e
     assert str(suite) in str(caught.value)
 
 
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"name": "x"}', json.dumps(
+    {"expectations": [{"type": "expect_column_to_exist", "kwargs": {"column": "label"}}]})])
+def test_a_suite_file_edited_into_no_suite_is_refused_naming_it(tmp_path: Path, content: str) -> None:
+    """issue 37 review: the declaration's suite is checked when the DAG file is parsed; edited since, the gate
+    raised a bare JSONDecodeError or KeyError (a retried task failure with a traceback, not a refusal)."""
+    from nightshift.data.validate import load_suite_file
+    from nightshift.errors import UsageError
+
+    suite = tmp_path / "suite.json"
+    suite.write_text(content)
+    with pytest.raises(UsageError, match=r"is not a GX expectation suite"):
+        load_suite_file(suite)
+
+
 def test_an_empty_split_fails_even_a_suite_without_a_row_count(demo_data: Path, tmp_path: Path) -> None:
     """issue 37 review: a 0-row split passes every column rule vacuously; the gate refuses it whatever the
     suite says."""
