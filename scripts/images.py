@@ -318,12 +318,14 @@ def size(tag: str) -> str:
 
 
 def project_pins() -> tuple[str, dict[str, str]]:
+    """The project's version and the tested set the images install: constraints.txt's pins (pyproject.toml
+    declares ranges), names lower-cased, a local version label (`+cpu`) left out."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pins = {}
-    for dep in project["dependencies"]:
-        name, sep, version = dep.partition("==")
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, sep, version = line.split("#", 1)[0].partition("==")
         if sep:
-            pins[name.strip().lower()] = version.strip()
+            pins[name.strip().lower()] = version.strip().split("+", 1)[0]
     return project["version"], pins
 
 

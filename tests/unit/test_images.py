@@ -598,6 +598,14 @@ def _images_script():  # type: ignore[no-untyped-def]
     return module
 
 
+def test_the_build_takes_torch_and_airflow_from_the_tested_set() -> None:
+    """pyproject.toml declares ranges: the images' torch wheel and Airflow base come from constraints.txt (a cold
+    `make images` failed with KeyError 'torch' once the exact pins left pyproject.toml)."""
+    _, pins = _images_script().project_pins()
+    tested = _requirement_pins(ROOT / "constraints.txt")
+    assert pins["torch"] == tested["torch"].split("+")[0] and pins["apache-airflow"] == tested["apache-airflow"]
+
+
 def _free_port() -> int:
     import socket
 
