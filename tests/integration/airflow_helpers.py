@@ -234,14 +234,14 @@ class Api:
         """Until the API answers and knows `dag_id`; `alive()` false (a component died) fails at once."""
         deadline = time.monotonic() + timeout
         while True:
-            assert alive(), f"Airflow exited before it was ready: {describe()}"
+            assert alive(), f"{describe()}\nAirflow exited before it was ready"
             try:
                 self.login()
                 if self.get(f"/api/v2/dags/{dag_id}").status_code == 200:
                     return
             except Exception:
                 pass
-            assert time.monotonic() < deadline, f"Airflow not ready after {timeout:.0f}s: {describe()}"
+            assert time.monotonic() < deadline, f"{describe()}\nAirflow not ready after {timeout:.0f} s"
             time.sleep(2)
 
 

@@ -145,16 +145,24 @@ def celery_airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryA
                                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
         airflow = CeleryAirflow(Api(f"http://{HOST}:{port}"), env, home, procs, logs, name)
-        airflow.api.wait_ready(DAG_ID, lambda: all(p.poll() is None for p in procs.values()), timeout=180,
+        # Readiness, not the clock: a component that exits fails at once; the bounds only catch a hang (on a
+        # loaded 2-core machine the five components' start-up took over two minutes).
+        airflow.api.wait_ready(DAG_ID, lambda: all(p.poll() is None for p in procs.values()), timeout=600,
                                describe=airflow.describe)
         airflow.api.call("POST", "/pools", {"name": "gpu", "slots": 16, "description": "Horovod training slots"})
         airflow.api.call("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})
-        deadline = time.monotonic() + 120
-        while not all(f"{worker}@" in logs[worker].read_text(errors="replace") and
-                      "ready." in logs[worker].read_text(errors="replace") for worker in WORKERS):
-            assert time.monotonic() < deadline, f"Celery workers not ready: {airflow.describe()}"
+        deadline = time.monotonic() + 600
+        while waiting := [w for w in WORKERS if not _worker_ready(logs[w], w)]:
+            exited = [w for w in waiting if procs[w].poll() is not None]
+            assert not exited, f"{airflow.describe()}\nCelery worker(s) {exited} exited before they were ready"
+            assert time.monotonic() < deadline, f"{airflow.describe()}\nCelery worker(s) {waiting} not ready in 600 s"
             time.sleep(1)
         yield airflow
+
+
+def _worker_ready(log: Path, worker: str) -> bool:
+    text = log.read_text(errors="replace")
+    return f"{worker}@" in text and "ready." in text
 
 
 # --- losing a worker ------------------------------------------------------------------------------------
