@@ -206,18 +206,29 @@ class ColumnListOutsideFiniteBetween(TableMetricProvider):
         return {"element_count": len(frame) * len(columns), "columns": failing}
 
 
-def _quantile_ranges(values: np.ndarray, ranges: list[list[float]]) -> np.ndarray:
-    """For each [low, high] of `ranges`: whether the quantile is outside it (one row per quantile)."""
+def _quantile_ranges(values: np.ndarray, ranges: list[list[float]], allowance: float = 0.0) -> np.ndarray:
+    """For each [low, high] of `ranges`, widened by `allowance` on each side: whether the quantile is outside it
+    (one row per quantile)."""
     bounds = np.asarray(ranges, dtype=np.float64)
-    return (values < bounds[:, 0]) | (values > bounds[:, 1])
+    return (values < bounds[:, 0] - allowance) | (values > bounds[:, 1] + allowance)
+
+
+def drift_allowance(stdev: float, drift_stdev: float, cap: float | None) -> float:
+    """How far a file's quantiles may move beyond their ranges: `drift_stdev` of the file's own standard deviation
+    `stdev`, that standard deviation taken at most `cap` (the largest the spread rule allows; None: no cap)."""
+    if not drift_stdev or not np.isfinite(stdev):
+        return 0.0
+    return drift_stdev * (stdev if cap is None else min(stdev, cap))
 
 
 class ColumnsQuantilesOutside(TableMetricProvider):
     """For each column of `column_ranges` whose `quantiles` (of its finite values) fall outside their
-    [low, high]: the observed quantiles and the ranges they left. One np.nanquantile over the whole block."""
+    [low, high], each widened by `drift_stdev` times the column's standard deviation in this file (ddof 1, at most
+    `stdev_caps[column]`): the observed quantiles, the ranges they left and that widening. One np.nanquantile
+    (and one np.nanstd) over the whole block."""
 
     metric_name = "columns.quantiles_outside"
-    value_keys = ("quantiles", "column_ranges")
+    value_keys = ("quantiles", "column_ranges", "drift_stdev", "stdev_caps")
 
     @metric_value(engine=PandasExecutionEngine)
     def _pandas(cls, execution_engine: PandasExecutionEngine, metric_domain_kwargs: dict[str, Any],
@@ -226,6 +237,8 @@ class ColumnsQuantilesOutside(TableMetricProvider):
         frame = _table(execution_engine, metric_domain_kwargs)
         quantiles = [float(q) for q in metric_value_kwargs["quantiles"]]
         wanted: dict[str, list[list[float]]] = metric_value_kwargs["column_ranges"]
+        drift = float(metric_value_kwargs.get("drift_stdev") or 0.0)
+        caps: dict[str, float] = metric_value_kwargs.get("stdev_caps") or {}
         failing: dict[str, Any] = {}
         present = []
         for column in wanted:
@@ -242,15 +255,18 @@ class ColumnsQuantilesOutside(TableMetricProvider):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)  # an all-null column: NaN quantiles
                     observed = np.nanquantile(block, quantiles, axis=0)
+                    spreads = np.nanstd(block, axis=0, ddof=1) if drift else np.zeros(len(present))
             for index, column in enumerate(present):
                 values = observed[:, index]
                 if np.isnan(values).all():
                     continue  # no finite value: nothing to compare (the null rule speaks for an empty column)
-                outside = _quantile_ranges(values, wanted[column])
+                allowance = drift_allowance(float(spreads[index]), drift, caps.get(column))
+                outside = _quantile_ranges(values, wanted[column], allowance)
                 if outside.any():
                     failing[column] = {
                         "observed_value": {f"q{q:g}": round(float(values[i]), 6) for i, q in enumerate(quantiles)},
                         "outside": {f"q{q:g}": wanted[column][i] for i, q in enumerate(quantiles) if outside[i]},
+                        **({"drift_allowance": round(allowance, 6)} if drift else {}),
                     }
         return {"columns": failing}
 
@@ -463,18 +479,25 @@ class ExpectColumnsValuesToBeFiniteBetween(BatchExpectation):
 
 class ExpectColumnsQuantilesToBeBetween(BatchExpectation):
     """Expect, for every column of `column_ranges`, each of its `quantiles` (over its finite values) to lie in
-    that column's [low, high] for the quantile ({column: [[low, high] per quantile]}).
+    that column's [low, high] for the quantile ({column: [[low, high] per quantile]}), widened on each side by
+    `drift_stdev` times the column's standard deviation in the file validated, that standard deviation taken at
+    most `stdev_caps[column]` when given (0, the default: no widening).
 
     The wide form of `expect_column_quantile_values_to_be_between`: one quantile computation over all the
     columns. It sees a column whose distribution moved or whose units changed, or that is stuck at one value;
-    each failing column is named in `details.columns` with its observed quantiles and the ranges they left.
+    each failing column is named in `details.columns` with its observed quantiles, the ranges they left and
+    the widening (`drift_allowance`). With `drift_stdev`, a file whose column moved as a whole by less than that
+    many of its own standard deviations is judged as if it had not moved (gradual drift; see
+    nightshift.data.suite_init for why the file's standard deviation, capped, and not the sample's).
     """
 
     quantiles: list[float]
     column_ranges: dict[str, list[list[float]]]
+    drift_stdev: float = 0.0
+    stdev_caps: dict[str, float] = {}
 
     metric_dependencies = ("columns.quantiles_outside",)
-    success_keys = ("quantiles", "column_ranges")
+    success_keys = ("quantiles", "column_ranges", "drift_stdev", "stdev_caps")
     args_keys = ("quantiles", "column_ranges")
     library_metadata: ClassVar[dict[str, Any]] = LIBRARY_METADATA
 

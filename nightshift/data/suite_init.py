@@ -19,6 +19,20 @@ the rule in words. From the sample it takes:
   bootstrap spread at the size of the smallest split (Z standard errors, at least the bootstrap's own
   extremes), widened by DRIFT_ALLOWANCE of the column's 5-95% spread (the standard deviation by a factor of
   at least SPREAD_FACTOR down and SPREAD_HIGH up). A column stuck at one value, or whose units changed, fails here.
+  Drift of a stated size: a quantile may also move by DRIFT_SD (a third) of the column's standard deviation in the
+  file validated, so a column shifted as a whole by less than a third of its own standard deviation is judged as if
+  it had not moved, whatever its shape. A share of the 5-95% range is not that: it is a third of a normal column's
+  standard deviation but an eighth of a lognormal's (sigma 1.5: a quarter-sd shift moves its 5% quantile from 0.08
+  to ~2.3, twice the range's allowance of 1.2), and little for a pixel 90% zeros whose 5-75% quantiles are all 0 (a
+  quarter-sd shift turns every zero into 0.5-1.2). The file's standard deviation, not the sample's: a heavy tail's
+  standard deviation is its tail's, and a 60-180-row file of a lognormal column has more than 4/3 of its 300-row
+  sample's one time in seven (up to 2.9 times, measured), so a third of the sample's still refused 5-7% of
+  quarter-sd shifts. It is taken at most the upper bound of the column's spread rule, so a file cannot widen its
+  own allowance beyond the spread that rule accepts (units x1000 fail on spread, range and quantiles), and a column
+  stuck at one value has no spread and so no allowance. Larger moves are still refused (bench/bench_suite.py's
+  tables): half a standard deviation on 97% of digits' files and columns and on most lognormal ones, two on all but
+  digits' near-empty pixels (97% zeros, whose 5-95% range is 0 and whose allowance is then a tenth of the sample's
+  whole range).
   A discrete column (at most DISCRETE_VALUES distinct values in the sample: a code, a count, a flag; every
   boolean column but the label, which has no other distribution rule) has no
   quantile rule: its quantiles jump from one value to the next as the shares move, so a quantile range drawn from
@@ -95,6 +109,7 @@ BOOTSTRAP_ROWS = 2_000         # resamples larger than this are not drawn; their
 Z = 6.0                        # standard errors a statistic may move: ~300 checks a night stay under 1% false
 SHARE_Z = 4.5
 DRIFT_ALLOWANCE = 0.10
+DRIFT_SD = 1 / 3               # a continuous column's quantiles may drift by this much of the file's standard deviation
 SPREAD_FACTOR = 1.5
 SPREAD_HIGH = 4.0
 RANGE_WIDEN = 1.5
@@ -316,7 +331,9 @@ def build_suite(frames: list[tuple[str, pd.DataFrame]], label: str, name: str, *
             "expect_columns_quantiles_to_be_between",
             f"distribution: the 5/25/50/75/95% quantiles of {_shown(list(quantiles))} within their spread "
             f"between samples of {math.floor(smallest):,} rows, plus {DRIFT_ALLOWANCE:.0%} of the 5-95% range "
-            f"for drift", quantiles=list(QUANTILES), column_ranges=quantiles))
+            f"and {DRIFT_SD:.2g} of the file's standard deviation (at most the spread rule's bound) for drift",
+            quantiles=list(QUANTILES), column_ranges=quantiles, drift_stdev=round(DRIFT_SD, 6),
+            stdev_caps={column: stdevs[column][1] for column in quantiles}))
     if shares:
         half = DRIFT_SHARE_SD * 0.5
         expectations.append(_expectation(
