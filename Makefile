@@ -42,8 +42,10 @@ $(STAMP): pyproject.toml constraints.txt $(HOROVOD_BUILD)/horovod-wheel.sh $(HOR
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
+# DEMO_ARGS: scripts/demo.py's options, e.g. DEMO_ARGS="--epochs 1" for a quicker demo (docs/getting-started.md).
+DEMO_ARGS ?=
 demo: setup
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python scripts/demo.py $(DEMO_ARGS)
 
 # pytest-xdist: TEST_WORKERS processes, each test module on one worker (`--dist loadfile`: its module fixtures
 # start once), the longest modules first (tests/conftest.py). Most integration tests wait on I/O (Airflow, sshd,
