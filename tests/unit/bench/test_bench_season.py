@@ -1,0 +1,190 @@
+"""The season benchmark's pure parts: its script and data (bench.season.script), its oracle (bench.season.oracle),
+its table, and how `python -m bench season --nights N` reaches it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.season import oracle
+from bench.season.script import (
+    INVALID,
+    LOST_CLASS,
+    SEASON,
+    Landing,
+    Night,
+    World,
+    golden_table,
+    night_splits,
+    render,
+    season,
+)
+
+
+def test_the_default_season_has_thirty_nights_six_faults_and_every_event() -> None:
+    nights = season(30)
+    assert len(nights) == 30 and nights == list(SEASON)
+    assert sum(1 for n in nights if n.fault) >= 6
+    assert {n.event for n in nights} == {"steady", "unchanged", "drift", "shift", "bad_data", "lost_class",
+                                         "heavy_tail", "label_noise"}
+    assert {n.fault for n in nights if n.fault} == {"worker_killed", "scheduler_killed", "postgres_restarted",
+                                                    "model_server_killed", "dvc_remote_unwritable"}
+
+
+def test_a_short_season_is_the_first_nights_and_a_long_one_repeats_the_later_ones() -> None:
+    assert season(3) == list(SEASON[:3])
+    assert {n.event for n in season(3)} == {"steady", "bad_data", "unchanged"}
+    longer = season(40)
+    assert longer[:30] == list(SEASON) and longer[30:] == list(SEASON[13:23])
+    with pytest.raises(ValueError, match="at least 1"):
+        season(0)
+
+
+def test_a_night_names_a_known_event_and_fault() -> None:
+    with pytest.raises(ValueError, match="unknown data event 'flood'"):
+        Night("flood")
+    with pytest.raises(ValueError, match="unknown fault 'meteor'"):
+        Night("steady", "meteor")
+    assert not Night("bad_data").valid and Night("drift").valid
+
+
+def test_the_world_drifts_and_shifts_from_then_on() -> None:
+    world = World().after("drift").after("steady").after("shift").after("label_noise")
+    assert world == World(brightness=0.9, shift=1)
+    image = np.zeros((1, 64), dtype=np.float32)
+    image[0, 8 * 3 + 2] = 10.0  # row 3, column 2
+    seen = render(image, world).reshape(8, 8)
+    assert seen[3, 3] == pytest.approx(9.0) and seen[3, 2] == 0.0 and seen.dtype == np.float32
+    assert render(np.full((1, 64), 20.0, dtype=np.float32), World()).max() == 16.0  # the contract's 0..16
+
+
+def test_each_event_writes_what_it_says() -> None:
+    steady = night_splits(1, Night("steady"), World(), 800)
+    assert [len(steady[s]) for s in ("train", "validation", "test")] == [560, 120, 120]
+    for part in steady.values():
+        assert part["label"].dtype == np.int64 and part.drop(columns="label").dtypes.eq(np.float32).all()
+        assert part.drop(columns="label").to_numpy().min() >= 0 and part.drop(columns="label").to_numpy().max() <= 16
+        assert part["label"].nunique() == 10 and not part.isna().any().any()
+    lost = night_splits(2, Night("lost_class"), World(), 800)
+    assert all(LOST_CLASS not in set(part["label"]) for part in lost.values())
+    bad = night_splits(3, Night("bad_data"), World(), 800)
+    assert all(part["label"].dtype == np.float64 and part["pixel_12"].isna().any() for part in bad.values())
+    heavy = night_splits(4, Night("heavy_tail"), World(), 800)
+    assert all((part["pixel_0"] > 16).any() for part in heavy.values())
+    noisy = night_splits(5, Night("label_noise"), World(), 800)
+    clean = night_splits(5, Night("steady"), World(), 800)
+    changed = (noisy["train"]["label"] != clean["train"]["label"]).mean()
+    assert 0.25 < changed < 0.5  # 40% redrawn, a tenth of them to the same label
+
+
+def test_an_unchanged_night_lands_the_same_bytes_and_the_link_switches(tmp_path: Path) -> None:
+    landing = Landing(tmp_path / "landing", tmp_path / "home" / "demo-data" / "digits", rows=800)
+    one = landing.write(1, Night("steady"))
+    two = landing.write(2, Night("bad_data"))
+    three = landing.write(3, Night("unchanged"))
+    assert three["digests"] == one["digests"] != two["digests"]
+    landing.switch(2)
+    assert landing.declared.resolve() == Path(two["folder"]).resolve()
+    landing.switch(3)
+    assert landing.declared.resolve() == Path(three["folder"]).resolve()
+    assert sorted(p.name for p in landing.declared.parent.iterdir()) == ["digits"]  # no temporary link left
+
+
+def test_the_golden_images_are_never_drawn_for_a_night() -> None:
+    from bench.season import script
+
+    _, labels = script._digits()
+    pool, golden = script._golden_split(labels)
+    assert len(golden) == 400 and not set(pool) & set(golden) and len(pool) + len(golden) == len(labels)
+    drawn = script.draw(np.random.default_rng(1), labels, 5000)
+    assert not set(drawn) & set(golden) and len(set(drawn)) > 1000
+    table = golden_table(World())
+    assert len(table) == 400 and table["label"].tolist() == labels[golden].tolist()
+
+
+@pytest.mark.parametrize(("night", "trained_on", "fault", "expected"), [
+    (Night("bad_data"), None, None, "failed:validate_data"),
+    (Night("heavy_tail"), {"train": "a"}, "dvc_remote_unwritable", "failed:validate_data"),
+    (Night("unchanged"), {"train": "same"}, None, "skipped"),
+    (Night("steady"), {"train": "other"}, "dvc_remote_unwritable", "failed:stage_dataset"),
+    (Night("steady"), {"train": "other"}, "worker_killed", None),
+    (Night("steady"), None, None, None),
+])
+def test_what_the_data_alone_says(night: Night, trained_on: dict[str, str] | None, fault: str | None,
+                                  expected: str | None) -> None:
+    digests = {"train": "same"}
+    assert oracle.expected_by_data(valid=night.valid, digests=digests, trained_on=trained_on,
+                                   fault=fault) == expected
+    assert (night.event in INVALID) == (expected == "failed:validate_data")
+
+
+def test_what_the_golden_table_says() -> None:
+    assert oracle.expected_by_model(0.95, None) == "promoted"
+    assert oracle.expected_by_model(0.7, None) == "refused"
+    assert oracle.expected_by_model(0.95, 0.80) == "promoted"
+    assert oracle.expected_by_model(0.80, 0.95) == "refused"
+    assert oracle.expected_by_model(0.95, 0.94) == oracle.EITHER
+    assert oracle.matches("refused", oracle.EITHER) and oracle.matches("promoted", oracle.EITHER)
+    assert not oracle.matches("skipped", oracle.EITHER) and not oracle.matches("failed:train", "promoted")
+
+
+def test_a_decision_is_read_from_the_ledger_record() -> None:
+    assert oracle.decision_of({"status": "failed", "failed_task": "validate_data"}) == "failed:validate_data"
+    assert oracle.decision_of({"status": "success", "outcome": "training skipped (unchanged)"}) == "skipped"
+    assert oracle.decision_of({"status": "success", "outcome": "promoted v3 (promoted)"}) == "promoted"
+    assert oracle.decision_of({"status": "success", "outcome": "not promoted (gate rejected)"}) == "refused"
+    assert oracle.decision_of(None) == "no record"
+
+
+def test_a_lineage_row_is_whole_or_says_what_it_lacks() -> None:
+    base = {"dag_id": "d", "run_id": "r", "status": "success", "recorded_at": "t", "dataset_version": "h",
+            "dataset_source": "/s", "dataset_rows": 9, "code_version": "c", "training": {"epochs": 5},
+            "model_name": "m"}
+    assert oracle.lineage_gaps({**base, "outcome": "training skipped (unchanged)"}) == []
+    refused = {**base, "outcome": "not promoted (gate rejected)", "mlflow_run_id": "x", "train_metrics": {"a": 1}}
+    assert oracle.lineage_gaps(refused) == ["gate"]
+    promoted = {**refused, "gate": {"passed": True}, "outcome": "promoted v2 (promoted)", "model_version": "2",
+                "serving_url": "http://x", "deploy_status": "promoted"}
+    tags = {"nightshift.dataset_version": "h", "nightshift.dag_run_id": "r"}
+    assert oracle.lineage_gaps(promoted, tags) == []
+    assert oracle.lineage_gaps(promoted, {**tags, "nightshift.dag_run_id": "other"}) == [
+        "version tag nightshift.dag_run_id='other', record says 'r'"]
+    failed = {"dag_id": "d", "run_id": "r", "status": "failed", "recorded_at": "t", "outcome": "failed at train",
+              "failed_task": "train"}
+    assert oracle.lineage_gaps(failed) == ["reason"]
+
+
+def test_a_champion_that_lost_more_than_the_tolerance_is_caught() -> None:
+    assert oracle.Scores(0.9, 0.95, 0.95).drop() == 0.0
+    drop = oracle.Scores(0.9, 0.95, 0.90).drop()
+    assert drop == pytest.approx(0.05) and drop > oracle.TOLERANCE
+    assert oracle.Scores(0.9, None, 0.90).drop() is None
+
+
+def test_bench_options_after_the_name_are_the_benchmarks_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.__main__ as entry
+    import bench.bench_season as season_bench
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(season_bench, "main", lambda: ran.append(["season"]) or 3)
+    monkeypatch.setattr("sys.argv", ["bench", "season", "--nights", "3"])
+    assert entry.main(["season", "--nights", "3"]) == 3 and ran == [["season"]]
+    assert season_bench.parse(["--nights", "3", "--rows", "800"]).nights == 3
+
+
+@pytest.mark.slow
+def test_the_project_suite_passes_the_valid_nights_and_refuses_the_others(tmp_path: Path) -> None:
+    """The season's premise: its valid nights pass gx/'s digits suite and its contract breaks do not (the oracle
+    expects the data gate to refuse exactly those)."""
+    from bench.season.script import write_splits
+    from nightshift.data.validate import check_data
+
+    world = World()
+    for number, event in enumerate(["steady", "drift", "shift", "label_noise", "bad_data", "lost_class",
+                                    "heavy_tail"], 1):
+        world = world.after(event)
+        write_splits(night_splits(number, Night(event), world, 800), tmp_path / event)
+        report = check_data(tmp_path / event, data_docs=False)
+        assert report["success"] == Night(event).valid, (event, report["files"])
