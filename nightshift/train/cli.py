@@ -67,9 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Horovod elastic training (under horovodrun --min-np/--max-np/--host-discovery-script): "
                              "a lost host rolls back to the last in-memory commit and training goes on with the ranks "
                              "left, an added host receives the state (nightshift.train.elastic)")
+    parser.add_argument("--commit-seconds", type=float, default=d.commit_seconds,
+                        help=f"elastic: seconds of training between in-memory commits, the point a lost host rolls "
+                             f"back to: at most about this much training is redone after a loss, and a host that "
+                             f"comes back waits up to this long to be taken in ({d.commit_seconds:g})")
     parser.add_argument("--commit-every", type=int, default=d.commit_every,
-                        help=f"elastic: steps between in-memory commits, the point a lost host rolls back to "
-                             f"({d.commit_every})")
+                        help="elastic: also commit at least every this many steps (default: by time only)")
     parser.add_argument("--collective-timeout", type=int, default=d.collective_timeout,
                         help=f"elastic: seconds a rank waits on a silent peer before the job resets "
                              f"(HOROVOD_GLOO_TIMEOUT_SECONDS unless set) ({d.collective_timeout})")
@@ -97,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         code_version=args.code_version, mlflow_experiment=args.mlflow_experiment,
         mlflow_run_name=args.mlflow_run_name, tags=dict(args.tags),
         search_storage=args.search_storage, search_study=args.search_study, search_trial=args.search_trial,
-        elastic=args.elastic, commit_every=args.commit_every, collective_timeout=args.collective_timeout,
+        elastic=args.elastic, commit_seconds=args.commit_seconds, commit_every=args.commit_every,
+        collective_timeout=args.collective_timeout,
         join_timeout=args.join_timeout,
     )
 

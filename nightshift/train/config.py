@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -68,9 +69,11 @@ class TrainConfig:
     search_study: str | None = None
     search_trial: int | None = None
     # Horovod elastic training (nightshift.train.elastic): the world size may change while training; the state
-    # is committed in memory every `commit_every` steps and a lost host rolls back to the last commit.
+    # is committed in memory about every `commit_seconds` of training (and every `commit_every` steps when set,
+    # whichever comes first), and a lost host rolls back to the last commit: at most that much training is redone.
     elastic: bool = False
-    commit_every: int = 10
+    commit_seconds: float = 10.0
+    commit_every: int | None = None
     collective_timeout: int = 30  # elastic: HOROVOD_GLOO_TIMEOUT_SECONDS unless set (nightshift.train.elastic)
     join_timeout: int = 60  # elastic: HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS unless set (nightshift.train.elastic)
 
@@ -79,9 +82,14 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "checkpoint_every", "keep_checkpoints", "log_every", "commit_every",
                      "collective_timeout", "join_timeout"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if name == "commit_every" and value is None:  # commits by time only
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 flag = "--" + name.replace("_", "-")
                 raise UsageError(f"{flag} must be a positive integer, got {value!r}")
+        if (not isinstance(self.commit_seconds, (int, float)) or isinstance(self.commit_seconds, bool)
+                or not 0 < self.commit_seconds < math.inf):
+            raise UsageError(f"--commit-seconds must be a positive number of seconds, got {self.commit_seconds!r}")
         if not self.lr > 0:
             raise UsageError(f"--lr must be positive, got {self.lr!r}")
         if not 0 <= self.momentum < 1:

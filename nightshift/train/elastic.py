@@ -2,10 +2,20 @@
 
 Run under an elastic `horovodrun` (`--min-np/--max-np --host-discovery-script`, Gloo), the trainer keeps its
 state (model, optimizer, loss scaler, the position in the epoch's sample order, epoch and step, the running
-epoch loss) in a `hvd.elastic.TorchState`, committed in memory every `commit_every` steps, besides the on-disk
+epoch loss) in a `hvd.elastic.TorchState`, committed in memory (`Commits`, below), besides the on-disk
 checkpoints of the fixed-size trainer. When a host is lost, the ranks left catch Horovod's error, roll back to
 the last commit and go on at the new world size; when a host is added, the state is broadcast to it at the
 next commit and training goes on with more ranks. Every rank logs each reset.
+
+Commits. A commit copies the model and optimizer state in memory and asks every rank whether hosts changed (a
+broadcast): a cost every elastic run pays, failure or not, and the work a lost host rolls back is the training
+since the last one. So commits are counted in time, not steps: about every `commit_seconds` of training (10 s by
+default), and every `commit_every` steps as well when that is set. All ranks must commit at the same step, so at
+each commit rank 0 turns the seconds into steps at the pace of the steps since the previous commit (the interval at
+most doubles from one commit to the next, and starts at one step) and sends that to every rank with the commit
+(`next_commit_interval`). A lost host therefore rolls back at most about `commit_seconds` of training, at the pace
+measured before (a step that slows down stretches it in proportion until the next commit measures again), and a
+host that is added waits up to as long to be taken in.
 
 Samples. An epoch's order is a pure function of the seed and the epoch (a permutation of the training split,
 as `DistributedSampler` draws it). A step takes the next `batch_size * world_size` samples of that order (fewer
@@ -53,6 +63,7 @@ from nightshift.train.device import CudaView, autocast, choose_device
 from nightshift.train.trainer import Trainer, rng_state
 
 log = logging.getLogger("nightshift.train")
+_clock = time.monotonic  # the commits' clock (tests replace it)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -88,6 +99,15 @@ def step_lr(lr: float, in_step: int, batch_size: int, samples_done: int, total_s
     counted in samples, so the same per sample in a full step at any world size and in a short last one), times
     the cosine schedule."""
     return lr * in_step / batch_size * lr_factor(samples_done, total_samples)
+
+
+def next_commit_interval(seconds: float, steps: int, elapsed: float, previous: int, most: int | None = None) -> int:
+    """Steps from this commit to the next: as many as fit in `seconds` at the pace of the `steps` trained in the
+    `elapsed` seconds since the previous commit, at most twice the `previous` interval (a pace measured over a few
+    fast steps must not stretch the next interval far past `seconds`), at least 1, at most `most` when given."""
+    fit = int(seconds * steps / elapsed) if steps > 0 and elapsed > 0 else previous
+    interval = max(1, min(fit, 2 * max(previous, 1)))
+    return min(interval, most) if most else interval
 
 
 def require_elastic_launcher() -> None:
@@ -186,6 +206,11 @@ class ElasticTrainer(Trainer):
         self.sizes: list[int] = [self.size]  # the world sizes this process trained at, in order
         self._order_epoch = -1
         self._order = torch.empty(0, dtype=torch.long)
+        self.commit_at = 0  # the step of the next commit (every rank the same: rank 0's plan, see _commit)
+        self.commit_interval = 1
+        self.commits = 0  # commits this process made, and the seconds they took
+        self.commit_time = 0.0
+        self._pace = (_clock(), 0)  # (clock, step) of the last commit or entry: the pace of the steps since
 
     def _select_device(self, requested: str, hvd: Any) -> torch.device:
         """This rank's own choice, with no collective: a process that joins a running elastic job must not
@@ -205,7 +230,7 @@ class ElasticTrainer(Trainer):
 
         state = hvd_torch.elastic.TorchState(
             model=self.model, optimizer=self.optimizer, epoch=0, processed=0, samples_done=0, step=0,
-            epoch_loss=(0.0, 0), scaler=self.scaler.state_dict(), disk_checked=False)
+            epoch_loss=(0.0, 0), scaler=self.scaler.state_dict(), disk_checked=False, commit_at=0, commit_interval=1)
         state.register_reset_callbacks([lambda: self._on_reset(state)])
         return state
 
@@ -228,6 +253,8 @@ class ElasticTrainer(Trainer):
                      self.rank, self.size, state.step, state.epoch + 1, state.processed, self.n_train)
         self.entries += 1
         self.step = int(state.step)
+        self.commit_at, self.commit_interval = int(state.commit_at), int(state.commit_interval)
+        self._pace = (_clock(), self.step)
         self.epoch_loss = [float(state.epoch_loss[0]), int(state.epoch_loss[1])]
         if self.scaler.is_enabled() and state.scaler:
             self.scaler.load_state_dict(state.scaler)
@@ -236,10 +263,30 @@ class ElasticTrainer(Trainer):
             self._forget_metrics_after(self.step)
 
     def _commit(self, state: Any, epoch: int, processed: int, samples_done: int) -> None:
+        started = _clock()
+        interval = self._next_commit_interval(started)
         state.epoch, state.processed, state.samples_done, state.step = epoch, processed, samples_done, self.step
         state.epoch_loss = (self.epoch_loss[0], self.epoch_loss[1])
         state.scaler = self.scaler.state_dict()
-        state.commit()  # may raise HostsUpdatedInterrupt: Horovod then re-forms the job and calls _train again
+        # Saved with the state: a rollback, and a process that joins, take up the same plan.
+        self.commit_at, self.commit_interval = self.step + interval, interval
+        state.commit_at, state.commit_interval = self.commit_at, interval
+        try:
+            state.commit()  # may raise HostsUpdatedInterrupt: Horovod then re-forms the job and calls _train again
+        finally:
+            now = _clock()
+            self.commits += 1
+            self.commit_time += now - started
+            self._pace = (now, self.step)
+
+    def _next_commit_interval(self, now: float) -> int:
+        """Rank 0's `next_commit_interval` from its pace since the last commit, on every rank (a broadcast: ranks must
+        commit at the same step, and their clocks differ)."""
+        plan = None
+        if self.is_chief:
+            plan = next_commit_interval(self.config.commit_seconds, self.step - self._pace[1], now - self._pace[0],
+                                        self.commit_interval, self.config.commit_every)
+        return int(self.hvd.broadcast_object(plan, root_rank=0, name="nightshift.elastic.commit_plan"))
 
     # -- checkpoints on disk -----------------------------------------------------------------
 
@@ -294,9 +341,10 @@ class ElasticTrainer(Trainer):
         started = time.perf_counter()
         self.steps_run = 0
         if self.is_chief:
-            log.info("elastic training on %s x %d ranks (for now): precision %s, commit every %d steps, "
-                     "checkpoint every %d", self.device, self.size, self.config.precision, self.config.commit_every,
-                     self.config.checkpoint_every)
+            every = f" or {self.config.commit_every} steps" if self.config.commit_every else ""
+            log.info("elastic training on %s x %d ranks (for now): precision %s, commit every %gs of training%s, "
+                     "checkpoint every %d steps", self.device, self.size, self.config.precision,
+                     self.config.commit_seconds, every, self.config.checkpoint_every)
         from horovod.common.elastic import run_fn
 
         # hvd.elastic.run with a reset that survives a failed rendezvous (`join`): Horovod's own is
@@ -315,7 +363,9 @@ class ElasticTrainer(Trainer):
         join(self.hvd, attempts=RESET_JOIN_ATTEMPTS)
 
     def summary_extra(self) -> dict[str, Any]:
-        return {"elastic": {"resets": self.resets, "world_sizes": self.sizes, "commit_every": self.config.commit_every}}
+        return {"elastic": {"resets": self.resets, "world_sizes": self.sizes,
+                            "commit_seconds": self.config.commit_seconds, "commit_every": self.config.commit_every,
+                            "commits": self.commits, "commit_time_s": round(self.commit_time, 3)}}
 
     def _order_of(self, epoch: int) -> torch.Tensor:
         if epoch != self._order_epoch:
@@ -383,7 +433,7 @@ class ElasticTrainer(Trainer):
                 self._save_elastic_checkpoint(epoch, processed, samples_done)
             if stop:
                 break
-            if not finished and (self.step % config.commit_every == 0 or epoch_done):
+            if not finished and self.step >= self.commit_at:
                 self._commit(state, epoch, processed, samples_done)
         return epoch_metrics
 

@@ -3,7 +3,9 @@ learning rate, the resume key, and the refusal to run outside an elastic horovod
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -244,3 +246,121 @@ def test_the_learning_rate_per_sample_is_the_same_in_every_step_at_every_world_s
             processed += in_step
     # A full step is the linear scaling rule: lr x world size.
     assert step_lr(base, 3 * batch, batch, 0, n) == pytest.approx(3 * base)
+
+
+# --- commits by time (issue 35: the elastic trainer's cost when nothing fails, and the work a loss redoes) ---------
+
+
+def test_the_commit_interval_fits_the_seconds_at_the_measured_pace_and_grows_at_most_twofold() -> None:
+    from nightshift.train.elastic import next_commit_interval
+
+    assert next_commit_interval(10.0, steps=100, elapsed=1.0, previous=1000) == 1000  # 10 ms a step: 1,000 steps
+    assert next_commit_interval(10.0, steps=100, elapsed=1.0, previous=64) == 128  # a few fast steps: at most 2x
+    assert next_commit_interval(10.0, steps=4, elapsed=20.0, previous=64) == 2  # slower: shrinks at once
+    assert next_commit_interval(10.0, steps=1, elapsed=30.0, previous=8) == 1  # never below one step
+    assert next_commit_interval(10.0, steps=0, elapsed=0.0, previous=1) == 1  # no pace yet (the first commit)
+    assert next_commit_interval(10.0, steps=100, elapsed=1.0, previous=1000, most=10) == 10  # --commit-every
+
+
+@pytest.fixture(scope="module")
+def hvd() -> Any:
+    import horovod.torch as hvd
+
+    hvd.init()
+    return hvd
+
+
+class _Clock:
+    """A clock that moves only when the trainer takes a step (`per_step` seconds each)."""
+
+    def __init__(self, per_step: float) -> None:
+        self.now, self.per_step = 1000.0, per_step
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _elastic_fit(demo_data: Path, tmp_path: Path, hvd: Any, monkeypatch: pytest.MonkeyPatch, *, per_step: float,
+                 fail_at: int | None = None, **options: Any) -> tuple[dict[str, Any], list[tuple[int, float]]]:
+    """ElasticTrainer.fit in this process (one rank) on a clock that moves `per_step` seconds a step; `fail_at`: the
+    step whose allreduce fails as when a host is lost. Returns the summary and (step, clock) of every commit."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    from nightshift.datasets import load_split
+    from nightshift.train import elastic
+
+    clock = _Clock(per_step)
+    monkeypatch.setattr(elastic, "_clock", clock, raising=False)
+    commits: list[tuple[int, float]] = []
+    failed: list[int] = []
+    step_once = elastic.ElasticTrainer._backward_and_step
+    commit_once = elastic.ElasticTrainer._commit
+
+    def backward_and_step(self: Any, loss: torch.Tensor) -> None:
+        if self.step + 1 == fail_at and not failed:
+            failed.append(self.step + 1)
+            raise HorovodInternalError("a peer is gone (test)")
+        step_once(self, loss)
+        clock.now += clock.per_step
+
+    def commit(self: Any, state: Any, *args: Any) -> None:
+        commits.append((self.step, clock.now))
+        commit_once(self, state, *args)
+
+    monkeypatch.setattr(elastic.ElasticTrainer, "_backward_and_step", backward_and_step)
+    monkeypatch.setattr(elastic.ElasticTrainer, "_commit", commit)
+    config = TrainConfig(data=demo_data, out=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", model="mlp",
+                         model_kwargs={"hidden": 8}, epochs=3, threads=1, checkpoint_every=1000, elastic=True,
+                         **options)
+    train, validation = load_split("digits", demo_data, "train"), load_split("digits", demo_data, "validation")
+    summary = elastic.ElasticTrainer(config, train, validation, hvd).fit()
+    return summary, commits
+
+
+def test_commits_come_by_time_so_slow_steps_never_leave_more_than_commit_seconds_to_redo(
+        demo_data: Path, tmp_path: Path, hvd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a commit every 10 steps whatever a step took, so with 1 s steps a lost host redid 10 s of training
+    where the docs promise at most --commit-seconds."""
+    summary, commits = _elastic_fit(demo_data, tmp_path, hvd, monkeypatch, per_step=1.0, commit_seconds=3)
+    gaps = [later[1] - earlier[1] for earlier, later in itertools.pairwise(commits)]
+    assert gaps and max(gaps) <= 3.0, gaps
+    assert summary["elastic"]["commits"] == len(commits)
+    assert summary["elastic"]["commit_seconds"] == 3
+
+
+def test_fast_steps_commit_rarely(demo_data: Path, tmp_path: Path, hvd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost every elastic run pays: before, a commit (a copy of the model and optimizer, a broadcast) every 10
+    steps and at every epoch's end, 12 for these 120 steps; by time, the interval doubles from one step until it
+    fills --commit-seconds, so 120 fast steps take about log2(120) commits."""
+    summary, commits = _elastic_fit(demo_data, tmp_path, hvd, monkeypatch, per_step=0.001)
+    steps = summary["steps"]
+    assert steps > 100
+    assert len(commits) <= 8, commits
+    assert [step for step, _ in commits[:4]] == [0, 1, 3, 7]  # 1, 2, 4 steps apart
+
+
+def test_a_lost_host_rolls_back_no_more_than_commit_seconds(demo_data: Path, tmp_path: Path, hvd: Any,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The documented bound at the default settings: the ranks left go on from the last commit, at most
+    --commit-seconds (10 s) of training back at a steady pace, here 2 s steps (a large model). Before: a commit every
+    10 steps, 20 s of training back at worst (12 s here)."""
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="nightshift.train")
+    fail_at = 57
+    summary, commits = _elastic_fit(demo_data, tmp_path, hvd, monkeypatch, per_step=2.0, fail_at=fail_at)
+    back_to = re.search(r"elastic reset 1: .* step (\d+)", caplog.text)
+    assert back_to, caplog.text[-2000:]
+    redone = fail_at - 1 - int(back_to.group(1))  # steps trained since the commit, lost with the failed one
+    assert 0 <= redone * 2.0 <= 10.0, (redone, commits)
+    assert summary["elastic"]["resets"] == 1
+    assert summary["steps"] == summary["steps_run"] - redone  # every rolled-back step was trained again
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("inf"), float("nan"), True, "10"])
+def test_commit_seconds_must_be_a_positive_number(tmp_path: Path, seconds: Any) -> None:
+    with pytest.raises(UsageError, match="--commit-seconds must be a positive number of seconds"):
+        TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=True, commit_seconds=seconds)
+    assert TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=True).commit_every is None
