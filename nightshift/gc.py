@@ -1,13 +1,18 @@
 """`nightshift gc`: find a pipeline's leftovers, plan with its retention policy (nightshift.retention), remove.
 
 `collect(pipeline, dry_run=...)` reads what exists (workspaces, checkpoint folders, the MLflow runs of the
-pipeline's experiment, served-model folders) and what refers to it (the run ledger, the registry's versions and
-`@champion`, the serving record), plans, and unless `dry_run` removes what the plan says may go. Right before
-removing it reads the references again and removes only what a fresh plan still lets go, and an MLflow run only
-when no registered version of any model names it; anything that fails to be removed raises GcFailed naming it.
+pipeline's experiment, served-model folders, decision pages) and what refers to it (the run ledger, the registry's
+versions and `@champion`, the serving record), plans, and unless `dry_run` removes what the plan says may go. Right
+before removing it reads the references again and removes only what a fresh plan still lets go, and an MLflow run
+only when no registered version of any model names it; anything that fails to be removed raises GcFailed naming it.
+Each removal is written to the pipeline's removal log (nightshift.removals), which the lineage page reads.
 Then the dataset versions (`nightshift.data.collect`): those the plan lets go once the workspaces are gone, planned
 again under the staging lock with the registry and the workspaces read afresh, leave the DVC cache (and the
-remote, when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is this machine's alone).
+remote, when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is this machine's alone). The store is shared: each version
+is judged by the rule of every pipeline whose ledger names it (`policies`, from the declarations found:
+known_policies).
+
+`nightshift gc --images` collects the podman images of superseded Nightshift builds (nightshift.image_retention).
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from nightshift import ledger, settings
+from nightshift import ledger, removals, settings
 from nightshift.errors import NightshiftError
 from nightshift.fsutil import safe_name
 from nightshift.pipelines.spec import Pipeline
 from nightshift.retention import (
     CHECKPOINTS,
+    DECISION_PAGE,
+    LINEAGE_RUNS,
     MLFLOW_RUN,
     SERVED_MODEL,
     WORKSPACE,
@@ -72,12 +80,16 @@ def _run_folders(root: Path, kind: str, names: dict[str, str], now: float) -> li
     return items
 
 
-def _ledger_facts(dag_id: str) -> tuple[list[str], set[str], list[dict[str, Any]]]:
-    last: dict[str, dict[str, Any]] = {}
+def _ledger(dag_id: str) -> list[dict[str, Any]]:
     try:
-        records = ledger.read_records(dag_id, strict=True)
+        return ledger.read_records(dag_id, strict=True)
     except ledger.LedgerUnreadable as err:
         raise GcFailed(f"{err}; nothing was removed: which runs finished cannot be told") from err
+
+
+def _ledger_facts(dag_id: str) -> tuple[list[str], set[str], list[dict[str, Any]]]:
+    last: dict[str, dict[str, Any]] = {}
+    records = _ledger(dag_id)
     for record in records:
         if isinstance(record.get("run_id"), str):
             last.pop(record["run_id"], None)  # a run recorded again counts at its last record
@@ -139,11 +151,13 @@ def facts(pipeline: Pipeline) -> Facts:
         previous_run = next((str(r["run_id"]) for r in reversed(promotions) if str(r["model_version"]) == previous),
                             None)
     record = read_record(model) or {}
+    shown = frozenset(str(r["mlflow_run_id"]) for r in _ledger(pipeline.dag_id)[-LINEAGE_RUNS:]
+                      if r.get("mlflow_run_id"))
     return Facts(finished=tuple(finished), succeeded=frozenset(succeeded), champion_run=champion_run,
                  previous_champion_run=previous_run, champion=champion_version, previous_champion=previous,
                  registered={k: tuple(sorted(v, key=int)) for k, v in registered.items()},
                  served_paths=frozenset({str(record["model_path"])} if record.get("model_path") else ()),
-                 deploying=_deploying(model))
+                 deploying=_deploying(model), lineage_runs=shown)
 
 
 def _mlflow_runs(pipeline: Pipeline, now: float) -> list[Item]:
@@ -187,14 +201,44 @@ def _served_folders(pipeline: Pipeline) -> list[Item]:
     return items
 
 
+def decisions_root(dag_id: str) -> Path:
+    """NIGHTSHIFT_HOME/decisions/<dag_id>: where `evaluate` writes the pipeline's decision pages."""
+    from nightshift.decision_page import page_path
+
+    return page_path(dag_id, "x").parent.parent
+
+
+def _decision_pages(pipeline: Pipeline, dag_runs: Mapping[str, str], now: float) -> list[Item]:
+    """One item per page folder `decisions/<dag_id>/<MLflow run id>/` (real folders only), with the DAG run that
+    evaluated it (`dag_runs`: MLflow run id -> DAG run id, from the ledger and the MLflow runs' tags) when known."""
+    from nightshift.decision_page import RUN_ID_PATTERN
+
+    root = decisions_root(pipeline.dag_id)
+    if not root.is_dir() or root.is_symlink():
+        return []
+    items = []
+    for entry in sorted(root.iterdir()):
+        if entry.is_symlink() or not entry.is_dir() or not RUN_ID_PATTERN.fullmatch(entry.name):
+            continue  # not a folder `evaluate` writes: never followed or removed
+        newest, size = _tree(entry)
+        items.append(Item(DECISION_PAGE, str(entry), dag_runs.get(entry.name), (now - newest) / DAY, size,
+                          mlflow_run_id=entry.name))
+    return items
+
+
 def inventory(pipeline: Pipeline, known: Facts, now: float) -> list[Item]:
-    """Every workspace, checkpoint folder, MLflow run and served-model folder of `pipeline`."""
+    """Every workspace, checkpoint folder, MLflow run, served-model folder and decision page of `pipeline`."""
     runs = [*known.finished, *(r for r in (known.champion_run, known.previous_champion_run) if r)]
     names = {safe_name(run_id): run_id for run_id in runs}
     dag = safe_name(pipeline.dag_id)
+    mlflow_runs = _mlflow_runs(pipeline, now)
+    dag_runs = {item.ident: str(item.run_id) for item in mlflow_runs if item.run_id}
+    for record in _ledger(pipeline.dag_id):
+        if record.get("mlflow_run_id") and record.get("run_id"):
+            dag_runs.setdefault(str(record["mlflow_run_id"]), str(record["run_id"]))
     return [*_run_folders(settings.workspaces_dir() / dag, WORKSPACE, names, now),
             *_run_folders(settings.checkpoints_dir() / dag, CHECKPOINTS, names, now),
-            *_mlflow_runs(pipeline, now), *_served_folders(pipeline)]
+            *mlflow_runs, *_served_folders(pipeline), *_decision_pages(pipeline, dag_runs, now)]
 
 
 def _local_path(uri: str) -> Path | None:
@@ -262,6 +306,8 @@ def _remove(decision: Decision, pipeline: Pipeline) -> str | None:
         _rmtree(Path(item.ident), settings.checkpoints_dir() / dag, settings.checkpoints_dir())
     elif item.kind == MLFLOW_RUN:
         return _remove_mlflow_run(item.ident)
+    elif item.kind == DECISION_PAGE:
+        _rmtree(Path(item.ident), decisions_root(pipeline.dag_id), decisions_root(pipeline.dag_id).parent)
     else:
         from nightshift.deploy.local import _deploy_lock
         from nightshift.errors import DeploymentFailed
@@ -274,36 +320,43 @@ def _remove(decision: Decision, pipeline: Pipeline) -> str | None:
     return None
 
 
-def _data_facts(skip: frozenset[str] = frozenset()) -> Facts:
+def _data_facts(now: float, rules: Mapping[str, RetentionPolicy], unreadable: Sequence[str],
+                skip: frozenset[str] = frozenset()) -> Facts:
     from nightshift.data import collect as data
 
+    uses = {version: {dag_id: (now - when) / DAY for dag_id, when in by_dag.items()}
+            for version, by_dag in data.last_uses().items()}
     return Facts(data_registered={k: tuple(v) for k, v in data.registered_data().items()},
-                 data_in_use=data.in_use(skip))
+                 data_in_use=data.in_use(skip), data_uses=uses, data_rules=dict(rules),
+                 data_rules_unreadable=tuple(unreadable))
 
 
-def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float,
-                 leaving: frozenset[str] = frozenset()) -> list[Decision]:
-    """Plan the dataset versions with `policy` (`leaving`: workspaces a dry run's plan removes, which stage nothing
-    then) and, unless `dry_run`, remove from the DVC remote and cache what the plan lets go. The store is opened,
-    and the plan made again under its lock, only when something may go. GcFailed when DVC, the remote, the registry
-    or a ledger fails."""
+def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float, leaving: frozenset[str] = frozenset(),
+                 rules: Mapping[str, RetentionPolicy] | None = None, unreadable: Sequence[str] = ()) -> list[Decision]:
+    """Plan the dataset versions (`leaving`: workspaces a dry run's plan removes, which stage nothing then) and,
+    unless `dry_run`, remove from the DVC remote and cache what the plan lets go. Each version is judged by the rule
+    of every pipeline whose ledger names it: `rules` (dag_id -> its declared retention; `policy` alone when None),
+    `unreadable` (declarations that could not be read: the rule of a pipeline none of `rules` names cannot be told
+    then). The store is opened, and the plan made again under its lock, only when something may go. GcFailed when
+    DVC, the remote, the registry or a ledger fails."""
     import dataclasses
 
     from nightshift.data import collect as data
 
+    rules = dict(rules or {})
     try:
         items = data.inventory(now)
         if not items:
             return []
         try:
-            decisions = plan(items, _data_facts(leaving), policy)
+            decisions = plan(items, _data_facts(now, rules, unreadable, leaving), policy)
             if not any(d.remove for d in decisions):
                 return decisions
         except data.DataCollectionFailed:
             pass  # read without the lock: a staging may be writing a workspace's record; read it again under it
         with data.store() as opened:
             items = data.inventory(now)  # under the lock: no staging records or uses a version meanwhile
-            decisions = plan(items, _data_facts(leaving), policy)
+            decisions = plan(items, _data_facts(now, rules, unreadable, leaving), policy)
             freed = data.objects_to_remove(opened, [d.item.ident for d in decisions if d.remove])
             where = "" if opened.exclusive else ("; from the staging cache only: the DVC remote is kept (it may be "
                                                  "shared; NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 collects it too)")
@@ -321,8 +374,36 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float,
         raise GcFailed(f"collecting dataset versions failed ({err}); run `nightshift gc` again") from err
 
 
-def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = None) -> dict[str, Any]:
-    """Plan with the pipeline's retention and (unless `dry_run`) remove what the plan lets go.
+def known_policies(folders: Sequence[str | Path]) -> tuple[dict[str, RetentionPolicy], list[str]]:
+    """(dag_id -> declared retention, the declarations that could not be read) of every declaration in `folders`
+    that exist: what collect_data judges each pipeline's dataset versions by."""
+    from nightshift.pipelines import load_pipelines
+
+    policies: dict[str, RetentionPolicy] = {}
+    unreadable: list[str] = []
+    for folder in dict.fromkeys(Path(f).resolve() for f in folders):
+        if folder.is_dir():
+            loaded, errors = load_pipelines(folder)
+            policies.update({p.dag_id: p.retention for p in loaded})
+            unreadable += [err.source for err in errors]
+    return policies, unreadable
+
+
+def _log_removals(pipeline: Pipeline, removed: Sequence[Decision]) -> None:
+    entries = [{**d.to_dict(), "mlflow_run_id": d.item.ident if d.item.kind == MLFLOW_RUN else d.item.mlflow_run_id}
+               for d in removed]
+    try:
+        removals.append(pipeline.dag_id, entries)
+    except OSError as err:
+        raise GcFailed(f"writing the removal log {removals.log_path(pipeline.dag_id)} failed ({err}); what was "
+                       f"removed is in this task's log; the lineage page shows it as missing, not as removed") from err
+
+
+def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = None,
+            policies: Mapping[str, RetentionPolicy] | None = None, unreadable: Sequence[str] = ()) -> dict[str, Any]:
+    """Plan with the pipeline's retention and (unless `dry_run`) remove what the plan lets go; each removal goes to
+    the pipeline's removal log. `policies`, `unreadable`: the other pipelines' declared retention (known_policies),
+    by which the dataset versions they used are judged; the pipeline's own policy is always its `retention`.
 
     Returns {"pipeline", "dry_run", "policy", "remove": [...], "keep": [...], "removed_bytes"}; each entry has
     kind, what, run_id, size, action and reason. GcFailed when something could not be read or removed."""
@@ -335,15 +416,25 @@ def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = No
     removed = [d for d in decisions if d.remove]
     if not dry_run and removed:
         fresh = facts(pipeline)  # read again: a run may have been promoted or registered since
-        for decision in plan([d.item for d in removed], fresh, pipeline.retention):
-            kept = _remove(decision, pipeline) if decision.remove else None
-            if kept is not None:
-                decision = Decision(decision.item, False, kept)
-            if not decision.remove:
-                removed.remove(next(d for d in removed if d.item == decision.item))
-                decisions = [decision if d.item == decision.item else d for d in decisions]
+        done: list[Decision] = []
+        try:
+            for decision in plan([d.item for d in removed], fresh, pipeline.retention):
+                kept = _remove(decision, pipeline) if decision.remove else None
+                if kept is not None:
+                    decision = Decision(decision.item, False, kept)
+                if not decision.remove:
+                    removed.remove(next(d for d in removed if d.item == decision.item))
+                    decisions = [decision if d.item == decision.item else d for d in decisions]
+                else:
+                    done.append(decision)
+        finally:  # what went before a failure is logged all the same
+            _log_removals(pipeline, done)
     leaving = frozenset(d.item.ident for d in removed if d.item.kind == WORKSPACE) if dry_run else frozenset()
-    datasets = collect_data(pipeline.retention, dry_run=dry_run, now=now, leaving=leaving)
+    rules = {**(policies or {}), pipeline.dag_id: pipeline.retention}
+    datasets = collect_data(pipeline.retention, dry_run=dry_run, now=now, leaving=leaving, rules=rules,
+                            unreadable=unreadable)
+    if not dry_run:
+        _log_removals(pipeline, [d for d in datasets if d.remove])
     removed += [d for d in datasets if d.remove]
     decisions += datasets
     return {"pipeline": pipeline.dag_id, "dry_run": dry_run, "policy": pipeline.retention.to_dict(),
@@ -362,6 +453,9 @@ def add_parser(subparsers: Any) -> None:
     gc.add_argument("--pipelines", default=os.environ.get("NIGHTSHIFT_PIPELINES", "pipelines"), metavar="DIR",
                     help="the folder of declarations (default: NIGHTSHIFT_PIPELINES, else ./pipelines)")
     gc.add_argument("--dry-run", action="store_true", help="print the plan, remove nothing")
+    gc.add_argument("--images", action="store_true",
+                    help="collect the podman images of superseded Nightshift builds (`make images`) instead of the "
+                         "pipelines' leftovers: those no name, container or child image holds any more")
     gc.set_defaults(func=_gc)
 
 
@@ -388,6 +482,29 @@ def selected(pipeline: str | None, folder: str) -> list[Pipeline]:
     return loaded
 
 
+def policy_folders(pipelines: Sequence[Pipeline], folder: str | Path | None = None,
+                   dags_folder: str | Path | None = None) -> list[Path]:
+    """Where the declarations whose rules judge the shared dataset versions lie: `folder` (--pipelines), each
+    selected pipeline's own folder, and the folders Airflow loads declarations from (the DAG folder, `dags_folder`
+    when given, and NIGHTSHIFT_PIPELINES)."""
+    from nightshift.pipelines import declaration_folders
+
+    found = [Path(folder)] if folder is not None else []
+    found += [Path(p.source).parent for p in pipelines if p.source is not None]
+    return [*found, *declaration_folders(dags_folder)]
+
+
 def _gc(args: Any) -> dict[str, Any]:
-    results = [collect(p, dry_run=args.dry_run) for p in selected(args.pipeline, args.pipelines)]
+    if args.images:
+        if args.pipeline:
+            from nightshift.errors import UsageError
+
+            raise UsageError("--images collects podman images, which belong to no pipeline: leave out --pipeline "
+                             "(run `nightshift gc` without --images for the pipelines)")
+        from nightshift.image_retention import collect_images
+
+        return {"images": collect_images(dry_run=args.dry_run)}
+    chosen = selected(args.pipeline, args.pipelines)
+    policies, unreadable = known_policies(policy_folders(chosen, args.pipelines))
+    results = [collect(p, dry_run=args.dry_run, policies=policies, unreadable=unreadable) for p in chosen]
     return {"pipelines": results}

@@ -6,8 +6,9 @@ Airflow, so the rows are cleaned by the `airflow` command of this environment, a
 - `clean_metadata(days)` runs `airflow db clean --clean-before-timestamp <now - days> --skip-archive --yes
   --error-on-cleanup-failure` (Airflow keeps the latest scheduled run of each DAG itself). It never cleans
   closer than the longest `resumable_days` of a declared pipeline: clearing a failed run to resume it needs its
-  rows. A failure of the command (its exit status, or a table it could not clean) is AirflowCleanFailed with
-  what the command said.
+  rows. The cut-off is recorded (nightshift.removals.record_db_clean): the lineage page shows the runs recorded
+  before it as cleaned from Airflow instead of a link to a run page that is gone. A failure of the command (its
+  exit status, or a table it could not clean) is AirflowCleanFailed with what the command said.
 - `prune_logs(folder, days)` removes the files under Airflow's `base_log_folder` last written over `days` ago,
   and the folders that leaves empty. It walks with directory descriptors and never follows a link: a link in
   the folder (to a file or folder anywhere) is neither followed nor removed. A file that cannot be removed is
@@ -120,6 +121,15 @@ def clean_metadata(days: float, *, floor_days: float = 0.0, dry_run: bool = Fals
         tail = "\n".join(output.splitlines()[-15:])
         raise AirflowCleanFailed(f"`airflow db clean --clean-before-timestamp {command[4]}` exited with status "
                                  f"{done.returncode}:\n{tail}")
+    if not dry_run:
+        from nightshift.removals import record_db_clean
+
+        try:
+            record_db_clean(command[4], days)  # the lineage page shows these runs' Airflow links as cleaned
+        except OSError as err:
+            raise AirflowCleanFailed(f"`airflow db clean` removed the rows of the runs started before {command[4]}, "
+                                     f"but recording it for the lineage page failed ({err}): its links to those "
+                                     f"runs lead nowhere until the next clean records it") from err
     return {"before": command[4], "days": days, "command": " ".join(command[1:]), "output": output[-4000:],
             "held_by": sorted(f"{dag_id} {run_id} ({state})" for (dag_id, run_id), (_, state) in held.items())}
 

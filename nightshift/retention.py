@@ -13,15 +13,25 @@ What a pipeline leaves behind, and what refers to it (found in the code, issue 3
   a registered run is never removed. An unregistered one is a rejected challenger.
 - served-model folders `serving_dir()/models/<model>-v<version>-<port>` (local target): the serving record
   `serving_dir()/<model>.json` names the live one; `.<model>-v<version>.*` are downloads of a deploy at work.
+- decision pages `NIGHTSHIFT_HOME/decisions/<dag_id>/<MLflow run id>/decision.html` (nightshift.decision_page, one per
+  evaluated night): the Airflow plugin serves them, linked from the `evaluate` task and from the lineage page's row of
+  the run (its ledger record's `mlflow_run_id`). A page goes with its DAG run's workspace (same reasons), except that
+  the page of a registered run (the champion's among them) and the pages of the newest LINEAGE_RUNS ledger records
+  (the lineage page's default view) always stay. A removal is written to the pipeline's removal log
+  (nightshift.removals), by which the lineage page and the plugin's route show the page as removed, never a bare 404.
+  The season view (nightshift.season) draws the ledger only and links nothing.
 - the run ledger `NIGHTSHIFT_HOME/airflow/<dag_id>/runs.jsonl`: which runs finished, which succeeded, which
   version each promoted. It is the lineage page and is never collected.
 - dataset versions: the staging DVC project's cache and its remote (`nightshift.data.stage`), one machine-wide
   store shared by every pipeline. A registered model version names its data (tag `nightshift.dataset_version`):
   rolling back, or retraining it, pulls that version, so it is never collected; nor is a version a workspace under
-  `workspaces_dir()` stages (a run kept above, or one running). Any other version goes `data_versions_days` after
-  its last use (its first staging, or the newest ledger record of any pipeline naming it). The objects it shares with
-  a version that stays stay too, and the remote is collected only when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is
-  this machine's alone (`nightshift.data.collect`).
+  `workspaces_dir()` stages (a run kept above, or one running). Any other version is kept while the rule of any
+  pipeline that used it keeps it: each pipeline's own `data_versions_days` after its newest ledger record naming the
+  version (a pipeline whose retention is disabled keeps the versions it used; one whose declaration is not found goes
+  by the longest declared rule, and while a declaration cannot be read, the versions of undeclared pipelines stay). A
+  version no ledger names (or staged again since its last recorded use: a run that recorded nothing) goes by the
+  longest declared rule from its staging. The objects it shares with a version that stays stay too, and the remote is
+  collected only when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is this machine's alone (`nightshift.data.collect`).
 
 `plan` takes an inventory (`Item`s) and what refers to it (`Facts`) and returns a `Decision` per item.
 """
@@ -38,7 +48,10 @@ CHECKPOINTS = "checkpoints"
 MLFLOW_RUN = "mlflow_run"
 SERVED_MODEL = "served_model"
 DATA_VERSION = "data_version"
-KINDS = (WORKSPACE, CHECKPOINTS, MLFLOW_RUN, SERVED_MODEL, DATA_VERSION)
+DECISION_PAGE = "decision_page"
+KINDS = (WORKSPACE, CHECKPOINTS, MLFLOW_RUN, SERVED_MODEL, DATA_VERSION, DECISION_PAGE)
+RUN_KINDS = (WORKSPACE, CHECKPOINTS, DECISION_PAGE)  # judged by their DAG run, as one
+LINEAGE_RUNS = 50  # ledger records the lineage page shows by default (the plugin's RECENT): their pages stay
 
 
 @dataclass(frozen=True)
@@ -51,8 +64,8 @@ class RetentionPolicy:
       checkpoints this many days after its last write, so that clearing it in Airflow resumes it.
     challenger_days: MLflow runs of challengers never registered are kept this many days after they ended.
     data_versions_days: a dataset version no registered model version names and no workspace stages is kept this
-      many days after its last use (the store is shared: a version another pipeline used goes by the collecting
-      pipeline's days, counted from the last use of any pipeline).
+      many days after this pipeline last used it (the store is shared: a version is kept while any pipeline's own
+      rule keeps it).
     enabled: false turns collection off for the pipeline (the plan then keeps everything).
     """
 
@@ -80,7 +93,8 @@ class RetentionPolicy:
 class Item:
     """One thing that could be removed. `ident`: its path, the MLflow run id, or the dataset version's hash;
     `run_id`: the DAG run it belongs to (None when it names none); `age_days`: days since it was last written (a run:
-    since it ended; a dataset version: since its last use); `version`: a served folder's model version."""
+    since it ended; a dataset version: since it was first staged); `version`: a served folder's model version;
+    `mlflow_run_id`: the MLflow run a decision page shows."""
 
     kind: str
     ident: str
@@ -88,6 +102,7 @@ class Item:
     age_days: float = 0.0
     size: int = 0
     version: str | None = None
+    mlflow_run_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +114,12 @@ class Facts:
     trained `@champion` and the champion before it (champion / previous_champion: their versions);
     registered: MLflow run id -> the versions registered from it; served_paths: folders a serving record names;
     deploying: a deployment of the model holds its lock now; data_registered: dataset version -> the registered
-    model versions (of any model, "name vN") that name it; data_in_use: dataset version -> a workspace staging it.
+    model versions (of any model, "name vN") that name it; data_in_use: dataset version -> a workspace staging it;
+    data_uses: dataset version -> {dag_id: days since that pipeline's newest ledger record naming it};
+    data_rules: dag_id -> the declared retention of each pipeline known (the collecting one's included; when empty,
+    the policy `plan` is given is the only rule); data_rules_unreadable: declarations that could not be read (the
+    rule of a pipeline no declaration names cannot be told then); lineage_runs: the MLflow run ids of the ledger
+    records the lineage page shows by default (the newest LINEAGE_RUNS).
     """
 
     finished: Sequence[str] = ()
@@ -113,6 +133,10 @@ class Facts:
     deploying: bool = False
     data_registered: Mapping[str, Sequence[str]] = field(default_factory=dict)
     data_in_use: Mapping[str, str] = field(default_factory=dict)
+    data_uses: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    data_rules: Mapping[str, RetentionPolicy] = field(default_factory=dict)
+    data_rules_unreadable: tuple[str, ...] = ()
+    lineage_runs: frozenset[str] = frozenset()
 
     @property
     def last_successful(self) -> str | None:
@@ -186,6 +210,29 @@ def _served_reason(item: Item, facts: Facts) -> tuple[bool, str]:
     return True, f"v{item.version}: neither the champion (v{facts.champion}) nor the previous one, and not served"
 
 
+def _data_rule(dag_id: str, age: float, policy: RetentionPolicy, facts: Facts) -> tuple[bool, str]:
+    """(keeps it?, what the rule of pipeline `dag_id`, which last used the version `age` days ago, says)."""
+    rule = facts.data_rules.get(dag_id) or (policy if not facts.data_rules else None)
+    if rule is not None and not rule.enabled:
+        return True, f"{dag_id} used it {_days(age)} ago and its retention is disabled (retention.enabled: false)"
+    if rule is not None:
+        within = age < rule.data_versions_days
+        return within, (f"{dag_id} used it {_days(age)} ago ({'within' if within else 'over'} its "
+                        f"{rule.data_versions_days:g} d)")
+    if facts.data_rules_unreadable:
+        return True, (f"{dag_id} used it {_days(age)} ago and no readable declaration of {dag_id} was found while "
+                      f"{', '.join(facts.data_rules_unreadable)} cannot be read: its rule cannot be told")
+    longest = _longest_data_days(policy, facts)
+    within = age < longest
+    return within, (f"{dag_id} used it {_days(age)} ago and no declaration of {dag_id} was found: the longest "
+                    f"declared rule, {longest:g} d, applies ({'within' if within else 'over'} it)")
+
+
+def _longest_data_days(policy: RetentionPolicy, facts: Facts) -> float:
+    rules = [r for r in (facts.data_rules.values() if facts.data_rules else [policy]) if r.enabled]
+    return max([r.data_versions_days for r in rules] or [policy.data_versions_days])
+
+
 def _data_reason(item: Item, policy: RetentionPolicy, facts: Facts) -> tuple[bool, str]:
     registered = facts.data_registered.get(item.ident)
     if registered:
@@ -193,11 +240,43 @@ def _data_reason(item: Item, policy: RetentionPolicy, facts: Facts) -> tuple[boo
     workspace = facts.data_in_use.get(item.ident)
     if workspace is not None:
         return False, f"staged in workspace {workspace} (a run that is kept, or running)"
-    if item.age_days < policy.data_versions_days:
-        return False, (f"no registered version names it; last used {_days(item.age_days)} ago "
-                       f"(within {policy.data_versions_days:g} d)")
-    return True, (f"no registered version names it and no workspace stages it; last used {_days(item.age_days)} "
-                  f"ago (over {policy.data_versions_days:g} d)")
+    uses = dict(facts.data_uses.get(item.ident) or {})
+    said = [_data_rule(dag_id, age, policy, facts) for dag_id, age in sorted(uses.items(), key=lambda u: u[1])]
+    if not uses or item.age_days < min(uses.values()):
+        # Staged since its last recorded use, or never recorded: by a run that recorded nothing (killed, failed, or
+        # by hand), of a pipeline that cannot be told.
+        if facts.data_rules_unreadable:
+            said.append((True, f"staged {_days(item.age_days)} ago by a run no ledger records, while "
+                               f"{', '.join(facts.data_rules_unreadable)} cannot be read: its rule cannot be told"))
+        else:
+            longest = _longest_data_days(policy, facts)
+            within = item.age_days < longest
+            said.append((within, f"staged {_days(item.age_days)} ago by a run no ledger records (the longest "
+                                 f"declared rule, {longest:g} d, applies: {'within' if within else 'over'} it)"))
+    keeping = [why for keeps, why in said if keeps]
+    if keeping:
+        return False, "no registered version names it; kept by a pipeline's rule: " + "; ".join(keeping)
+    return True, ("no registered version names it and no workspace stages it; every rule lets it go: "
+                  + "; ".join(why for _, why in said))
+
+
+def _page_reason(item: Item, policy: RetentionPolicy, facts: Facts, recent: frozenset[str],
+                 age_days: float) -> tuple[bool, str]:
+    """A decision page: kept for a registered run and for the lineage page's default view, else with its DAG run's
+    workspace."""
+    versions = facts.registered.get(item.mlflow_run_id or "")
+    if versions:
+        return False, (f"the decision page of registered v{', v'.join(str(v) for v in versions)}: the lineage of the "
+                       f"version links it")
+    if item.mlflow_run_id in facts.lineage_runs:
+        return False, f"linked by the lineage page (one of the newest {LINEAGE_RUNS} runs it shows)"
+    if item.run_id is None:
+        if age_days < policy.resumable_days:
+            return False, (f"no ledger record or MLflow run names its DAG run yet; written {_days(age_days)} ago "
+                           f"(within {policy.resumable_days:g} d)")
+        return True, (f"no ledger record or MLflow run names its DAG run (nothing links it); written "
+                      f"{_days(age_days)} ago (over {policy.resumable_days:g} d)")
+    return _run_reason(item, policy, facts, recent, age_days)
 
 
 def plan(items: Iterable[Item], facts: Facts, policy: RetentionPolicy) -> list[Decision]:
@@ -206,7 +285,7 @@ def plan(items: Iterable[Item], facts: Facts, policy: RetentionPolicy) -> list[D
     recent = frozenset(list(facts.finished)[-policy.keep_runs:])
     run_age: dict[str | None, float] = {}
     for item in items:
-        if item.kind in (WORKSPACE, CHECKPOINTS):
+        if item.kind in RUN_KINDS and item.run_id is not None:
             run_age[item.run_id] = min(item.age_days, run_age.get(item.run_id, item.age_days))
     decisions = []
     for item in items:
@@ -217,6 +296,9 @@ def plan(items: Iterable[Item], facts: Facts, policy: RetentionPolicy) -> list[D
         elif item.kind in (WORKSPACE, CHECKPOINTS):
             age = item.age_days if item.run_id is None else run_age[item.run_id]
             remove, reason = _run_reason(item, policy, facts, recent, age)
+        elif item.kind == DECISION_PAGE:
+            age = item.age_days if item.run_id is None else run_age[item.run_id]
+            remove, reason = _page_reason(item, policy, facts, recent, age)
         elif item.kind == MLFLOW_RUN:
             remove, reason = _mlflow_reason(item, policy, facts)
         elif item.kind == DATA_VERSION:

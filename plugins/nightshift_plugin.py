@@ -14,7 +14,9 @@
   table a chart of the season (nightshift.season): the primary metric night by night, each night's decision,
   the dataset versions and the drift.
   `/nightshift/decisions/<dag_id>/<MLflow run id>/decision.html` serves a night's decision page (written by
-  `evaluate` to NIGHTSHIFT_HOME/decisions/), linked from the lineage page and the `evaluate` task.
+  `evaluate` to NIGHTSHIFT_HOME/decisions/), linked from the lineage page and the `evaluate` task. A page or an
+  MLflow run that `nightshift gc` removed (its removal log, nightshift.removals) is shown on the lineage page as
+  removed, with when and why, instead of a link; the route answers 410 Gone with the same words.
   `/nightshift/search/` lists the model searches' report pages (NIGHTSHIFT_HOME/search/<pipeline>/<study>/
   report.html, written by `nightshift.search.report_html`; search/<study>/report.html before searches were per
   pipeline), `/nightshift/search/<pipeline>/<study>/report.html` serves one.
@@ -53,6 +55,8 @@ from nightshift.decision_page import page_path
 from nightshift.errors import DagIdInvalid, UsageError
 from nightshift.ledger import dag_ids, read_records
 from nightshift.pipelines.spec import SEARCH_DAG_SUFFIX
+from nightshift.removals import airflow_run_cleaned, db_cleaned, describe, readable_when, removed_links
+from nightshift.retention import LINEAGE_RUNS
 from nightshift.search.report_html import REPORT_NAME
 from nightshift.season import season_svg
 from nightshift.settings import PIPELINE_DOCS, checked_dag_id, data_docs_dir, home, pipeline_data_docs_dir
@@ -60,7 +64,7 @@ from nightshift.settings import PIPELINE_DOCS, checked_dag_id, data_docs_dir, ho
 DAG_ID = "nightly_retrain"
 SEARCH_DAG_ID = "model_search"
 PREFIX = "/nightshift"
-RECENT = 50
+RECENT = LINEAGE_RUNS  # the records shown by default; nightshift gc keeps their decision pages
 MAX_LIMIT = 1000  # the most records or reports one request may ask for (`limit`: 1..MAX_LIMIT, else 422)
 
 # Every page is served in the Airflow UI's origin, where the `_token` cookie authenticates API calls: no page
@@ -136,15 +140,19 @@ class DataDocsLink(BaseOperatorLink):
         return data_docs_url(_xcom(ti_key, "data_docs"))
 
 
-def decision_url(dag_id: str, run_id: Any, prefix: str = PREFIX) -> str:
-    """This plugin's URL of the decision page of MLflow run `run_id` of the DAG `dag_id`, or "" when `evaluate`
-    wrote none (a run from before decision pages, an evaluation that failed)."""
+def decision_url(dag_id: str, run_id: Any, prefix: str = PREFIX, *, removed: bool | None = None) -> str:
+    """This plugin's URL of the decision page of MLflow run `run_id` of the DAG `dag_id` (its route says when and
+    why `nightshift gc` removed a page it removed), or "" when `evaluate` wrote none (a run from before decision
+    pages, an evaluation that failed). `removed`: whether the removal log has it, when the caller read the log."""
     try:
         path = page_path(dag_id, str(run_id))
     except UsageError:
         return ""
     if not path.is_file():
-        return ""
+        if removed is None:
+            removed = ("decision_page", str(run_id)) in removed_links(dag_id)
+        if not removed:
+            return ""
     return f"{prefix}/decisions/{quote(dag_id, safe='')}/{quote(str(run_id), safe='')}/{path.name}"
 
 
@@ -285,7 +293,16 @@ def _http_url(value: Any) -> str:
     return url if url.startswith(("http://", "https://")) else ""
 
 
-def _row(r: dict[str, Any], dag_id: str = DAG_ID) -> str:
+def _removed(what: str, entry: dict[str, Any]) -> str:
+    """A link that `nightshift gc` took away: its name, struck through, with when and why."""
+    return f"<span class='removed' title='{_cell(describe(entry))}'><s>{_cell(what)}</s> (removed)</span>"
+
+
+def _row(r: dict[str, Any], dag_id: str = DAG_ID, gone: dict[tuple[str, str], dict[str, Any]] | None = None,
+         cleaned: dict[str, Any] | None = None, airflow_keeps: str | None = None) -> str:
+    """One run's row; `gone`: the pipeline's removal log (nightshift.removals.removed_links); `cleaned`: the last
+    `airflow db clean` (nightshift.removals.db_cleaned); `airflow_keeps`: the run it keeps whatever its age."""
+    gone = gone or {}
     gate = r.get("gate") or {}
     challenger = gate.get("challenger") or {}
     accuracy = f"{challenger['accuracy']:.4f}" if isinstance(challenger.get("accuracy"), (int, float)) else ""
@@ -293,20 +310,29 @@ def _row(r: dict[str, Any], dag_id: str = DAG_ID) -> str:
     run_id = str(r.get("run_id") or "")
     # Relative links: this page is PREFIX/lineage, whatever base path the API server is under.
     run = _link(f"../dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}", run_id) if run_id else ""
+    if run_id and run_id != airflow_keeps and cleaned is not None and airflow_run_cleaned(r, cleaned):
+        run = (f"<span class='removed' title='Airflow&#39;s record of this run was cleaned by the "
+               f"nightshift_maintenance DAG on {_cell(readable_when(cleaned.get('cleaned_at')))} (runs started before "
+               f"{_cell(readable_when(cleaned['before'].isoformat()))}; NIGHTSHIFT_AIRFLOW_DB_RETENTION_DAYS)'>"
+               f"{_cell(run_id)}</span>")
     model = f"v{r['model_version']}" if r.get("model_version") else "—"
     serving_url = _http_url(r.get("serving_url"))
     serving = _link(serving_url, serving_url) if serving_url else "—"
     links = []
-    if r.get("mlflow_run_id"):
+    mlflow_run = str(r.get("mlflow_run_id") or "")
+    if mlflow_run and ("mlflow_run", mlflow_run) in gone:
+        links.append(_removed("MLflow run", gone[("mlflow_run", mlflow_run)]))
+    elif mlflow_run:
         experiment = r.get("mlflow_experiment_id") or r.get("experiment_id")
-        links.append(_link(mlflow_run_url(str(r["mlflow_run_id"]), experiment), "MLflow run",
-                           title=r["mlflow_run_id"]))
+        links.append(_link(mlflow_run_url(mlflow_run, experiment), "MLflow run", title=mlflow_run))
     docs = data_docs_url(r.get("data_docs"), prefix=".")
     if docs:
         links.append(_link(docs, "GX Data Docs"))
-    decided = decision_url(dag_id, r.get("mlflow_run_id"), prefix=".") if r.get("mlflow_run_id") else ""
+    decided = decision_url(dag_id, mlflow_run, prefix=".", removed=False) if mlflow_run else ""
     if decided:
         links.append(_link(decided, "Decision page"))
+    elif mlflow_run and ("decision_page", mlflow_run) in gone:
+        links.append(_removed("Decision page", gone[("decision_page", mlflow_run)]))
     outcome = _cell(plain_outcome(r.get("outcome")))
     if r.get("reason"):
         outcome += f"<div class='reason'>{_cell(r.get('reason'))}</div>"
@@ -317,6 +343,19 @@ def _row(r: dict[str, Any], dag_id: str = DAG_ID) -> str:
             f"<td title='{_cell(r.get('dataset_version'))}'>{_cell(dataset)}</td><td>→</td>"
             f"<td>{_cell(model)}</td><td>{_cell(accuracy)}</td><td>→</td><td class='url'>{serving}</td>"
             f"<td class='outcome'>{outcome}</td><td class='links'>{' '.join(links)}</td></tr>")
+
+
+def removed_page_html(dag_id: str, run_id: str, entry: dict[str, Any]) -> str:
+    """The answer (410 Gone) for a decision page `nightshift gc` removed: when, why, and where the decision is still
+    told."""
+    back = f"../../../lineage?pipeline={quote(dag_id, safe='')}"  # from PREFIX/decisions/<dag_id>/<run>/<page>
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>Decision page removed - Nightshift</title>"
+            f"</head><body style='font-family:sans-serif;margin:1.5em'><h2>Decision page removed</h2>"
+            f"<p>The decision page of MLflow run {_cell(run_id)} of {_cell(dag_id)} was "
+            f"{_cell(describe(entry))}.</p><p>The run's row on the {_link(back, 'lineage page')} "
+            f"still shows its decision (outcome, gate, metrics). Change how long pages are kept with the "
+            f"pipeline's <code>retention</code> block (<code>keep_runs</code>, <code>resumable_days</code>).</p>"
+            f"</body></html>")
 
 
 def lineage_url(pipeline: str) -> str:
@@ -336,7 +375,12 @@ def lineage_html(records: list[dict[str, Any]], pipeline: str = DAG_ID, pipeline
     """The lineage page of the DAG `pipeline`; `pipelines`: the others to link (those this user may read)."""
     empty = (f"No runs of {_cell(pipeline)} recorded yet: a run is recorded when it finishes. Is "
              f"{_cell(pipeline)} the DAG id of a pipeline?")
-    body = "\n".join(_row(r, pipeline) for r in records) or f"<tr><td colspan='12'>{empty}</td></tr>"
+    gone, cleaned = removed_links(pipeline), db_cleaned()
+    # `airflow db clean` keeps each DAG's newest run that was not triggered by hand, however old.
+    keeps = next((str(r["run_id"]) for r in records if r.get("run_id") and not str(r["run_id"]).startswith("manual__")),
+                 None)
+    body = "\n".join(_row(r, pipeline, gone, cleaned, keeps) for r in records) or \
+        f"<tr><td colspan='12'>{empty}</td></tr>"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{_cell(pipeline)} lineage - Nightshift</title>
 <style>body{{font-family:sans-serif;margin:1.5em}}
@@ -346,7 +390,8 @@ td{{overflow-wrap:anywhere;word-break:break-word}}
 td.time{{white-space:nowrap}} td.run{{max-width:16em}} td.url{{max-width:14em}}
 td.outcome{{max-width:40em;white-space:normal}} td.links{{white-space:nowrap}}
 div.reason{{color:#555;font-size:13px;margin-top:2px;white-space:pre-wrap}}
-tr.failed td{{color:#a00}} nav{{margin-bottom:.8em}} svg.season{{max-width:100%;height:auto}}</style></head>
+tr.failed td{{color:#a00}} span.removed{{color:#777}}
+nav{{margin-bottom:.8em}} svg.season{{max-width:100%;height:auto}}</style></head>
 <body>{_pipeline_nav(pipeline, pipelines or [])}<h2>{_cell(pipeline)} lineage</h2>
 {season_svg(records)}
 <p>Recent runs, newest first: dataset version → model version → deployment. Times in UTC.</p>
@@ -459,6 +504,9 @@ def create_app() -> Any:
         # No link below decisions/ is followed (a run's folder linked to another DAG's would show that DAG's
         # page to this DAG's readers): `evaluate` writes plain folders. decisions/ itself may be a link.
         real = (home() / "decisions").resolve() / dag_id / run_id / target.name
+        gone = removed_links(dag_id).get(("decision_page", run_id))
+        if name == target.name and gone is not None and not target.exists() and not target.parent.is_symlink():
+            return HTMLResponse(removed_page_html(dag_id, run_id, gone), status_code=410, headers=page_headers)
         if name != target.name or not target.is_file() or target.resolve() != real:
             raise HTTPException(status_code=404, detail="no such decision page: `evaluate` writes one per night "
                                                         "(decisions/<dag_id>/<MLflow run id>/decision.html)")

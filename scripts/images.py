@@ -22,7 +22,12 @@ Stdlib only (no Airflow imports): runs with any Python >= 3.11.
 One build at a time on a machine: a second `make images` (another checkout's test run, say) waits for the first
 (a lock file in the temporary directory), then finds its layers cached. SIGTERM stops the podman build under way.
 
-usage: scripts/images.py [--only trainer,serving,airflow] [--cpu-shares N]
+After every build succeeded, still under that lock, the images of superseded builds go (nightshift.image_retention:
+an image that once carried one of these names, carries none now, and no container or child image holds; never the
+unnamed layer cache of build stages): each rebuild would otherwise leave its predecessor's layers on disk for good.
+`--keep-superseded` leaves them; `nightshift gc --images [--dry-run]` collects (or lists) them by hand.
+
+usage: scripts/images.py [--only trainer,serving,airflow] [--cpu-shares N] [--keep-superseded]
 """
 
 from __future__ import annotations
@@ -312,6 +317,26 @@ def restamp(tag: str, commit: str) -> None:
         raise ImagesError(f"could not set NIGHTSHIFT_GIT_COMMIT={commit} on {tag}: {result.stderr.strip()[-2000:]}")
 
 
+def remove_superseded() -> None:
+    """Remove the images of superseded builds (nightshift.image_retention), under the machine lock the caller holds.
+    A failure is said and leaves the build's result as it is: the images built are fine."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from nightshift.image_retention import ImageGcFailed, collect
+    finally:
+        sys.path.remove(str(ROOT))
+    try:
+        result = collect(lambda args: run(podman(*args), capture_output=True), dry_run=False)
+    except ImageGcFailed as err:
+        print(f"images: warning: superseded images were not all removed: {err}", file=sys.stderr)
+        return
+    for entry in result["remove"]:
+        log(f"removed {entry['what']} ({entry['size'] / 1e6:,.0f} MB): {entry['reason']}")
+    for entry in result["keep"]:
+        if not entry["names"]:
+            log(f"kept {entry['what']}: {entry['reason']}")
+
+
 def size(tag: str) -> str:
     out = run(podman("image", "inspect", "--format", "{{.Size}}", tag), capture_output=True)
     return f"{int(out.stdout.strip()) / 1e6:,.0f} MB" if out.returncode == 0 else "?"
@@ -343,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-shares", type=int, metavar="N",
                         help="the CPU weight of the builds' RUN containers (podman build --cpu-shares; default 1024): "
                              "lower lets other work on the machine go first")
+    parser.add_argument("--keep-superseded", action="store_true",
+                        help="keep the images of earlier builds that these builds superseded (by default they go "
+                             "once every build succeeded: nightshift.image_retention)")
     options = parser.parse_args(argv)
     if options.cpu_shares is not None:
         if options.cpu_shares < 2:
@@ -359,13 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _stop)
     try:
-        return _build_all(wanted, names, pins, started)
+        return _build_all(wanted, names, pins, started, prune=not options.keep_superseded)
     except Stopped as stopped:
         print(f"images: stopped by {stopped} after {time.monotonic() - started:.0f} s", file=sys.stderr)
         return 128 + signal.SIGTERM
 
 
-def _build_all(wanted: list[str], names: dict[str, str], pins: dict[str, str], started: float) -> int:
+def _build_all(wanted: list[str], names: dict[str, str], pins: dict[str, str], started: float, *,
+               prune: bool = True) -> int:
     commit = ""
     try:
         check_tools()
@@ -389,6 +418,8 @@ def _build_all(wanted: list[str], names: dict[str, str], pins: dict[str, str], s
                       {"PYTHON_IMAGE": PYTHON_IMAGE}, secret=secret)
                 build("images/airflow/Dockerfile", names["airflow"], {"AIRFLOW_IMAGE": base, **common},
                       secret=secret)
+            if prune:
+                remove_superseded()
     except ImagesError as exc:
         print(f"images: error: {exc}", file=sys.stderr)
         return 1

@@ -8,7 +8,8 @@ machines pushed to a shared remote. So the collection names what goes, object by
 databases (the project's cache and `repo.cloud.get_remote_odb`), and removes only:
 
 - the `.dir` object of a version the retention plan lets go (`nightshift.retention`: no registered model version
-  names it, no workspace stages it, unused for `data_versions_days`) and the file objects it lists,
+  names it, no workspace stages it, and the rule of every pipeline whose ledger names it, its own
+  `data_versions_days` since its own last use, lets it go) and the file objects it lists,
 - less every object that any `.dir` left in the cache or on the remote lists (a split shared with a version that
   stays, or with another project's data on the same remote),
 
@@ -66,9 +67,9 @@ def _timestamp(value: object) -> float | None:
         return None
 
 
-def last_uses() -> dict[str, float]:
-    """Dataset version -> when a run of any pipeline last recorded it (the ledgers' `recorded_at`)."""
-    uses: dict[str, float] = {}
+def last_uses() -> dict[str, dict[str, float]]:
+    """Dataset version -> {dag_id: when a run of that pipeline last recorded it (its ledger's `recorded_at`)}."""
+    uses: dict[str, dict[str, float]] = {}
     for dag_id in ledger.dag_ids():
         try:
             records = ledger.read_records(dag_id, strict=True)
@@ -78,7 +79,8 @@ def last_uses() -> dict[str, float]:
         for record in records:
             version, when = record.get("dataset_version"), _timestamp(record.get("recorded_at"))
             if isinstance(version, str) and when is not None:
-                uses[version] = max(when, uses.get(version, when))
+                by_dag = uses.setdefault(version, {})
+                by_dag[dag_id] = max(when, by_dag.get(dag_id, when))
     return uses
 
 
@@ -158,9 +160,9 @@ def registered_data() -> dict[str, list[str]]:
 
 
 def inventory(now: float) -> list[Item]:
-    """One item per recorded dataset version, aged from its last use (first staging, or newest ledger record)."""
-    uses = last_uses()
-    return [Item(DATA_VERSION, version, None, (now - max(staged, uses.get(version, staged))) / DAY)
+    """One item per recorded dataset version, aged from its first staging (each pipeline's last use of it is
+    last_uses')."""
+    return [Item(DATA_VERSION, version, None, (now - staged) / DAY)
             for version, staged in sorted(recorded_versions().items())]
 
 

@@ -343,3 +343,68 @@ def test_a_link_under_decisions_serves_nothing(as_user: Callable[..., Any], tmp_
     (home / "decisions").symlink_to(tmp_path / "decisions", target_is_directory=True)
     answer = as_user("nightly_retrain").get("/decisions/nightly_retrain/d161t5/decision.html")
     assert answer.status_code == 200 and answer.text == "<html>digits decision</html>"
+
+
+def test_what_gc_removed_shows_as_removed_on_the_lineage_page_and_its_route_answers_410(
+        as_user: Callable[..., Any], plugin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36 item 1 (a): once `nightshift gc` removed a run's decision page and its MLflow run, the lineage page
+    linked neither (the page) or a run MLflow no longer has; now each shows as removed, with when and why, and the
+    page's URL (the `evaluate` task's link, a bookmark) answers 410 saying so, not a bare 404."""
+    from nightshift import removals
+    from nightshift.ledger import append_record
+
+    write_decision_page("churn_model", "c0ffee01", "<html>kept</html>")
+    append_record("churn_model", {"run_id": "r0", "status": "success", "mlflow_run_id": "dead0001"})
+    append_record("churn_model", {"run_id": "r1", "status": "success", "mlflow_run_id": "c0ffee01"})
+    why = "a successful run older than the last 5 finished runs, nothing written for 40.0 d"
+    removals.append("churn_model", [
+        {"kind": "decision_page", "what": "/home/decisions/churn_model/dead0001", "run_id": "r0",
+         "mlflow_run_id": "dead0001", "reason": why},
+        {"kind": "mlflow_run", "what": "dead0001", "run_id": "r0", "mlflow_run_id": "dead0001",
+         "reason": "unregistered challenger, ended 40.0 d ago (over 30 d)"}])
+    readers = as_user("churn_model")
+    page = readers.get("/lineage", params={"pipeline": "churn_model"}).text
+    removed_row = next(row for row in page.split("<tr") if "dags/churn_model/runs/r0'" in row)
+    assert "<s>Decision page</s> (removed)" in removed_row and "<s>MLflow run</s> (removed)" in removed_row
+    assert "dead0001/decision.html" not in page and "#/runs/dead0001" not in page  # no dead link
+    assert "removed by nightshift gc on " in removed_row and why in removed_row
+    kept_row = next(row for row in page.split("<tr") if "dags/churn_model/runs/r1'" in row)
+    assert "<a href='./decisions/churn_model/c0ffee01/decision.html'>Decision page</a>" in kept_row
+    assert "(removed)" not in kept_row
+
+    answer = readers.get("/decisions/churn_model/dead0001/decision.html")
+    assert answer.status_code == 410 and "Decision page removed" in answer.text and why in answer.text
+    assert csp(answer).get("default-src") == "'none'"
+    assert as_user("nightly_retrain").get("/decisions/churn_model/dead0001/decision.html").status_code == 403
+    assert readers.get("/decisions/churn_model/never001/decision.html").status_code == 404  # never written
+    assert readers.get("/decisions/churn_model/c0ffee01/decision.html").text == "<html>kept</html>"
+
+    xcoms = {("evaluate", "return_value"): {"run_id": "dead0001", "passed": False}}
+    monkeypatch.setattr(plugin, "_xcom", lambda ti_key, key: xcoms.get((ti_key.task_id, key)))
+    key = SimpleNamespace(dag_id="churn_model", run_id="r0", task_id="evaluate", map_index=-1)
+    assert plugin.DecisionPageLink().get_link(None, ti_key=key) == \
+        "/nightshift/decisions/churn_model/dead0001/decision.html"  # leads to the 410 that says why
+
+
+def test_a_run_airflow_db_clean_took_is_not_linked_to_its_gone_airflow_page(as_user: Callable[..., Any]) -> None:
+    """Issue 36 item 1 (a): the maintenance DAG's `airflow db clean` removes a month-old run's rows, and the lineage
+    page linked its Airflow run page all the same (Airflow answers that the run does not exist). A run recorded before
+    the last clean's cut-off is named, not linked, saying why; Airflow keeps each DAG's newest run not triggered by
+    hand, which stays linked."""
+    from nightshift.ledger import append_record
+    from nightshift.removals import record_db_clean
+
+    for run_id, when in (("scheduled__2026-01-01", "2026-01-01T02:30:00+00:00"),
+                         ("manual__2026-01-05", "2026-01-05T10:00:00+00:00"),
+                         ("scheduled__2026-01-02", "2026-01-02T02:30:00+00:00"),
+                         ("manual__2026-03-01", "2026-03-01T10:00:00+00:00")):
+        append_record("churn_model", {"run_id": run_id, "status": "success", "recorded_at": when})
+    record_db_clean("2026-02-01T00:00:00+00:00", 30)
+    page = as_user("churn_model").get("/lineage", params={"pipeline": "churn_model"}).text
+    runs = ("scheduled__2026-01-01", "manual__2026-01-05", "scheduled__2026-01-02", "manual__2026-03-01")
+    rows = {run_id: next(row for row in page.split("<tr") if f">{run_id}<" in row) for run_id in runs}
+    for cleaned in ("scheduled__2026-01-01", "manual__2026-01-05"):
+        assert f"runs/{cleaned}'" not in rows[cleaned] and "cleaned by the nightshift_maintenance DAG" in rows[cleaned]
+        assert "runs started before 2026-02-01 00:00 UTC" in rows[cleaned]
+    for linked in ("scheduled__2026-01-02", "manual__2026-03-01"):  # Airflow keeps the newest scheduled run
+        assert f"<a href='../dags/churn_model/runs/{linked}'>{linked}</a>" in rows[linked]

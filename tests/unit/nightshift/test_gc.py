@@ -169,7 +169,9 @@ def test_after_a_gc_the_previous_champion_rolls_back_and_a_killed_run_resumes(
     import mlflow.pyfunc
 
     pipeline = dataclasses.replace(season["pipeline"], retention=RetentionPolicy(keep_runs=1, challenger_days=1))
+    pages = [write_page(season["runs"][run_id], 40) for run_id in ("r2", "r4")]  # the two champions' decisions
     assert gc.collect(pipeline)["remove"]
+    assert all(page.is_file() for page in pages), "the decisions of the champion and the previous one stay"
     # roll back: what `nightshift deploy --version 1` does first, download the previous champion and serve it
     previous = season["versions"]["r2"]
     where = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{MODEL}/{previous}",
@@ -210,3 +212,62 @@ def test_the_cli_prints_the_plan_and_a_dry_run_removes_nothing(season: dict[str,
     assert all(path.is_dir() for path in season["folders"]["r1"])
     assert main(["gc", "--pipeline", "no_such_pipeline", "--pipelines", str(DIGITS_YAML.parent)]) == 2
     assert "no valid declaration of pipeline 'no_such_pipeline'" in capsys.readouterr().err
+
+
+def write_page(mlflow_run: str, days: float) -> Path:
+    from nightshift.decision_page import page_path
+
+    page = page_path(DAG, mlflow_run)
+    page.parent.mkdir(parents=True)
+    page.write_text(f"<html>the decision of {mlflow_run}</html>")
+    aged(page.parent, days)
+    return page
+
+
+def test_gc_removes_decision_pages_with_their_runs_keeps_the_champions_and_logs_each_removal(
+        season: dict[str, Any]) -> None:
+    """Issue 36 item 1 (a): evaluate writes a page per night and nothing removed them. A page goes with its run's
+    workspace; the champion's and the previous champion's (registered runs) and the last successful run's stay; the
+    removal log says what went, when and why (the lineage page reads it)."""
+    from nightshift import removals
+
+    pipeline, runs = season["pipeline"], season["runs"]  # keep_runs 2: r6 and r0
+    pages = {run_id: write_page(runs[run_id], 0.5 if run_id == "r6" else 40) for run_id in ("r2", "r3", "r4", "r6")}
+    orphan = write_page("0123abcd" * 4, 40)  # a page whose run no ledger record or MLflow run names
+
+    dry = gc.collect(pipeline, dry_run=True)
+    going = {e["what"]: e["reason"] for e in dry["remove"] if e["kind"] == "decision_page"}
+    assert going == {str(pages["r3"].parent): "a successful run older than the last 2 finished runs, nothing "
+                                              "written for 40.0 d",
+                     str(orphan.parent): "no ledger record or MLflow run names its DAG run (nothing links it); "
+                                         "written 40.0 d ago (over 7 d)"}
+    kept = {e["run_id"]: e["reason"] for e in dry["keep"] if e["kind"] == "decision_page"}
+    assert kept == {"r2": "the decision page of registered v1: the lineage of the version links it",
+                    "r4": "the decision page of registered v2: the lineage of the version links it",
+                    "r6": "the last successful run"}
+    assert all(page.is_file() for page in [*pages.values(), orphan]) and removals.read(DAG) == []
+
+    gc.collect(pipeline)
+    assert not pages["r3"].parent.exists() and not orphan.parent.exists()
+    assert all(pages[run_id].is_file() for run_id in ("r2", "r4", "r6"))
+    logged = removals.removed_links(DAG)
+    assert logged[("decision_page", runs["r3"])]["reason"] == going[str(pages["r3"].parent)]
+    assert logged[("mlflow_run", runs["r3"])]["reason"].startswith("unregistered challenger, ended 40.0 d ago")
+    assert {e["kind"] for e in removals.read(DAG)} == {"workspace", "checkpoints", "mlflow_run", "decision_page"}
+    assert all(e["removed_at"] for e in removals.read(DAG))
+
+
+def test_the_decision_pages_the_lineage_page_shows_by_default_stay(season: dict[str, Any]) -> None:
+    from nightshift.retention import LINEAGE_RUNS
+
+    runs = season["runs"]
+    page = write_page(runs["r3"], 40)
+    ledger.append_record(DAG, {"dag_id": DAG, "run_id": "r3", "status": "success", "mlflow_run_id": runs["r3"]})
+    for night in range(LINEAGE_RUNS - 1):
+        ledger.append_record(DAG, {"dag_id": DAG, "run_id": f"n{night}", "status": "success"})
+    pipeline = season["pipeline"]
+    (entry,) = [e for e in gc.collect(pipeline, dry_run=True)["keep"] if e["kind"] == "decision_page"]
+    assert entry["reason"] == f"linked by the lineage page (one of the newest {LINEAGE_RUNS} runs it shows)"
+    ledger.append_record(DAG, {"dag_id": DAG, "run_id": "n-last", "status": "success"})  # r3's row leaves the view
+    assert str(page.parent) in {e["what"] for e in gc.collect(pipeline)["remove"]}
+    assert not page.exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -97,7 +98,8 @@ def test_gc_collects_an_unneeded_version_from_cache_and_remote_and_keeps_what_ot
 
     dry = gc.collect(store["pipeline"], dry_run=True)
     assert data_entries(dry, "remove") == {versions["old"]: "no registered version names it and no workspace stages "
-                                                           "it; last used 35.0 d ago (over 30 d)"}
+                                                           "it; every rule lets it go: nightly_retrain used it 35.0 d "
+                                                           "ago (over its 30 d)"}
     kept = data_entries(dry, "keep")
     assert kept[versions["registered"]] == (f"named by registered {MODEL} v1: a rollback or a retrain of it needs "
                                             f"its data")
@@ -141,9 +143,12 @@ def test_a_registered_version_is_kept_whatever_its_age_and_a_young_one_by_its_da
     lenient = dataclasses.replace(store["pipeline"], retention=RetentionPolicy(data_versions_days=36))
     result = gc.collect(lenient, dry_run=True)
     assert data_entries(result, "remove") == {versions["current"]: "no registered version names it and no "
-                                                                   "workspace stages it; last used 40.0 d ago "
-                                                                   "(over 36 d)"}
-    assert data_entries(result, "keep")[versions["old"]].endswith("last used 35.0 d ago (within 36 d)")
+                                                                   "workspace stages it; every rule lets it go: "
+                                                                   "staged 40.0 d ago by a run no ledger records "
+                                                                   "(the longest declared rule, 36 d, applies: over "
+                                                                   "it)"}
+    assert data_entries(result, "keep")[versions["old"]].endswith("nightly_retrain used it 35.0 d ago (within its "
+                                                                  "36 d)")
     assert versions["registered"] in data_entries(result, "keep")
 
 
@@ -259,3 +264,53 @@ def test_a_remote_that_does_not_answer_does_not_stop_collecting_the_cache_when_i
     old = store["versions"]["old"]
     assert old in data_entries(gc.collect(store["pipeline"]), "remove")
     assert not cache_object(old + ".dir").exists() and remote_object(old + ".dir").is_file()
+
+
+def test_a_version_another_pipeline_used_is_kept_by_that_pipelines_own_days(
+        store: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 36 item 1 (b): the store is shared, and the collecting pipeline's data_versions_days decided every
+    version. `churn_model` declares 60 days and used `old` 35 days ago: nightly_retrain's 30 days must not take it,
+    neither from its DAG's collect_garbage (known_policies of the declaration folders) nor from the CLI; once churn's
+    rule lets it go too, it goes."""
+    import yaml
+
+    from nightshift.cli import main
+    from tests.conftest import DIGITS_YAML
+
+    versions = store["versions"]
+    then = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(time.time() - 35 * DAY))
+    ledger.append_record("churn_model", {"dag_id": "churn_model", "run_id": "c1", "status": "success",
+                                         "recorded_at": then, "dataset_version": versions["old"]})
+    declared = yaml.safe_load(DIGITS_YAML.read_text())
+    declared.update(dag_id="churn_model", model_name="churn", retention={"data_versions_days": 60})
+    declared["dataset"]["asset"] = "churn"
+    folder = tmp_path / "declared"
+    folder.mkdir()
+    (folder / "churn.yaml").write_text(yaml.safe_dump(declared))
+
+    policies, unreadable = gc.known_policies([folder])
+    assert policies == {"churn_model": RetentionPolicy(data_versions_days=60)} and unreadable == []
+    kept = data_entries(gc.collect(store["pipeline"], policies=policies), "keep")
+    assert kept[versions["old"]] == ("no registered version names it; kept by a pipeline's rule: churn_model used "
+                                     "it 35.0 d ago (within its 60 d)")
+    assert (project_dir() / "versions" / f"{versions['old']}.json").is_file()
+    assert all(cache_object(oid).is_file() for oid in (versions["old"] + ".dir", md5(store["data"]["old"] /
+                                                                                     "train.parquet")))
+
+    assert main(["gc", "--pipeline", str(DIGITS_YAML), "--pipelines", str(folder), "--dry-run"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["pipelines"]
+    assert data_entries(result, "keep")[versions["old"]].endswith("churn_model used it 35.0 d ago (within its 60 d)")
+
+    # A declaration that cannot be read might be churn_model's: its versions stay, saying so.
+    (folder / "churn.yaml").write_text("dag_id: [")
+    policies, unreadable = gc.known_policies([folder])
+    assert policies == {} and unreadable == [str(folder / "churn.yaml")]
+    kept = data_entries(gc.collect(store["pipeline"], dry_run=True, policies=policies, unreadable=unreadable), "keep")
+    assert "cannot be read: its rule cannot be told" in kept[versions["old"]]
+
+    shorter = {"churn_model": RetentionPolicy(data_versions_days=20)}
+    reason = data_entries(gc.collect(store["pipeline"], policies=shorter), "remove")[versions["old"]]
+    assert reason.startswith("no registered version names it and no workspace stages it; every rule lets it go: ")
+    assert "churn_model used it 35.0 d ago (over its 20 d)" in reason
+    assert "nightly_retrain used it 35.0 d ago (over its 30 d)" in reason
+    assert not (project_dir() / "versions" / f"{versions['old']}.json").exists()

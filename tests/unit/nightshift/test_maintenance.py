@@ -150,3 +150,29 @@ def test_a_log_folder_that_holds_nightshifts_state_or_is_not_a_local_absolute_pa
     with pytest.raises(maintenance.LogPruneFailed, match=r"base_log_folder"):
         maintenance.prune_logs(folder, 30, dry_run=where == "root")
     assert ledger_file.is_file()
+
+
+def test_a_db_clean_records_its_cut_off_for_the_lineage_page_and_a_dry_run_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36 item 1 (a): the lineage page linked the Airflow page of runs `airflow db clean` had removed; it now
+    reads the last clean's cut-off (nightshift.removals.db_cleaned)."""
+    import subprocess
+    from datetime import UTC, datetime
+
+    from nightshift import removals
+
+    ran: list[list[str]] = []
+
+    def airflow(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        ran.append(command)
+        return subprocess.CompletedProcess(command, 0, "cleaned", "")
+
+    monkeypatch.setattr(maintenance, "airflow_command", lambda: "airflow")
+    monkeypatch.setattr(maintenance, "_held_runs", lambda url, resume: {})
+    monkeypatch.setattr(maintenance.subprocess, "run", airflow)
+    now = datetime(2026, 3, 1, tzinfo=UTC)
+    maintenance.clean_metadata(30, dry_run=True, now=now, url="sqlite:///x.db")
+    assert ran and removals.db_cleaned() is None
+    maintenance.clean_metadata(30, now=now, url="sqlite:///x.db")
+    cleaned = removals.db_cleaned()
+    assert cleaned is not None and cleaned["before"] == datetime(2026, 1, 30, tzinfo=UTC) and cleaned["days"] == 30

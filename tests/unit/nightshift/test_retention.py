@@ -12,6 +12,8 @@ from nightshift.errors import UsageError
 from nightshift.retention import (
     CHECKPOINTS,
     DATA_VERSION,
+    DECISION_PAGE,
+    LINEAGE_RUNS,
     MLFLOW_RUN,
     SERVED_MODEL,
     WORKSPACE,
@@ -145,6 +147,87 @@ def test_a_data_version_a_registered_version_or_a_workspace_names_stays_and_an_u
     result = decided(items, facts, RetentionPolicy(data_versions_days=30))
     assert result["d1"] == (False, "named by registered m v1, other v4: a rollback or a retrain of it needs its data")
     assert result["d2"] == (False, "staged in workspace ws/r8 (a run that is kept, or running)")
-    assert result["d3"] == (True, "no registered version names it and no workspace stages it; last used 400.0 d "
-                                  "ago (over 30 d)")
-    assert result["d4"] == (False, "no registered version names it; last used 29.5 d ago (within 30 d)")
+    assert result["d3"] == (True, "no registered version names it and no workspace stages it; every rule lets it go: "
+                                  "staged 400.0 d ago by a run no ledger records (the longest declared rule, 30 d, "
+                                  "applies: over it)")
+    assert result["d4"] == (False, "no registered version names it; kept by a pipeline's rule: staged 29.5 d ago by "
+                                   "a run no ledger records (the longest declared rule, 30 d, applies: within it)")
+
+
+# ---- dataset versions: each pipeline's own rule (the store is shared) ---------------------------------------
+
+RULES = {"nightly": RetentionPolicy(data_versions_days=30), "churn": RetentionPolicy(data_versions_days=90),
+         "frozen": RetentionPolicy(enabled=False)}
+
+
+def test_a_data_version_is_kept_while_the_rule_of_any_pipeline_that_used_it_keeps_it() -> None:
+    """Issue 36 item 1 (b): the collecting pipeline's days decided every version of the shared store. `churn` keeps
+    its data 90 days: a version it used 40 days ago stays whichever pipeline collects, and a version only `nightly`
+    (30 days) used 40 days ago goes even when `churn` collects."""
+    facts = Facts(data_uses={"shared": {"nightly": 40.0, "churn": 40.0}, "nightly-only": {"nightly": 40.0},
+                             "churn-only": {"churn": 40.0}}, data_rules=RULES)
+    items = [Item(DATA_VERSION, d, age_days=45.0) for d in ("shared", "nightly-only", "churn-only")]
+    for collecting in (RULES["nightly"], RULES["churn"]):
+        result = decided(items, facts, collecting)
+        assert result["shared"] == (False, "no registered version names it; kept by a pipeline's rule: churn used "
+                                           "it 40.0 d ago (within its 90 d)")
+        assert result["churn-only"][0] is False
+        assert result["nightly-only"] == (True, "no registered version names it and no workspace stages it; every "
+                                                "rule lets it go: nightly used it 40.0 d ago (over its 30 d)")
+
+
+def test_a_disabled_unknown_or_unreadable_pipelines_versions_are_judged_as_declared() -> None:
+    facts = Facts(data_uses={"frozen": {"frozen": 400.0}, "gone": {"retired": 60.0}, "gone-old": {"retired": 95.0}},
+                  data_rules=RULES)
+    items = [Item(DATA_VERSION, d, age_days=400.0) for d in ("frozen", "gone", "gone-old")]
+    result = decided(items, facts, RULES["nightly"])
+    assert result["frozen"][0] is False and "its retention is disabled" in result["frozen"][1]
+    # a pipeline whose declaration is gone: the longest declared rule (churn's 90 days)
+    assert result["gone"] == (False, "no registered version names it; kept by a pipeline's rule: retired used it "
+                                     "60.0 d ago and no declaration of retired was found: the longest declared "
+                                     "rule, 90 d, applies (within it)")
+    assert result["gone-old"][0] is True
+    # while a declaration cannot be read, which pipeline it declares cannot be told: nothing undeclared goes
+    unreadable = dataclasses.replace(facts, data_rules_unreadable=("pipelines/broken.yaml",))
+    assert decided(items, unreadable, RULES["nightly"])["gone-old"] == (
+        False, "no registered version names it; kept by a pipeline's rule: retired used it 95.0 d ago and no "
+               "readable declaration of retired was found while pipelines/broken.yaml cannot be read: its rule "
+               "cannot be told")
+
+
+def test_a_version_no_ledger_records_goes_by_the_longest_declared_rule_from_its_staging() -> None:
+    """Staged by a run that recorded nothing (killed, failed, by hand), or staged again since its last recorded
+    use: which pipeline's it is cannot be told, so the longest rule applies."""
+    facts = Facts(data_uses={"restaged": {"nightly": 80.0}}, data_rules=RULES)
+    items = [Item(DATA_VERSION, "unrecorded", age_days=60.0), Item(DATA_VERSION, "old", age_days=100.0),
+             Item(DATA_VERSION, "restaged", age_days=20.0)]
+    result = decided(items, facts, RULES["nightly"])
+    assert result["unrecorded"] == (False, "no registered version names it; kept by a pipeline's rule: staged "
+                                           "60.0 d ago by a run no ledger records (the longest declared rule, 90 d, "
+                                           "applies: within it)")
+    assert result["old"][0] is True
+    assert result["restaged"][0] is False and "staged 20.0 d ago by a run no ledger records" in result["restaged"][1]
+
+
+# ---- decision pages -----------------------------------------------------------------------------------------
+
+def test_decision_pages_go_with_their_runs_but_registered_and_lineage_shown_ones_stay() -> None:
+    """Issue 36 item 1 (a): one page per evaluated night, never removed. A page goes with its DAG run's workspace;
+    a registered run's page and the pages the lineage page shows by default stay."""
+    facts = dataclasses.replace(FACTS, lineage_runs=frozenset({"m7", "m8"}))
+    items = [Item(DECISION_PAGE, f"pages/m{r[1]}", r, age_days=40.0, mlflow_run_id=f"m{r[1]}")
+             for r in ("r1", "r2", "r3", "r4", "r7", "r8")]
+    items += [Item(DECISION_PAGE, "pages/orphan", None, age_days=40.0, mlflow_run_id="orphan"),
+              Item(DECISION_PAGE, "pages/new", None, age_days=0.5, mlflow_run_id="new"),
+              Item(WORKSPACE, "ws/r4", "r4", age_days=1.0)]  # r4 retried yesterday: its page stays with it
+    result = decided(items, facts)
+    assert result["pages/m1"] == (True, "a successful run older than the last 2 finished runs, nothing written "
+                                        "for 40.0 d")
+    assert result["pages/m2"] == (False, "the decision page of registered v1: the lineage of the version links it")
+    assert result["pages/m3"][1].startswith("the decision page of registered v2")
+    assert result["pages/m4"][0] is False and result["pages/m4"][1].startswith("resumable or running")
+    assert result["pages/m7"] == (False, f"linked by the lineage page (one of the newest {LINEAGE_RUNS} runs it "
+                                         f"shows)")
+    assert result["pages/orphan"][0] is True and "no ledger record or MLflow run names its DAG run" in \
+        result["pages/orphan"][1]
+    assert result["pages/new"][0] is False
