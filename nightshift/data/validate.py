@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import uuid
 from collections import Counter
@@ -380,6 +381,32 @@ def _column_failure(expectation: str, rule: str, column: str, found: dict[str, A
     )
 
 
+SHARED_STATIC = ".static"  # data_docs/.static/<sha256>: one copy of each of GX's static assets for every site
+
+
+def share_static(site_dir: Path) -> None:
+    """Make each file of the site's `static/` a hard link to the one copy of its content under
+    data_docs/.static/: GX copies ~4 MB of fonts and images into every site, and every validation that writes
+    a page has a site of its own (each night of refused data cost 4.2 MB). Each site keeps its own paths.
+    A file that cannot be linked (another filesystem, a race) stays a copy: that costs disk, never a page."""
+    store = data_docs_dir() / SHARED_STATIC
+    for path in sorted((site_dir / "static").rglob("*")):
+        if path.is_symlink() or not path.is_file():
+            continue
+        try:
+            shared = store / hashlib.sha256(path.read_bytes()).hexdigest()
+            store.mkdir(parents=True, exist_ok=True)
+            if shared.is_file():
+                source, target = shared, path
+            else:
+                source, target = path, shared
+            temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+            os.link(source, temporary)
+            os.replace(temporary, target)
+        except OSError:
+            continue
+
+
 def _docs_page(context: Any, identifier: Any) -> str | None:
     context.build_data_docs(site_names=[DOCS_SITE], resource_identifiers=[identifier], build_index=True)
     urls = context.get_docs_sites_urls(resource_identifier=identifier, site_name=DOCS_SITE)
@@ -447,6 +474,8 @@ def check_frames(path: str | Path, frames: Sequence[tuple[Path, pd.DataFrame]], 
     finally:
         if not any(r["data_docs"] for r in reports):
             shutil.rmtree(site_dir, ignore_errors=True)  # this run's own folder (a timestamp and a random id)
+        else:
+            share_static(site_dir)
     return ValidationReport(path=str(path), suite=suite.name, success=all(r["success"] for r in reports),
                             files=reports)
 

@@ -252,3 +252,18 @@ def test_an_expectation_that_raised_refuses_the_table_and_says_why(demo_data: Pa
     (failure,) = report["files"][0]["failures"]
     assert failure["column"] == "nope"
     assert str(failure["observed"]).startswith("error: ") and "nope" in str(failure["observed"])
+
+
+def test_data_docs_sites_share_one_copy_of_gxs_static_assets(bad_file: Path, nightshift_home: Path) -> None:
+    """GX copies ~4 MB of fonts and images into every site, and each validation has a site of its own: each night
+    of bad data grew NIGHTSHIFT_HOME by 4.2 MB in issue 36's season benchmark. Every site keeps its own files (the
+    plugin serves a site folder whole), hard links to one copy per content."""
+    pages = [check_data(bad_file)["files"][0]["data_docs"] for _ in range(2)]
+    sites = [Path(page or "").parents[4] for page in pages]
+    assert sites[0] != sites[1] and all((site / "static").is_dir() for site in sites)
+    assets = sorted(p.relative_to(sites[0]) for p in (sites[0] / "static").rglob("*") if p.is_file())
+    assert len(assets) > 5
+    for asset in assets:
+        first, second = (sites[0] / asset).stat(), (sites[1] / asset).stat()
+        assert (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino), asset
+        assert first.st_nlink == 3 and first.st_size > 0  # the two sites' paths and the one shared copy
