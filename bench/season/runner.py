@@ -272,9 +272,25 @@ class Season:
             ports.add(self.pg.port)
         listening = sorted({c.laddr.port for c in psutil.net_connections("tcp")
                             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports})
-        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout.split()
         return {"processes": procs, "ports": [str(p) for p in listening], "mounts": faults.mounts_under(self.root),
-                "namespaces": sorted(set(netns) - set(self.netns_before))}
+                "namespaces": self.namespaces_of_ours()}
+
+    def namespaces_of_ours(self) -> list[str]:
+        """Network namespaces made since the season started that hold a process of the season (others' tests
+        make theirs meanwhile)."""
+        import psutil
+
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+        ours = []
+        for name in sorted({line.split()[0] for line in listed.splitlines() if line.strip()} - set(self.netns_before)):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                                  check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(psutil.Error, OSError, ValueError):
+                    if faults._ours(psutil.Process(int(pid)), self.home):
+                        ours.append(name)
+                        break
+        return ours
 
     # --- one night -----------------------------------------------------------------------------------------------
 
@@ -501,8 +517,8 @@ class Season:
     # --- the whole season ------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        self.netns_before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                                           check=False).stdout.split()
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+        self.netns_before = [line.split()[0] for line in listed.splitlines() if line.strip()]
         self.env: dict[str, str] = {}
         started = time.monotonic()
         try:
