@@ -114,6 +114,20 @@ def run1_backend(lacking: list[str] | None = None, tracking_uri: str | None = No
     return "hosts", "this machine allows network namespaces (root, ip netns, sshd): one emulated host per worker"
 
 
+def choose_run1_backend(wanted: str, lacking: list[str] | None = None, tracking_uri: str | None = None
+                        ) -> tuple[str, str]:
+    """Run 1's backend as `--backend` asks: `auto` (run1_backend's choice), `local`, or `hosts` (UsageError, one
+    line, where this machine cannot run them)."""
+    from nightshift.errors import UsageError
+
+    if wanted == "local":
+        return "local", "asked for with --backend local"
+    backend, why = run1_backend(lacking, tracking_uri)
+    if wanted == "hosts" and backend != "hosts":
+        raise UsageError(f"--backend hosts: {why}; use --backend local or auto")
+    return backend, why
+
+
 def ledger(nightshift: Path) -> list[dict[str, Any]]:
     path = nightshift / "airflow" / DAG_ID / "runs.jsonl"
     if not path.is_file():
@@ -312,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--backend", choices=("auto", "hosts", "local"), default="auto",
+                        help="run 1's backend: auto (emulated hosts where this machine allows them, else local), "
+                             "hosts or local; run 2 is local")
     parser.add_argument("--verbose", action="store_true",
                         help="also stream Airflow's full log to the terminal (it always goes to a file)")
     args = parser.parse_args(argv)
@@ -333,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     prepare_airflow(env)
 
     base = {"data_source": str(data), "epochs": args.epochs, "workers": args.workers, "backend": "local"}
-    backend, why = run1_backend()
+    try:
+        backend, why = choose_run1_backend(args.backend)
+    except NightshiftError as err:
+        print(f"scripts/demo.py: {err}", file=sys.stderr)
+        return 2
     print(f"run 1 backend: {backend} ({why})", flush=True)
     title = f"run 1: nightly_retrain on the demo data, backend={backend}"
     first = start_run(env, title, {**base, "backend": backend}, args.verbose)
@@ -354,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"`nightshift deploy --stop` and `make demo` again")
     else:
         print("  prediction      : nothing is serving (no model passed the gate yet)")
+        print(f"run 1 promoted no model, and the rest of the demo needs a champion: see the gate's decision above "
+              f"(with --epochs {args.epochs}, the model may miss the gate's floor; the default is 5)", file=sys.stderr)
+        return 1
 
     title = "run 2: same data, force=true, backend=local (retrain; the gate decides)"
     run = start_run(env, title, {**base, "force": True}, args.verbose)
