@@ -178,6 +178,8 @@ def one_path(kind: str, args: argparse.Namespace, data: Path, workdir: Path, ind
     kill, restore = f"kill worker-1 at {args.kill_at:g}s", f"restore worker-1 at {args.restore_at:g}s"
     if elastic:
         hit = run_job(job, workdir, f"{kill}; {restore}")
+        if args.out:  # the resets and the rejoin, with their times, for a reader of the numbers
+            args.out.with_name(f"{args.out.stem}-elastic-hit-{index}.log").write_text(hit.stderr + hit.stdout)
         if hit.code:
             raise RuntimeError(f"elastic disturbed run failed: {hit.why()}")
         hit_s = hit.seconds
@@ -194,6 +196,9 @@ def one_path(kind: str, args: argparse.Namespace, data: Path, workdir: Path, ind
         if failed_s < restored_s:
             time.sleep(restored_s - failed_s)
         second = run_job(job, workdir)
+        if args.out:
+            args.out.with_name(f"{args.out.stem}-retry-hit-{index}.log").write_text(
+                first.stderr + first.stdout + second.stderr + second.stdout)
         if second.code:
             raise RuntimeError(f"retry failed: {second.why()}")
         hit_s = time.perf_counter() - started
