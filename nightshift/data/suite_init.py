@@ -26,13 +26,13 @@ the rule in words. From the sample it takes:
   to ~2.3, twice the range's allowance of 1.2), and little for a pixel 90% zeros whose 5-75% quantiles are all 0 (a
   quarter-sd shift turns every zero into 0.5-1.2). The file's standard deviation, not the sample's: a heavy tail's
   standard deviation is its tail's, and a 60-180-row file of a lognormal column has more than 4/3 of its 300-row
-  sample's one time in seven (up to 2.9 times, measured), so a third of the sample's still refused 5-7% of
-  quarter-sd shifts. It is taken at most the upper bound of the column's spread rule, so a file cannot widen its
-  own allowance beyond the spread that rule accepts (units x1000 fail on spread, range and quantiles), and a column
-  stuck at one value has no spread and so no allowance. Larger moves are still refused (bench/bench_suite.py's
-  tables): half a standard deviation on 97% of digits' files and columns and on most lognormal ones, two on all but
-  digits' near-empty pixels (97% zeros, whose 5-95% range is 0 and whose allowance is then a tenth of the sample's
-  whole range).
+  sample's one time in five (up to 2.9 times; bench_suite's heavy-tailed table, 200 nights), so a third of the
+  sample's still refused 7% of quarter-sd shifts of its files (the range's tenth: 25%). It is taken at most the
+  upper bound of the column's spread rule, so a file cannot widen its own allowance beyond the spread that rule
+  accepts (units x1000 fail on spread, range and quantiles), and a column stuck at one value has no spread and so no
+  allowance. Larger moves are still refused (bench/bench_suite.py's tables): half a standard deviation on 97% of
+  digits' files and columns and on most lognormal ones, two on all but digits' near-empty pixels (97% zeros, whose
+  5-95% range is 0 and whose allowance is then a tenth of the sample's whole range).
   A discrete column (at most DISCRETE_VALUES distinct values in the sample: a code, a count, a flag; every
   boolean column but the label, which has no other distribution rule) has no
   quantile rule: its quantiles jump from one value to the next as the shares move, so a quantile range drawn from
