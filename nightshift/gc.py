@@ -9,8 +9,8 @@ Each removal is written to the pipeline's removal log (nightshift.removals), whi
 Then the dataset versions (`nightshift.data.collect`): those the plan lets go once the workspaces are gone, planned
 again under the staging lock with the registry and the workspaces read afresh, leave the DVC cache (and the
 remote, when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is this machine's alone). The store is shared: each version
-is judged by the rule of every pipeline whose ledger names it (`policies`, from the declarations found:
-known_policies).
+is judged by the rule of every pipeline whose ledger names it (`rules`, from the declarations found:
+declared_rules).
 
 `nightshift gc --images` collects the podman images of superseded Nightshift builds (nightshift.image_retention).
 """
@@ -38,6 +38,7 @@ from nightshift.retention import (
     SERVED_MODEL,
     WORKSPACE,
     Decision,
+    DeclaredRules,
     Facts,
     Item,
     RetentionPolicy,
@@ -320,43 +321,40 @@ def _remove(decision: Decision, pipeline: Pipeline) -> str | None:
     return None
 
 
-def _data_facts(now: float, rules: Mapping[str, RetentionPolicy], unreadable: Sequence[str],
-                skip: frozenset[str] = frozenset()) -> Facts:
+def _data_facts(now: float, rules: DeclaredRules, skip: frozenset[str] = frozenset()) -> Facts:
     from nightshift.data import collect as data
 
     uses = {version: {dag_id: (now - when) / DAY for dag_id, when in by_dag.items()}
             for version, by_dag in data.last_uses().items()}
     return Facts(data_registered={k: tuple(v) for k, v in data.registered_data().items()},
-                 data_in_use=data.in_use(skip), data_uses=uses, data_rules=dict(rules),
-                 data_rules_unreadable=tuple(unreadable))
+                 data_in_use=data.in_use(skip), data_uses=uses, data_rules=rules)
 
 
 def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float, leaving: frozenset[str] = frozenset(),
-                 rules: Mapping[str, RetentionPolicy] | None = None, unreadable: Sequence[str] = ()) -> list[Decision]:
+                 rules: DeclaredRules | None = None) -> list[Decision]:
     """Plan the dataset versions (`leaving`: workspaces a dry run's plan removes, which stage nothing then) and,
     unless `dry_run`, remove from the DVC remote and cache what the plan lets go. Each version is judged by the rule
-    of every pipeline whose ledger names it: `rules` (dag_id -> its declared retention; `policy` alone when None),
-    `unreadable` (declarations that could not be read: the rule of a pipeline none of `rules` names cannot be told
-    then). The store is opened, and the plan made again under its lock, only when something may go. GcFailed when
-    DVC, the remote, the registry or a ledger fails."""
+    of every pipeline whose ledger names it (`rules`: declared_rules; `policy` alone when None). The store is opened,
+    and the plan made again under its lock, only when something may go. GcFailed when DVC, the remote, the registry
+    or a ledger fails."""
     import dataclasses
 
     from nightshift.data import collect as data
 
-    rules = dict(rules or {})
+    rules = rules or DeclaredRules()
     try:
         items = data.inventory(now)
         if not items:
             return []
         try:
-            decisions = plan(items, _data_facts(now, rules, unreadable, leaving), policy)
+            decisions = plan(items, _data_facts(now, rules, leaving), policy)
             if not any(d.remove for d in decisions):
                 return decisions
         except data.DataCollectionFailed:
             pass  # read without the lock: a staging may be writing a workspace's record; read it again under it
         with data.store() as opened:
             items = data.inventory(now)  # under the lock: no staging records or uses a version meanwhile
-            decisions = plan(items, _data_facts(now, rules, unreadable, leaving), policy)
+            decisions = plan(items, _data_facts(now, rules, leaving), policy)
             freed = data.objects_to_remove(opened, [d.item.ident for d in decisions if d.remove])
             where = "" if opened.exclusive else ("; from the staging cache only: the DVC remote is kept (it may be "
                                                  "shared; NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 collects it too)")
@@ -374,19 +372,54 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float, leaving:
         raise GcFailed(f"collecting dataset versions failed ({err}); run `nightshift gc` again") from err
 
 
-def known_policies(folders: Sequence[str | Path]) -> tuple[dict[str, RetentionPolicy], list[str]]:
-    """(dag_id -> declared retention, the declarations that could not be read) of every declaration in `folders`
-    that exist: what collect_data judges each pipeline's dataset versions by."""
-    from nightshift.pipelines import load_pipelines
+def _yaml_below(folder: Path) -> list[Path]:
+    found: list[Path] = []
+    for root, dirs, files in os.walk(folder):  # links to folders are not entered
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+        found += [Path(root) / name for name in sorted(files)
+                  if name.endswith((".yaml", ".yml")) and not name.startswith(".")]
+    return found
+
+
+def declared_rules(folders: Sequence[str | Path]) -> DeclaredRules:
+    """The declared retention of every pipeline declared in `folders` (those that exist) and their subfolders, as
+    Airflow loads declarations from the DAG folder: what collect_data judges each pipeline's dataset versions by.
+    A YAML file that is no declaration (no `dag_id`: a dbt project's, say) is none of ours; a declaration that is
+    not valid, or two that declare one dag_id differently, leave that pipeline's rule unknown (`invalid`); one that
+    does not even parse, every undeclared pipeline's (`unreadable`)."""
+    import yaml
+
+    from nightshift.pipelines import PipelineInvalid, load_pipeline
 
     policies: dict[str, RetentionPolicy] = {}
+    invalid: dict[str, str] = {}
     unreadable: list[str] = []
+    seen: set[Path] = set()
     for folder in dict.fromkeys(Path(f).resolve() for f in folders):
-        if folder.is_dir():
-            loaded, errors = load_pipelines(folder)
-            policies.update({p.dag_id: p.retention for p in loaded})
-            unreadable += [err.source for err in errors]
-    return policies, unreadable
+        for file in _yaml_below(folder) if folder.is_dir() else []:
+            if file.resolve() in seen:
+                continue
+            seen.add(file.resolve())
+            try:
+                text = file.read_text()
+                # A declaration names its dag_id; the rest of a DAG folder's YAML (dbt's) is not parsed at all.
+                parsed = yaml.safe_load(text) if "dag_id" in text else None
+            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                unreadable.append(str(file))
+                continue
+            dag_id = parsed.get("dag_id") if isinstance(parsed, dict) else None
+            if not isinstance(dag_id, str):
+                continue
+            try:
+                retention = load_pipeline(file).retention
+            except (PipelineInvalid, NightshiftError):
+                invalid.setdefault(dag_id, str(file))
+                continue
+            if policies.setdefault(dag_id, retention) != retention:
+                invalid.setdefault(dag_id, str(file))
+    for dag_id in invalid:
+        policies.pop(dag_id, None)
+    return DeclaredRules(policies, invalid, tuple(unreadable))
 
 
 def _log_removals(pipeline: Pipeline, removed: Sequence[Decision]) -> None:
@@ -400,10 +433,10 @@ def _log_removals(pipeline: Pipeline, removed: Sequence[Decision]) -> None:
 
 
 def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = None,
-            policies: Mapping[str, RetentionPolicy] | None = None, unreadable: Sequence[str] = ()) -> dict[str, Any]:
+            rules: DeclaredRules | None = None) -> dict[str, Any]:
     """Plan with the pipeline's retention and (unless `dry_run`) remove what the plan lets go; each removal goes to
-    the pipeline's removal log. `policies`, `unreadable`: the other pipelines' declared retention (known_policies),
-    by which the dataset versions they used are judged; the pipeline's own policy is always its `retention`.
+    the pipeline's removal log. `rules`: the other pipelines' declared retention (declared_rules), by which the
+    dataset versions they used are judged; the pipeline's own rule is always its `retention`.
 
     Returns {"pipeline", "dry_run", "policy", "remove": [...], "keep": [...], "removed_bytes"}; each entry has
     kind, what, run_id, size, action and reason. GcFailed when something could not be read or removed."""
@@ -430,9 +463,10 @@ def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = No
         finally:  # what went before a failure is logged all the same
             _log_removals(pipeline, done)
     leaving = frozenset(d.item.ident for d in removed if d.item.kind == WORKSPACE) if dry_run else frozenset()
-    rules = {**(policies or {}), pipeline.dag_id: pipeline.retention}
-    datasets = collect_data(pipeline.retention, dry_run=dry_run, now=now, leaving=leaving, rules=rules,
-                            unreadable=unreadable)
+    rules = rules or DeclaredRules()
+    mine = DeclaredRules({**rules.policies, pipeline.dag_id: pipeline.retention},
+                         {k: v for k, v in rules.invalid.items() if k != pipeline.dag_id}, rules.unreadable)
+    datasets = collect_data(pipeline.retention, dry_run=dry_run, now=now, leaving=leaving, rules=mine)
     if not dry_run:
         _log_removals(pipeline, [d for d in datasets if d.remove])
     removed += [d for d in datasets if d.remove]
@@ -505,6 +539,6 @@ def _gc(args: Any) -> dict[str, Any]:
 
         return {"images": collect_images(dry_run=args.dry_run)}
     chosen = selected(args.pipeline, args.pipelines)
-    policies, unreadable = known_policies(policy_folders(chosen, args.pipelines))
-    results = [collect(p, dry_run=args.dry_run, policies=policies, unreadable=unreadable) for p in chosen]
+    rules = declared_rules(policy_folders(chosen, args.pipelines))
+    results = [collect(p, dry_run=args.dry_run, rules=rules) for p in chosen]
     return {"pipelines": results}

@@ -90,6 +90,19 @@ class RetentionPolicy:
 
 
 @dataclass(frozen=True)
+class DeclaredRules:
+    """The retention each declared pipeline gives its dataset versions, as gc found the declarations.
+
+    policies: dag_id -> its declared retention; invalid: dag_id -> a declaration of it that is not valid (its rule
+    cannot be told: what it used stays); unreadable: declarations whose dag_id cannot even be read (any pipeline no
+    valid declaration names might be theirs: what those pipelines used stays)."""
+
+    policies: Mapping[str, RetentionPolicy] = field(default_factory=dict)
+    invalid: Mapping[str, str] = field(default_factory=dict)
+    unreadable: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Item:
     """One thing that could be removed. `ident`: its path, the MLflow run id, or the dataset version's hash;
     `run_id`: the DAG run it belongs to (None when it names none); `age_days`: days since it was last written (a run:
@@ -116,10 +129,9 @@ class Facts:
     deploying: a deployment of the model holds its lock now; data_registered: dataset version -> the registered
     model versions (of any model, "name vN") that name it; data_in_use: dataset version -> a workspace staging it;
     data_uses: dataset version -> {dag_id: days since that pipeline's newest ledger record naming it};
-    data_rules: dag_id -> the declared retention of each pipeline known (the collecting one's included; when empty,
-    the policy `plan` is given is the only rule); data_rules_unreadable: declarations that could not be read (the
-    rule of a pipeline no declaration names cannot be told then); lineage_runs: the MLflow run ids of the ledger
-    records the lineage page shows by default (the newest LINEAGE_RUNS).
+    data_rules: the declared retention of every pipeline gc could read (DeclaredRules; when it holds none, the
+    policy `plan` is given is the only rule); lineage_runs: the MLflow run ids of the ledger records the lineage
+    page shows by default (the newest LINEAGE_RUNS).
     """
 
     finished: Sequence[str] = ()
@@ -134,8 +146,7 @@ class Facts:
     data_registered: Mapping[str, Sequence[str]] = field(default_factory=dict)
     data_in_use: Mapping[str, str] = field(default_factory=dict)
     data_uses: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
-    data_rules: Mapping[str, RetentionPolicy] = field(default_factory=dict)
-    data_rules_unreadable: tuple[str, ...] = ()
+    data_rules: DeclaredRules = field(default_factory=DeclaredRules)
     lineage_runs: frozenset[str] = frozenset()
 
     @property
@@ -212,16 +223,20 @@ def _served_reason(item: Item, facts: Facts) -> tuple[bool, str]:
 
 def _data_rule(dag_id: str, age: float, policy: RetentionPolicy, facts: Facts) -> tuple[bool, str]:
     """(keeps it?, what the rule of pipeline `dag_id`, which last used the version `age` days ago, says)."""
-    rule = facts.data_rules.get(dag_id) or (policy if not facts.data_rules else None)
+    rules = facts.data_rules
+    rule = rules.policies.get(dag_id) or (policy if not rules.policies else None)
     if rule is not None and not rule.enabled:
         return True, f"{dag_id} used it {_days(age)} ago and its retention is disabled (retention.enabled: false)"
     if rule is not None:
         within = age < rule.data_versions_days
         return within, (f"{dag_id} used it {_days(age)} ago ({'within' if within else 'over'} its "
                         f"{rule.data_versions_days:g} d)")
-    if facts.data_rules_unreadable:
+    if dag_id in rules.invalid:
+        return True, (f"{dag_id} used it {_days(age)} ago and its declaration {rules.invalid[dag_id]} is not valid: "
+                      f"its rule cannot be told")
+    if rules.unreadable:
         return True, (f"{dag_id} used it {_days(age)} ago and no readable declaration of {dag_id} was found while "
-                      f"{', '.join(facts.data_rules_unreadable)} cannot be read: its rule cannot be told")
+                      f"{', '.join(rules.unreadable)} cannot be read: its rule cannot be told")
     longest = _longest_data_days(policy, facts)
     within = age < longest
     return within, (f"{dag_id} used it {_days(age)} ago and no declaration of {dag_id} was found: the longest "
@@ -229,7 +244,7 @@ def _data_rule(dag_id: str, age: float, policy: RetentionPolicy, facts: Facts) -
 
 
 def _longest_data_days(policy: RetentionPolicy, facts: Facts) -> float:
-    rules = [r for r in (facts.data_rules.values() if facts.data_rules else [policy]) if r.enabled]
+    rules = [r for r in (facts.data_rules.policies.values() or [policy]) if r.enabled]
     return max([r.data_versions_days for r in rules] or [policy.data_versions_days])
 
 
@@ -245,9 +260,10 @@ def _data_reason(item: Item, policy: RetentionPolicy, facts: Facts) -> tuple[boo
     if not uses or item.age_days < min(uses.values()):
         # Staged since its last recorded use, or never recorded: by a run that recorded nothing (killed, failed, or
         # by hand), of a pipeline that cannot be told.
-        if facts.data_rules_unreadable:
+        unknown = [*facts.data_rules.unreadable, *facts.data_rules.invalid.values()]
+        if unknown:
             said.append((True, f"staged {_days(item.age_days)} ago by a run no ledger records, while "
-                               f"{', '.join(facts.data_rules_unreadable)} cannot be read: its rule cannot be told"))
+                               f"{', '.join(unknown)} cannot be read: its rule cannot be told"))
         else:
             longest = _longest_data_days(policy, facts)
             within = item.age_days < longest

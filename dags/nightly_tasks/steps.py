@@ -344,13 +344,13 @@ def collect_garbage(pipeline: Pipeline) -> dict[str, Any]:
     """The pipeline's last task: `nightshift gc` for this pipeline with its declared retention (nightshift.gc).
     It runs after a run that completed, when its ledger record is written; a failure fails the task (GcFailed)."""
     from nightly_tasks.factory import airflow_dags_folder
-    from nightshift.gc import collect, known_policies, policy_folders
+    from nightshift.gc import collect, declared_rules, policy_folders
     from nightshift.tracking import configure
 
     configure()
     # The dataset store is shared: each version is judged by the rule of every pipeline that used it.
-    policies, unreadable = known_policies(policy_folders([pipeline], dags_folder=airflow_dags_folder()))
-    result = collect(pipeline, policies=policies, unreadable=unreadable)
+    rules = declared_rules(policy_folders([pipeline], dags_folder=airflow_dags_folder()))
+    result = collect(pipeline, rules=rules)
     for entry in result["remove"]:
         log.info("Removed %s %s (%d bytes): %s", entry["kind"], entry["what"], entry["size"], entry["reason"])
     log.info("Retention %s: removed %d item(s), %d bytes; kept %d", result["policy"], len(result["remove"]),

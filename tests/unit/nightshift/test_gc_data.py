@@ -20,7 +20,7 @@ import pytest
 from nightshift import gc, ledger, registry, settings, tracking
 from nightshift.data.demo import write_demo_dataset
 from nightshift.data.stage import project_dir, stage_dataset
-from nightshift.retention import RetentionPolicy
+from nightshift.retention import DeclaredRules, RetentionPolicy
 from tests.unit.nightshift.test_gc import DAG, MODEL, log_run, trained  # noqa: F401  (trained: a fixture)
 
 pytestmark = pytest.mark.slow  # DVC, MLflow and `dvc pull` processes
@@ -270,8 +270,8 @@ def test_a_version_another_pipeline_used_is_kept_by_that_pipelines_own_days(
         store: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 36 item 1 (b): the store is shared, and the collecting pipeline's data_versions_days decided every
     version. `churn_model` declares 60 days and used `old` 35 days ago: nightly_retrain's 30 days must not take it,
-    neither from its DAG's collect_garbage (known_policies of the declaration folders) nor from the CLI; once churn's
-    rule lets it go too, it goes."""
+    neither from its DAG's collect_garbage (declared_rules of the declaration folders) nor from the CLI; once
+    churn's rule lets it go too, it goes."""
     import yaml
 
     from nightshift.cli import main
@@ -285,12 +285,13 @@ def test_a_version_another_pipeline_used_is_kept_by_that_pipelines_own_days(
     declared.update(dag_id="churn_model", model_name="churn", retention={"data_versions_days": 60})
     declared["dataset"]["asset"] = "churn"
     folder = tmp_path / "declared"
-    folder.mkdir()
-    (folder / "churn.yaml").write_text(yaml.safe_dump(declared))
+    (folder / "churn").mkdir(parents=True)  # a subfolder of the DAG folder, as Airflow loads them
+    (folder / "churn" / "churn.yaml").write_text(yaml.safe_dump(declared))
+    (folder / "dbt_project.yml").write_text("name: not a pipeline\n")  # none of ours
 
-    policies, unreadable = gc.known_policies([folder])
-    assert policies == {"churn_model": RetentionPolicy(data_versions_days=60)} and unreadable == []
-    kept = data_entries(gc.collect(store["pipeline"], policies=policies), "keep")
+    rules = gc.declared_rules([folder])
+    assert rules == DeclaredRules({"churn_model": RetentionPolicy(data_versions_days=60)})
+    kept = data_entries(gc.collect(store["pipeline"], rules=rules), "keep")
     assert kept[versions["old"]] == ("no registered version names it; kept by a pipeline's rule: churn_model used "
                                      "it 35.0 d ago (within its 60 d)")
     assert (project_dir() / "versions" / f"{versions['old']}.json").is_file()
@@ -301,15 +302,20 @@ def test_a_version_another_pipeline_used_is_kept_by_that_pipelines_own_days(
     (result,) = json.loads(capsys.readouterr().out)["pipelines"]
     assert data_entries(result, "keep")[versions["old"]].endswith("churn_model used it 35.0 d ago (within its 60 d)")
 
-    # A declaration that cannot be read might be churn_model's: its versions stay, saying so.
-    (folder / "churn.yaml").write_text("dag_id: [")
-    policies, unreadable = gc.known_policies([folder])
-    assert policies == {} and unreadable == [str(folder / "churn.yaml")]
-    kept = data_entries(gc.collect(store["pipeline"], dry_run=True, policies=policies, unreadable=unreadable), "keep")
+    # A declaration that is not valid, or cannot even be read (it might be churn_model's): its versions stay.
+    (folder / "churn" / "churn.yaml").write_text(yaml.safe_dump({**declared, "retention": {"months": 2}}))
+    rules = gc.declared_rules([folder])
+    assert rules == DeclaredRules(invalid={"churn_model": str(folder / "churn" / "churn.yaml")})
+    kept = data_entries(gc.collect(store["pipeline"], dry_run=True, rules=rules), "keep")
+    assert kept[versions["old"]].endswith("churn.yaml is not valid: its rule cannot be told")
+    (folder / "churn" / "churn.yaml").write_text("dag_id: [")
+    rules = gc.declared_rules([folder])
+    assert rules == DeclaredRules(unreadable=(str(folder / "churn" / "churn.yaml"),))
+    kept = data_entries(gc.collect(store["pipeline"], dry_run=True, rules=rules), "keep")
     assert "cannot be read: its rule cannot be told" in kept[versions["old"]]
 
-    shorter = {"churn_model": RetentionPolicy(data_versions_days=20)}
-    reason = data_entries(gc.collect(store["pipeline"], policies=shorter), "remove")[versions["old"]]
+    shorter = DeclaredRules({"churn_model": RetentionPolicy(data_versions_days=20)})
+    reason = data_entries(gc.collect(store["pipeline"], rules=shorter), "remove")[versions["old"]]
     assert reason.startswith("no registered version names it and no workspace stages it; every rule lets it go: ")
     assert "churn_model used it 35.0 d ago (over its 20 d)" in reason
     assert "nightly_retrain used it 35.0 d ago (over its 30 d)" in reason

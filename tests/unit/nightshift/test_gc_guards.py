@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from nightshift import gc, ledger
-from nightshift.retention import RetentionPolicy
+from nightshift.retention import DeclaredRules, RetentionPolicy
 
 
 def test_a_link_on_the_way_from_the_root_is_never_followed(tmp_path: Path) -> None:
@@ -80,3 +80,35 @@ def test_a_failed_collect_garbage_leaves_the_runs_record_as_it_was(nightshift_ho
     TI.task_id = "train"
     steps.failure_summary({"ti": TI(), "exception": RuntimeError("boom")})
     assert json.loads(ledger.ledger_path("nightly").read_text().splitlines()[-1])["status"] == "failed"
+
+
+def test_the_dags_collect_garbage_judges_dataset_versions_by_every_declared_pipelines_rule(
+        digits_pipeline: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36 item 1 (b): the pipeline's last task collected the shared dataset store with its own days alone. It
+    now hands gc the rules of the declarations Airflow loads (the DAG folder, NIGHTSHIFT_PIPELINES) and its own."""
+    import yaml
+
+    from dags.nightly_tasks import steps
+    from nightshift import tracking
+    from tests.conftest import DIGITS_YAML
+
+    declared = yaml.safe_load(DIGITS_YAML.read_text())
+    declared.update(dag_id="churn_model", model_name="churn", retention={"data_versions_days": 60})
+    declared["dataset"]["asset"] = "churn"
+    (tmp_path / "dags" / "churn").mkdir(parents=True)
+    (tmp_path / "dags" / "churn" / "churn.yaml").write_text(yaml.safe_dump(declared))
+    (tmp_path / "dags" / "broken.yaml").write_text("dag_id: [")
+    monkeypatch.setenv("AIRFLOW__CORE__DAGS_FOLDER", str(tmp_path / "dags"))
+    monkeypatch.setenv("NIGHTSHIFT_PIPELINES", str(tmp_path / "none"))
+    given: dict[str, Any] = {}
+
+    def collect(pipeline: Any, **kwargs: Any) -> dict[str, Any]:
+        given.update(kwargs)
+        return {"remove": [], "keep": [], "removed_bytes": 0, "policy": pipeline.retention.to_dict()}
+
+    monkeypatch.setattr(gc, "collect", collect)
+    monkeypatch.setattr(tracking, "configure", lambda: None)
+    steps.collect_garbage(digits_pipeline)
+    assert given["rules"] == DeclaredRules({"churn_model": RetentionPolicy(data_versions_days=60),
+                                            "nightly_retrain": digits_pipeline.retention},  # from beside its file
+                                           unreadable=(str(tmp_path / "dags" / "broken.yaml"),))

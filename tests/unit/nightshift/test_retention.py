@@ -17,6 +17,7 @@ from nightshift.retention import (
     MLFLOW_RUN,
     SERVED_MODEL,
     WORKSPACE,
+    DeclaredRules,
     Facts,
     Item,
     RetentionPolicy,
@@ -156,8 +157,8 @@ def test_a_data_version_a_registered_version_or_a_workspace_names_stays_and_an_u
 
 # ---- dataset versions: each pipeline's own rule (the store is shared) ---------------------------------------
 
-RULES = {"nightly": RetentionPolicy(data_versions_days=30), "churn": RetentionPolicy(data_versions_days=90),
-         "frozen": RetentionPolicy(enabled=False)}
+RULES = DeclaredRules({"nightly": RetentionPolicy(data_versions_days=30),
+                       "churn": RetentionPolicy(data_versions_days=90), "frozen": RetentionPolicy(enabled=False)})
 
 
 def test_a_data_version_is_kept_while_the_rule_of_any_pipeline_that_used_it_keeps_it() -> None:
@@ -167,7 +168,7 @@ def test_a_data_version_is_kept_while_the_rule_of_any_pipeline_that_used_it_keep
     facts = Facts(data_uses={"shared": {"nightly": 40.0, "churn": 40.0}, "nightly-only": {"nightly": 40.0},
                              "churn-only": {"churn": 40.0}}, data_rules=RULES)
     items = [Item(DATA_VERSION, d, age_days=45.0) for d in ("shared", "nightly-only", "churn-only")]
-    for collecting in (RULES["nightly"], RULES["churn"]):
+    for collecting in (RULES.policies["nightly"], RULES.policies["churn"]):
         result = decided(items, facts, collecting)
         assert result["shared"] == (False, "no registered version names it; kept by a pipeline's rule: churn used "
                                            "it 40.0 d ago (within its 90 d)")
@@ -180,7 +181,7 @@ def test_a_disabled_unknown_or_unreadable_pipelines_versions_are_judged_as_decla
     facts = Facts(data_uses={"frozen": {"frozen": 400.0}, "gone": {"retired": 60.0}, "gone-old": {"retired": 95.0}},
                   data_rules=RULES)
     items = [Item(DATA_VERSION, d, age_days=400.0) for d in ("frozen", "gone", "gone-old")]
-    result = decided(items, facts, RULES["nightly"])
+    result = decided(items, facts, RULES.policies["nightly"])
     assert result["frozen"][0] is False and "its retention is disabled" in result["frozen"][1]
     # a pipeline whose declaration is gone: the longest declared rule (churn's 90 days)
     assert result["gone"] == (False, "no registered version names it; kept by a pipeline's rule: retired used it "
@@ -188,11 +189,16 @@ def test_a_disabled_unknown_or_unreadable_pipelines_versions_are_judged_as_decla
                                      "rule, 90 d, applies (within it)")
     assert result["gone-old"][0] is True
     # while a declaration cannot be read, which pipeline it declares cannot be told: nothing undeclared goes
-    unreadable = dataclasses.replace(facts, data_rules_unreadable=("pipelines/broken.yaml",))
-    assert decided(items, unreadable, RULES["nightly"])["gone-old"] == (
+    unreadable = dataclasses.replace(facts, data_rules=dataclasses.replace(RULES, unreadable=("pipelines/bad.yaml",)))
+    assert decided(items, unreadable, RULES.policies["nightly"])["gone-old"] == (
         False, "no registered version names it; kept by a pipeline's rule: retired used it 95.0 d ago and no "
-               "readable declaration of retired was found while pipelines/broken.yaml cannot be read: its rule "
+               "readable declaration of retired was found while pipelines/bad.yaml cannot be read: its rule "
                "cannot be told")
+    # a declaration of `retired` that is not valid: its rule cannot be told either
+    invalid = dataclasses.replace(facts, data_rules=dataclasses.replace(RULES, invalid={"retired": "retired.yaml"}))
+    assert decided(items, invalid, RULES.policies["nightly"])["gone-old"] == (
+        False, "no registered version names it; kept by a pipeline's rule: retired used it 95.0 d ago and its "
+               "declaration retired.yaml is not valid: its rule cannot be told")
 
 
 def test_a_version_no_ledger_records_goes_by_the_longest_declared_rule_from_its_staging() -> None:
@@ -201,7 +207,7 @@ def test_a_version_no_ledger_records_goes_by_the_longest_declared_rule_from_its_
     facts = Facts(data_uses={"restaged": {"nightly": 80.0}}, data_rules=RULES)
     items = [Item(DATA_VERSION, "unrecorded", age_days=60.0), Item(DATA_VERSION, "old", age_days=100.0),
              Item(DATA_VERSION, "restaged", age_days=20.0)]
-    result = decided(items, facts, RULES["nightly"])
+    result = decided(items, facts, RULES.policies["nightly"])
     assert result["unrecorded"] == (False, "no registered version names it; kept by a pipeline's rule: staged "
                                            "60.0 d ago by a run no ledger records (the longest declared rule, 90 d, "
                                            "applies: within it)")
