@@ -82,16 +82,13 @@ def metadata_url() -> str:
 
 
 def resume_floor_days(folders: Iterable[str | Path]) -> float:
-    """The longest `retention.resumable_days` of the pipelines declared in `folders` (0 when none is): Airflow's DAG
-    folder and NIGHTSHIFT_PIPELINES, as the maintenance DAG passes them."""
-    from nightshift.pipelines import load_pipelines
+    """The longest `retention.resumable_days` of the pipelines declared in `folders` and their subfolders (0 when none
+    is): Airflow's DAG folder and NIGHTSHIFT_PIPELINES, as the maintenance DAG passes them, read as Airflow loads
+    declarations (a stub's declaration may lie beside it in a subfolder)."""
+    from nightshift.gc import declared_rules
 
-    longest = 0.0
-    for folder in dict.fromkeys(Path(f) for f in folders):
-        if Path(folder).is_dir():
-            pipelines, _invalid = load_pipelines(folder)  # an invalid declaration has no DAG, so no run to resume
-            longest = max([longest, *(float(p.retention.resumable_days) for p in pipelines)])
-    return longest
+    # An invalid declaration has no DAG, so no run to resume.
+    return max([0.0, *(float(p.resumable_days) for p in declared_rules(folders).policies.values())])
 
 
 def clean_metadata(days: float, *, floor_days: float = 0.0, dry_run: bool = False, now: datetime | None = None,

@@ -130,6 +130,12 @@ def test_db_clean_never_cleans_closer_than_the_longest_resumable_days(tmp_path: 
     (tmp_path / "slow.yaml").write_text(yaml.safe_dump(data))
     assert maintenance.resume_floor_days([DIGITS_YAML.parent, tmp_path / "none"]) == 7  # pipelines/digits.yaml
     assert maintenance.resume_floor_days([DIGITS_YAML.parent, tmp_path]) == 45
+    # A stub's declaration beside it in a subfolder of the DAG folder (read top level only, its 60 days were missed)
+    data.update(dag_id="deep_retrain", model_name="deep-model", retention={"resumable_days": 60})
+    data["dataset"]["asset"] = "deep"
+    (tmp_path / "team" / "deep").mkdir(parents=True)
+    (tmp_path / "team" / "deep" / "deep.yaml").write_text(yaml.safe_dump(data))
+    assert maintenance.resume_floor_days([DIGITS_YAML.parent, tmp_path]) == 60
 
 
 @pytest.mark.parametrize("where", ["nightshift_home", "parent", "root", "relative", "url"])
