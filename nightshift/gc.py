@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -373,15 +373,23 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float, leaving:
 
 
 def _yaml_below(folder: Path) -> list[Path]:
+    # Links to folders are followed, as Airflow walks the DAG folder (a team's folder linked into it loads its
+    # stubs and their declarations); each real folder is entered once, so a link loop ends.
     found: list[Path] = []
-    for root, dirs, files in os.walk(folder):  # links to folders are not entered
+    entered: set[str] = set()
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in entered:
+            dirs[:] = []
+            continue
+        entered.add(real)
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
         found += [Path(root) / name for name in sorted(files)
                   if name.endswith((".yaml", ".yml")) and not name.startswith(".")]
     return found
 
 
-def declared_rules(folders: Sequence[str | Path]) -> DeclaredRules:
+def declared_rules(folders: Iterable[str | Path]) -> DeclaredRules:
     """The declared retention of every pipeline declared in `folders` (those that exist) and their subfolders, as
     Airflow loads declarations from the DAG folder: what collect_data judges each pipeline's dataset versions by.
     A YAML file that is no declaration (no `dag_id`: a dbt project's, say) is none of ours; a declaration that is

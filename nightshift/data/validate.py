@@ -394,9 +394,13 @@ def share_static(site_dir: Path) -> None:
         if path.is_symlink() or not path.is_file():
             continue
         try:
-            shared = store / hashlib.sha256(path.read_bytes()).hexdigest()
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            shared = store / digest
             store.mkdir(parents=True, exist_ok=True)
-            if shared.is_file():
+            # A copy is trusted only while it holds the content it is named by: GX writes a site's static files in
+            # place (open "wb"), so a build run again on a linked site, or an edit, changes the shared copy too;
+            # the next sites then get a copy of their own content, never the changed bytes.
+            if shared.is_file() and hashlib.sha256(shared.read_bytes()).hexdigest() == digest:
                 source, target = shared, path
             else:
                 source, target = path, shared

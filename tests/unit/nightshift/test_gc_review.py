@@ -1,0 +1,78 @@
+"""A hostile review of issue 36 item 1 (retention and `nightshift gc`): attempts to make a collection lose what
+lineage, resume or rollback needs, or crash, with the real parts (an MLflow store, a DVC-staged workspace, real
+declarations)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nightshift import gc
+
+# ---- declarations as Airflow loads them ----------------------------------------------------------------------
+
+def _declaration(folder: Path, dag_id: str, retention: dict[str, Any]) -> Path:
+    import yaml
+
+    from tests.conftest import DIGITS_YAML
+
+    declared = yaml.safe_load(DIGITS_YAML.read_text())
+    declared.update(dag_id=dag_id, model_name=dag_id, retention=retention)
+    declared["dataset"]["asset"] = dag_id
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{dag_id}.yaml"
+    path.write_text(yaml.safe_dump(declared))
+    return path
+
+
+def test_a_declaration_in_a_linked_subfolder_of_the_dag_folder_counts_as_airflow_loads_it(tmp_path: Path) -> None:
+    """Airflow walks the DAG folder following links (file_discovery: os.walk(followlinks=True)): a team's folder
+    linked into it (`dags/churn -> /srv/churn/dags`) loads its stub and declaration. gc did not enter it: churn's
+    90 days (or `enabled: false`) were unknown, and its dataset versions went by the longest rule gc saw."""
+    from nightshift.retention import RetentionPolicy
+
+    _declaration(tmp_path / "srv" / "churn", "churn_model", {"data_versions_days": 90})
+    _declaration(tmp_path / "srv" / "frozen", "frozen_model", {"enabled": False})
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "churn").symlink_to(tmp_path / "srv" / "churn", target_is_directory=True)
+    (dags / "teams").mkdir()
+    (dags / "teams" / "frozen").symlink_to(tmp_path / "srv" / "frozen", target_is_directory=True)
+    (dags / "teams" / "loop").symlink_to(dags, target_is_directory=True)  # a loop: entered once, never again
+
+    rules = gc.declared_rules([dags])
+    assert rules.policies == {"churn_model": RetentionPolicy(data_versions_days=90),
+                              "frozen_model": RetentionPolicy(enabled=False)}
+    assert not rules.invalid and not rules.unreadable
+
+
+# ---- Data Docs static assets ---------------------------------------------------------------------------------
+
+def test_a_shared_static_asset_changed_in_place_is_not_handed_to_the_next_sites(nightshift_home: Path) -> None:
+    """GX writes a site's static files with open(path, "wb") (TupleFilesystemStoreBackend._set): a GX build run
+    again on a site, or a person editing its CSS, writes through the hard link into the one shared copy. The copy is
+    named by the hash of the content it had: the next sites of that content were linked to the changed bytes."""
+    import hashlib
+
+    from nightshift.data.validate import SHARED_STATIC, share_static
+    from nightshift.settings import data_docs_dir
+
+    original = b"body { color: black }\n"
+
+    def site(name: str) -> Path:
+        css = data_docs_dir() / name / "static" / "styles" / "data_docs_custom_styles.css"
+        css.parent.mkdir(parents=True)
+        css.write_bytes(original)
+        share_static(data_docs_dir() / name)
+        return css
+
+    first = site("first")
+    shared = data_docs_dir() / SHARED_STATIC / hashlib.sha256(original).hexdigest()
+    assert shared.samefile(first)
+    with first.open("wb") as rewritten:  # as GX's store backend writes it
+        rewritten.write(b"body { color: red }\n")
+
+    later = site("later")
+    assert later.read_bytes() == original, "a new site got another site's edited file"
+    assert shared.read_bytes() == original and shared.samefile(later)
+    assert hashlib.sha256(shared.read_bytes()).hexdigest() == shared.name
