@@ -40,7 +40,7 @@ OTHER_SHELLS = frozenset({"sh", "shell", "console", "zsh", "shell-session", "sh-
 SERVER_URL = re.compile(r"http://127\.0\.0\.1:\d+[^\s'\"]*")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*?)[ \t]*$")
 HEADING = re.compile(r"^#{1,6} +(.*?)[ #]*$")
-KILL_GRACE_S = 20
+KILL_GRACE_S = 60  # run-mpijob removes its namespaces on SIGTERM: give it time on a loaded machine
 
 
 @dataclass(frozen=True)
