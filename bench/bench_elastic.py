@@ -83,7 +83,11 @@ def train_args(args: argparse.Namespace) -> list[str]:
     kwargs = json.dumps({"channels": args.channels, "hidden": args.hidden})
     return ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
             "--threads", "1", "--seed", "5", "--model-kwargs", kwargs, "--log-every", "20",
-            "--checkpoint-every", "100", "--device", "cpu", "--collective-timeout", str(args.collective_timeout)]
+            "--checkpoint-every", "100", "--device", "cpu", "--collective-timeout", str(args.collective_timeout),
+            # As the operator passes the DAG run's: the retry's second job must resume the first's checkpoints even
+            # when the working tree's commit moved in between (a shared checkout). The sources' own digest is in the
+            # resume key too: edit nothing under nightshift/ during a run.
+            "--code-version", "bench-elastic"]
 
 
 def trainer_job(name: str, workdir: Path, data: Path, out: Path, ckpt: Path, *, elastic: bool,
@@ -273,8 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{result['hit_accuracy']:.4f} vs {result['calm_accuracy']:.4f} "
                       f"({result['accuracy_delta'] * 100:+.2f} points); load {result['load']:.1f} before"
                       + (f"; {result['commits']} commits, {result['commit_time_s']:.2f} s" if "commits" in result
-                         else f"; host back {result['restored_s']:.0f} s, first job failed {result['failed_s']:.0f} s"),
+                         else f"; host back {result['restored_s']:.0f} s, first job failed {result['failed_s']:.0f} s, "
+                              f"the second resumed from step {result['resumed_from']}"),
                       flush=True)
+                if kind == "retry" and not result["resumed_from"]:
+                    print("  WARNING: the retry's second job trained from step 0: its resume key differed from the "
+                          "first job's checkpoints (sources edited between the jobs?); this repetition's retry loss "
+                          "is a restart from scratch", flush=True)
             if not _window_open(args.window):
                 dropped += 1
                 print(f"  repetition {repeat + 1} dropped: {args.window} went away during it", flush=True)
