@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -331,12 +331,13 @@ def _data_facts(now: float, rules: DeclaredRules, skip: frozenset[str] = frozens
 
 
 def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float, leaving: frozenset[str] = frozenset(),
-                 rules: DeclaredRules | None = None) -> list[Decision]:
+                 rules: DeclaredRules | None = None,
+                 removed: Callable[[Decision], None] | None = None) -> list[Decision]:
     """Plan the dataset versions (`leaving`: workspaces a dry run's plan removes, which stage nothing then) and,
-    unless `dry_run`, remove from the DVC remote and cache what the plan lets go. Each version is judged by the rule
-    of every pipeline whose ledger names it (`rules`: declared_rules; `policy` alone when None). The store is opened,
-    and the plan made again under its lock, only when something may go. GcFailed when DVC, the remote, the registry
-    or a ledger fails."""
+    unless `dry_run`, remove from the DVC remote and cache what the plan lets go, calling `removed` with each version
+    once it is gone. Each version is judged by the rule of every pipeline whose ledger names it (`rules`:
+    declared_rules; `policy` alone when None). The store is opened, and the plan made again under its lock, only when
+    something may go. GcFailed when DVC, the remote, the registry or a ledger fails."""
     import dataclasses
 
     from nightshift.data import collect as data
@@ -365,6 +366,8 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float, leaving:
                 for decision in (d for d in decisions if d.remove):
                     opened.remove(freed[decision.item.ident])
                     (data.versions_dir() / f"{decision.item.ident}.json").unlink(missing_ok=True)
+                    if removed is not None:
+                        removed(decision)
             return decisions
     except data.DataCollectionFailed as err:
         raise GcFailed(str(err)) from err
@@ -457,26 +460,21 @@ def collect(pipeline: Pipeline, *, dry_run: bool = False, now: float | None = No
     removed = [d for d in decisions if d.remove]
     if not dry_run and removed:
         fresh = facts(pipeline)  # read again: a run may have been promoted or registered since
-        done: list[Decision] = []
-        try:
-            for decision in plan([d.item for d in removed], fresh, pipeline.retention):
-                kept = _remove(decision, pipeline) if decision.remove else None
-                if kept is not None:
-                    decision = Decision(decision.item, False, kept)
-                if not decision.remove:
-                    removed.remove(next(d for d in removed if d.item == decision.item))
-                    decisions = [decision if d.item == decision.item else d for d in decisions]
-                else:
-                    done.append(decision)
-        finally:  # what went before a failure is logged all the same
-            _log_removals(pipeline, done)
+        for decision in plan([d.item for d in removed], fresh, pipeline.retention):
+            kept = _remove(decision, pipeline) if decision.remove else None
+            if kept is not None:
+                decision = Decision(decision.item, False, kept)
+            if not decision.remove:
+                removed.remove(next(d for d in removed if d.item == decision.item))
+                decisions = [decision if d.item == decision.item else d for d in decisions]
+            else:  # logged as it goes: a task killed half-way (no finally runs) has logged what it removed
+                _log_removals(pipeline, [decision])
     leaving = frozenset(d.item.ident for d in removed if d.item.kind == WORKSPACE) if dry_run else frozenset()
     rules = rules or DeclaredRules()
     mine = DeclaredRules({**rules.policies, pipeline.dag_id: pipeline.retention},
                          {k: v for k, v in rules.invalid.items() if k != pipeline.dag_id}, rules.unreadable)
-    datasets = collect_data(pipeline.retention, dry_run=dry_run, now=now, leaving=leaving, rules=mine)
-    if not dry_run:
-        _log_removals(pipeline, [d for d in datasets if d.remove])
+    datasets = collect_data(pipeline.retention, dry_run=dry_run, now=now, leaving=leaving, rules=mine,
+                            removed=lambda decision: _log_removals(pipeline, [decision]))
     removed += [d for d in datasets if d.remove]
     decisions += datasets
     return {"pipeline": pipeline.dag_id, "dry_run": dry_run, "policy": pipeline.retention.to_dict(),
