@@ -4,10 +4,17 @@ declarations)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from nightshift import gc
+from nightshift import gc, ledger, removals, settings
+
+DAY = 86400.0
 
 # ---- declarations as Airflow loads them ----------------------------------------------------------------------
 
@@ -76,3 +83,48 @@ def test_a_shared_static_asset_changed_in_place_is_not_handed_to_the_next_sites(
     assert later.read_bytes() == original, "a new site got another site's edited file"
     assert shared.read_bytes() == original and shared.samefile(later)
     assert hashlib.sha256(shared.read_bytes()).hexdigest() == shared.name
+
+
+# ---- the removal log ---------------------------------------------------------------------------------------
+
+KILLED_AT_SECOND_REMOVAL = """
+import dataclasses, os, signal, sys
+from nightshift import gc, tracking
+from nightshift.pipelines import load_pipeline
+from nightshift.retention import RetentionPolicy
+
+tracking.configure()
+pipeline = dataclasses.replace(load_pipeline(sys.argv[1]), retention=RetentionPolicy(keep_runs=1))
+remove, calls = gc._rmtree, []
+
+def killed_at_the_second(*args, **kwargs):
+    calls.append(args[0])
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # the worker is lost (OOM, a node gone): no finally runs
+    return remove(*args, **kwargs)
+
+gc._rmtree = killed_at_the_second
+gc.collect(pipeline)
+"""
+
+
+def test_a_collection_killed_half_way_has_logged_what_it_removed_before(nightshift_home: Path) -> None:
+    """The removal log answers "where did my workspace (decision page) go?" and turns the page's 404 into a 410. It
+    was written once, after every removal: a collect_garbage task killed half-way (SIGKILL: an OOM kill, a lost
+    worker, the season's killed worker) left what it had removed in no log at all."""
+    from tests.conftest import DIGITS_YAML
+
+    dag = "nightly_retrain"
+    then = time.time() - 40 * DAY
+    for run_id in ("r1", "r2", "r3"):
+        ledger.append_record(dag, {"dag_id": dag, "run_id": run_id, "status": "success"})
+        workspace = settings.workspaces_dir() / dag / run_id
+        (workspace / "model").mkdir(parents=True)
+        for path in (workspace / "model", workspace):
+            os.utime(path, (then, then))
+    done = subprocess.run([sys.executable, "-c", KILLED_AT_SECOND_REMOVAL, str(DIGITS_YAML)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert not (settings.workspaces_dir() / dag / "r1").exists(), "removed before the kill"
+    assert [(e["kind"], e["run_id"]) for e in removals.read(dag)] == [("workspace", "r1")]
+
