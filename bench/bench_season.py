@@ -14,7 +14,9 @@ comparison.
 
 Options: --nights N, --rows R (rows a night lands, default 2400), --out FILE (the rows and summary as JSON), --keep
 (keep the season's folder), --no-dags-test, --maintenance CRON (the nightshift_maintenance DAG's schedule during the
-season; default every 10 minutes), --shared-postgres (the shared server instead of a private instance).
+season; default every 10 minutes), --shared-postgres (the shared server instead of a private instance),
+--clock-nights T (retention on the season's clock, bench.season.clock: every retention window T nights, default 7;
+0 leaves retention on the real clock, where nothing time-based goes within a season).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-dags-test", action="store_true")
     parser.add_argument("--maintenance", default="*/10 * * * *")
     parser.add_argument("--shared-postgres", action="store_true")
+    parser.add_argument("--clock-nights", type=float, default=7.0,
+                        help="retention on the season's clock: every window this many nights (0: the real clock)")
     return parser.parse_args(argv)
 
 
@@ -50,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     nights = season(args.nights)
     config = SeasonConfig(nights, rows=args.rows, maintenance=args.maintenance,
                           private_postgres=not args.shared_postgres, dags_test=not args.no_dags_test,
-                          keep=args.keep, log=lambda line: print(line, flush=True))
+                          keep=args.keep, clock_nights=args.clock_nights or None,
+                          log=lambda line: print(line, flush=True))
     result = Season(config).run()
     from bench.season.runner import NightRow
 

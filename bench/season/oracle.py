@@ -135,21 +135,33 @@ class GoldenScorer:
     """Scores MLflow models (pyfunc, as served) on golden tables; models are loaded once each."""
 
     def __init__(self, tracking_uri: str) -> None:
+        import os
+
         self.tracking_uri = tracking_uri
         self._models: dict[str, Any] = {}
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no bar per model loaded
 
     def model(self, uri: str) -> Any:
         if uri not in self._models:
+            import warnings
+
             import mlflow
 
             mlflow.set_tracking_uri(self.tracking_uri)
             mlflow.set_registry_uri(self.tracking_uri)
-            self._models[uri] = mlflow.pyfunc.load_model(uri)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # MLflow's advice on type hints, once per model
+                self._models[uri] = mlflow.pyfunc.load_model(uri)
         return self._models[uri]
 
     def predict(self, uri: str, table: Any) -> Any:
+        import warnings
+
         features = table.drop(columns=["label"])
-        out = self.model(uri).predict(features)
+        model = self.model(uri)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            out = model.predict(features)
         column = out["predicted_label"] if hasattr(out, "columns") else out
         return [int(v) for v in column]
 

@@ -43,7 +43,7 @@ from bench.season.airflow import (
 )
 from bench.season.script import Landing, Night, golden_table
 from nightshift.netutil import free_port
-from tests.integration.airflow_helpers import BIN, HOST, POSTGRES_URL, REPO
+from tests.integration.airflow_helpers import BIN, HOST, POSTGRES_URL, REPO, database_url
 
 DAG_ID = "nightly_retrain"
 MAINTENANCE_DAG = "nightshift_maintenance"
@@ -63,6 +63,7 @@ class SeasonConfig:
     night_bound: float = 1500.0  # seconds a night may run before it counts as wedged
     start_bound: float = 420.0  # seconds the scheduler has to start a night's run
     dags_test: bool = False  # also time `airflow dags test` of night 1's data
+    clock_nights: float | None = None  # retention on the season's clock, every window this many nights (clock.py)
     keep: bool = False  # keep the season's folder (home, landing, logs)
     log: Callable[[str], None] = print
 
@@ -87,6 +88,7 @@ class NightRow:
     beyond_bytes: int = 0
     by_folder: dict[str, int] = field(default_factory=dict)  # growth this night per entry of NIGHTSHIFT_HOME
     tasks: dict[str, str] = field(default_factory=dict)  # task: state (and tries beyond the first)
+    retention: dict[str, Any] = field(default_factory=dict)  # what retention on the season's clock removed
     scores: dict[str, float | None] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -100,7 +102,7 @@ class NightRow:
 
 
 # Folders of NIGHTSHIFT_HOME whose entries are worth telling apart in a night's growth.
-DETAILED = ("airflow-home", "airflow-home/logs", "gx", "mlartifacts", "serving")
+DETAILED = ("airflow-home", "airflow-home/logs", "gx", "gx/data_docs", "mlartifacts", "serving")
 
 
 def disk_usage(folder: Path) -> tuple[int, dict[str, int]]:
@@ -120,7 +122,7 @@ def disk_usage(folder: Path) -> tuple[int, dict[str, int]]:
             total += size
             parts = entry.relative_to(folder).parts
             key = parts[0]
-            for depth in (2, 3):
+            for depth in (2, 3, 4):
                 if len(parts) > depth and "/".join(parts[:depth - 1]) in DETAILED:
                     key = "/".join(parts[:depth])
             per[key] = per.get(key, 0) + size
@@ -198,6 +200,7 @@ class Season:
         self.served_ports: set[int] = set()
         self.scorer = oracle.GoldenScorer(f"sqlite:///{self.home / 'mlflow.db'}")
         self._golden: dict[Any, Any] = {}
+        self.night_starts: dict[int, float] = {}
 
     def say(self, text: str) -> None:
         self.config.log(f"[season {time.strftime('%H:%M:%S')}] {text}")
@@ -394,6 +397,12 @@ class Season:
                 row.notes += fault.notes
             if night.fault == "dvc_remote_unwritable":
                 faults.make_writable(remote)
+        self.night_starts[number] = night_start
+        row.retention = self.season_clock(number)
+        if self.config.clock_nights:
+            row.checks["retention ran"] = "error" not in row.retention
+            if row.retention:
+                row.notes.append(f"retention on the season's clock: {json.dumps(row.retention)[:400]}")
         row.notes += [text for at, text in self.components.events if night_start <= at]
         self.components.events[:] = [(at, text) for at, text in self.components.events if at < night_start]
         row.tasks = {task: str(ti.get("state")) + (f" x{ti['try_number']}" if (ti.get("try_number") or 0) > 1
@@ -404,6 +413,22 @@ class Season:
         row.by_folder = {key: after.get(key, 0) - before_folders.get(key, 0) for key in keys
                          if after.get(key, 0) != before_folders.get(key, 0)}
         return row
+
+    def season_clock(self, number: int) -> dict[str, Any]:
+        """Retention on the season's clock (bench.season.clock) once night `number` ended: whatever is older than
+        the start of the night `clock_nights` back, by every window."""
+        nights = self.config.clock_nights
+        if not nights or number - nights < 1:
+            return {}
+        done = subprocess.run([str(BIN / "python"), "-m", "bench.season.clock", "--pipeline",
+                               str(REPO / "pipelines" / "digits.yaml"), "--nights", str(nights), "--since",
+                               str(self.night_starts[int(number - nights)]), "--metadata-url",
+                               database_url(self.database, server=self.server)],
+                              env=self.env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+            return {"error": f"exited {done.returncode}: {tail[-500:]}"}
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
     def record_of(self, run_id: str) -> dict[str, Any] | None:
         def last() -> dict[str, Any] | None:
@@ -522,29 +547,31 @@ class Season:
         self.env: dict[str, str] = {}
         started = time.monotonic()
         try:
-            self.setup()
-            seen: set[str] = set()
-            trained_on: dict[str, str] | None = None
-            for number, night in enumerate(self.config.nights, 1):
-                row = self.run_night(number, night, seen, trained_on)
-                self.rows.append(row)
-                record = self.record_of(row.run_id) if row.run_id else None
-                if record and record.get("status") == "success" and row.read in self.landing.written:
-                    trained_on = self.landing.written[row.read]["digests"]
-                self.say(format_row(row))
-            self.summary["lineage_after_gc"] = self.lineage_after_gc()
-            self.summary["maintenance_runs"] = self.maintenance_runs()
+            try:
+                self.setup()
+                seen: set[str] = set()
+                trained_on: dict[str, str] | None = None
+                for number, night in enumerate(self.config.nights, 1):
+                    row = self.run_night(number, night, seen, trained_on)
+                    self.rows.append(row)
+                    record = self.record_of(row.run_id) if row.run_id else None
+                    if record and record.get("status") == "success" and row.read in self.landing.written:
+                        trained_on = self.landing.written[row.read]["digests"]
+                    self.say(format_row(row))
+                self.summary["lineage_after_gc"] = self.lineage_after_gc()
+                self.summary["maintenance_runs"] = self.maintenance_runs()
+            finally:
+                self.teardown()
+                self.summary["leftovers"] = self.leftovers()
+            self.summary["season_s"] = round(time.monotonic() - started, 1)
+            if self.config.dags_test and self.rows:
+                self.summary["dags_test"] = self.dags_test()
+            self.summary.update(summarise(self.rows))
         finally:
-            self.teardown()
-        self.summary["leftovers"] = self.leftovers()
-        self.summary["season_s"] = round(time.monotonic() - started, 1)
-        if self.config.dags_test and self.rows:
-            self.summary["dags_test"] = self.dags_test()
-        self.summary.update(summarise(self.rows))
-        if not self.config.keep:
-            shutil.rmtree(self.root, ignore_errors=True)
-        else:
-            self.summary["root"] = str(self.root)
+            if self.config.keep:
+                self.summary["root"] = str(self.root)
+            else:
+                shutil.rmtree(self.root, ignore_errors=True)
         return {"rows": [asdict(r) | {"ok": r.ok} for r in self.rows], "summary": self.summary}
 
     def lineage_after_gc(self) -> list[str]:
@@ -588,9 +615,11 @@ class Season:
             folder = self.landing.written.get(1, {}).get("folder")
             if folder is None or not Path(folder).exists():
                 return {"error": "night 1's data is gone"}
-            run = demo.run_dag(env, {"data_source": folder}, progress=None, timeout=1800)
-            return {"seconds": round(run.seconds, 1), "code": run.code,
-                    "decision": oracle.decision_of(run.record)}
+            run = demo.run_dag(env, {"data_source": folder}, progress=None, timeout=3600)
+            # The DAG run itself (Airflow's run_duration), beside the whole command (start-up and exit too).
+            found = re.search(r"run_duration=([0-9.]+)", run.log.read_text(errors="replace"))
+            return {"seconds": round(run.seconds, 1), "run_s": round(float(found.group(1)), 1) if found else None,
+                    "code": run.code, "decision": oracle.decision_of(run.record)}
         finally:
             subprocess.run([str(BIN / "nightshift"), "deploy", "--stop", "--model-name", MODEL],
                            env={**os.environ, "NIGHTSHIFT_HOME": str(home)}, capture_output=True, timeout=120,

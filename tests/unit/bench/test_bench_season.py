@@ -188,3 +188,45 @@ def test_the_project_suite_passes_the_valid_nights_and_refuses_the_others(tmp_pa
         write_splits(night_splits(number, Night(event), world, 800), tmp_path / event)
         report = check_data(tmp_path / event, data_docs=False)
         assert report["success"] == Night(event).valid, (event, report["files"])
+
+
+def test_retention_on_the_seasons_clock_cuts_at_the_night_t_nights_back(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Every window T nights, and "older than T days" at the moved clock is "from before night n - T"."""
+    import json
+    from datetime import timedelta
+
+    import nightshift.gc
+    import nightshift.maintenance
+    from bench.season import clock
+
+    seen: dict[str, object] = {}
+
+    def collect(pipeline: object, *, now: float) -> dict[str, object]:
+        seen["policy"], seen["gc_cutoff"] = pipeline.retention, now - 7 * clock.DAY  # type: ignore[attr-defined]
+        return {"remove": [{"kind": "mlflow_run"}], "removed_bytes": 5}
+
+    def clean(days: float, *, floor_days: float, now: object, url: str) -> dict[str, object]:
+        seen["db_cutoff"], seen["url"] = now - timedelta(days=max(days, floor_days)), url  # type: ignore[operator]
+        return {"before": "b", "held_by": []}
+
+    def prune(folder: Path, days: float, *, now: float) -> dict[str, object]:
+        seen["log_cutoff"], seen["folder"] = now - days * clock.DAY, folder
+        return {"removed": [], "removed_bytes": 0}
+
+    monkeypatch.setattr(nightshift.gc, "collect", collect)
+    monkeypatch.setattr(nightshift.maintenance, "clean_metadata", clean)
+    monkeypatch.setattr(nightshift.maintenance, "prune_logs", prune)
+    monkeypatch.setattr("nightshift.tracking.configure", lambda: None)
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    since = 1_800_000_000.0
+    assert clock.main(["--pipeline", str(Path(__file__).resolve().parents[3] / "pipelines" / "digits.yaml"),
+                       "--nights", "7", "--since", str(since), "--metadata-url", "postgresql+psycopg://x/db"]) == 0
+    policy = seen["policy"]
+    assert (policy.resumable_days, policy.challenger_days, policy.data_versions_days) == (7, 7, 7)  # type: ignore[attr-defined]
+    assert policy.keep_runs == 5  # type: ignore[attr-defined]  # the declaration's count stays
+    assert seen["gc_cutoff"] == seen["log_cutoff"] == since
+    assert seen["db_cutoff"].timestamp() == since  # type: ignore[attr-defined]
+    assert seen["folder"] == tmp_path / "logs" and seen["url"] == "postgresql+psycopg://x/db"
+    assert json.loads(capsys.readouterr().out)["removed"] == {"mlflow_run": 1}
