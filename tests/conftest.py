@@ -33,7 +33,6 @@ LONGEST_FIRST = (
     "tests/integration/test_run_mpijob_elastic.py",
     "tests/integration/test_new_data_event.py",
     "tests/integration/test_stream_scoring.py",
-    "tests/integration/test_docs_commands.py",
     "tests/integration/test_search.py",
     "tests/integration/test_dag_bundle.py",
     "tests/integration/test_train_horovod.py",
@@ -57,7 +56,6 @@ NEEDS_IMAGES = (
     "tests/integration/test_airflow_image.py",
     "tests/integration/test_serving_image.py",
     "tests/integration/test_images.py",
-    "tests/integration/test_docs_commands_podman.py",
 )
 # Modules under tests/unit that start processes (a trainer, a DVC repository, redis-server, PostgreSQL, a child
 # interpreter importing Airflow or MLflow) or cost more than ~2 s, and all of tests/dags (`airflow dags test` and
