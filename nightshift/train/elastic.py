@@ -13,12 +13,9 @@ since the last one. So commits are counted in time, not steps: about every `comm
 default), and every `commit_every` steps as well when that is set. All ranks must commit at the same step, so at
 each commit rank 0 turns the seconds into steps at the pace of the steps since the previous commit (the interval at
 most doubles from one commit to the next, and starts at one step) and sends that to every rank with the commit
-(`next_commit_interval`). An epoch's end (the shared evaluation, the per-epoch hook) takes time no step pace
-foresees: there rank 0 brings the next commit forward so that the training since the last one stays within
-`commit_seconds`, committing at once when the epoch's end took it past (`_replan_after_epoch`). A lost host
-therefore rolls back at most about `commit_seconds` of training, at the pace measured before (a step that slows
-down stretches it in proportion until the next commit measures again), and a host that is added waits up to as
-long to be taken in.
+(`next_commit_interval`). A lost host therefore rolls back at most about `commit_seconds` of training, at the pace
+measured before (a step that slows down stretches it in proportion until the next commit measures again), and a
+host that is added waits up to as long to be taken in.
 
 Samples. An epoch's order is a pure function of the seed and the epoch (a permutation of the training split,
 as `DistributedSampler` draws it). A step takes the next `batch_size * world_size` samples of that order (fewer
@@ -108,8 +105,8 @@ def next_commit_interval(seconds: float, steps: int, elapsed: float, previous: i
     """Steps from this commit to the next: as many as fit in `seconds` at the pace of the `steps` trained in the
     `elapsed` seconds since the previous commit, at most twice the `previous` interval (a pace measured over a few
     fast steps must not stretch the next interval far past `seconds`), at least 1, at most `most` when given."""
-    fit = seconds * steps / elapsed if steps > 0 and elapsed > 0 else previous  # a float: may be inf, never raises
-    interval = max(1, int(min(fit, 2 * max(previous, 1))))
+    fit = int(seconds * steps / elapsed) if steps > 0 and elapsed > 0 else previous
+    interval = max(1, min(fit, 2 * max(previous, 1)))
     return min(interval, most) if most else interval
 
 
@@ -291,23 +288,6 @@ class ElasticTrainer(Trainer):
                                         self.commit_interval, self.config.commit_every)
         return int(self.hvd.broadcast_object(plan, root_rank=0, name="nightshift.elastic.commit_plan"))
 
-    def _replan_after_epoch(self, ended: float) -> None:
-        """After an epoch's end (the shared evaluation, the per-epoch hook: time no step pace foresaw), rank 0 brings
-        the next commit forward so that the training since the last commit stays within `commit_seconds` at the
-        steps' pace (at once when the epoch's end took it past), on every rank (a broadcast, one per epoch). `ended`:
-        rank 0's clock when the epoch's last step was done."""
-        plan = None
-        if self.is_chief:
-            steps, left = self.step - self._pace[1], self.config.commit_seconds - (_clock() - self._pace[0])
-            per_step = (ended - self._pace[0]) / steps if steps > 0 else 0.0
-            ahead = max(0, self.commit_at - self.step)
-            if left <= 0:
-                ahead = 0
-            elif per_step > 0:
-                ahead = int(min(left / per_step, ahead))
-            plan = self.step + ahead
-        self.commit_at = int(self.hvd.broadcast_object(plan, root_rank=0, name="nightshift.elastic.commit_replan"))
-
     # -- checkpoints on disk -----------------------------------------------------------------
 
     def _disk_state(self, epoch: int, processed: int, samples_done: int) -> dict[str, Any]:
@@ -402,7 +382,6 @@ class ElasticTrainer(Trainer):
         epoch, processed, samples_done = int(state.epoch), int(state.processed), int(state.samples_done)
         epoch_metrics: dict[str, float] = {}
         window_start, window_steps, window_loss, window_samples = time.perf_counter(), 0, 0.0, 0
-        ended = 0.0  # rank 0's clock at the end of an epoch's last step (_replan_after_epoch)
         self.model.train()
         while samples_done < self.total_samples:
             order = self._order_of(epoch)
@@ -446,7 +425,6 @@ class ElasticTrainer(Trainer):
             stop = False
             epoch_done = processed >= self.n_train
             if epoch_done:
-                ended = _clock()
                 epoch_metrics = self._end_epoch(epoch)
                 stop = self._hook_says_stop(epoch + 1, epoch_metrics)
                 epoch, processed = epoch + 1, 0
@@ -455,8 +433,6 @@ class ElasticTrainer(Trainer):
                 self._save_elastic_checkpoint(epoch, processed, samples_done)
             if stop:
                 break
-            if not finished and epoch_done:
-                self._replan_after_epoch(ended)
             if not finished and self.step >= self.commit_at:
                 self._commit(state, epoch, processed, samples_done)
         return epoch_metrics
