@@ -62,6 +62,7 @@ class SeasonConfig:
     private_postgres: bool = True  # a PostgreSQL of the season's own where the binaries are
     night_bound: float = 1500.0  # seconds a night may run before it counts as wedged
     start_bound: float = 420.0  # seconds the scheduler has to start a night's run
+    ready_bound: float = 1500.0  # seconds Airflow has to start (at a load of 20, 545 s; once over 900 s)
     dags_test: bool = False  # also time `airflow dags test` of night 1's data
     clock_nights: float | None = None  # retention on the season's clock, every window this many nights (clock.py)
     keep: bool = False  # keep the season's folder (home, landing, logs)
@@ -231,7 +232,7 @@ class Season:
         self.components = Components(self.env, self.logs)
         self.components.start_all()
         self.api = SeasonApi(f"http://{HOST}:{self.port}")
-        self.api.wait_ready(DAG_ID, self.components.alive, 900, self.components.describe)
+        self.api.wait_ready(DAG_ID, self.components.alive, self.config.ready_bound, self.components.describe)
         self.api.call("POST", "/pools", {"name": "gpu", "slots": 16, "description": "Horovod training slots"})
         self.say(f"Airflow ready in {time.monotonic() - started:.0f} s (NIGHTSHIFT_HOME {self.home})")
         self.summary["startup_s"] = round(time.monotonic() - started, 1)
@@ -247,9 +248,13 @@ class Season:
         if self.components is not None:
             self.components.stop()
         # never without the season's home: `nightshift deploy --stop` would stop ~/.nightshift's model server
-        subprocess.run([str(BIN / "nightshift"), "deploy", "--stop", "--model-name", MODEL],
-                       env={**os.environ, **self.env, "NIGHTSHIFT_HOME": str(self.home)}, capture_output=True,
-                       timeout=120, check=False)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([str(BIN / "nightshift"), "deploy", "--stop", "--model-name", MODEL],
+                           env={**os.environ, **self.env, "NIGHTSHIFT_HOME": str(self.home)}, capture_output=True,
+                           timeout=600, check=False)
+        record = faults.serving_record(self.home, MODEL)
+        if record and record.get("pid"):  # `deploy --stop` did not get to it: stop its process group here
+            faults.kill_model_server(self.home, MODEL)
         with contextlib.suppress(Exception):
             faults.make_writable(self.home / "dvc-remote") if faults.mounts_under(self.root) else None
         with contextlib.suppress(Exception):
@@ -621,9 +626,11 @@ class Season:
             return {"seconds": round(run.seconds, 1), "run_s": round(float(found.group(1)), 1) if found else None,
                     "code": run.code, "decision": oracle.decision_of(run.record)}
         finally:
-            subprocess.run([str(BIN / "nightshift"), "deploy", "--stop", "--model-name", MODEL],
-                           env={**os.environ, "NIGHTSHIFT_HOME": str(home)}, capture_output=True, timeout=120,
-                           check=False)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run([str(BIN / "nightshift"), "deploy", "--stop", "--model-name", MODEL],
+                               env={**os.environ, "NIGHTSHIFT_HOME": str(home)}, capture_output=True, timeout=600,
+                               check=False)
+            faults.kill_model_server(home, MODEL)
             shutil.rmtree(home, ignore_errors=True)
 
 
