@@ -25,7 +25,20 @@ from typing import Any
 from nightshift.netutil import free_port
 from tests.integration.airflow_helpers import HOST, REPO, Api, stop_groups
 
-SCRIPT = str(REPO / "scripts" / "airflow.sh")
+
+def snapshot(into: Path) -> Path:
+    """The committed code (git HEAD of this checkout) in `into`: a season runs for an hour or more, and what others
+    edit in the checkout meanwhile must not reach its tasks (a half-made edit of nightshift/gc.py failed four nights'
+    collect_garbage once). `season_env` puts it first on PYTHONPATH, before the editable install."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], capture_output=True, check=True,
+                             timeout=300).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=300)
+    return into
+
+
+def script(code: Path) -> str:
+    return str(code / "scripts" / "airflow.sh")
 COMPONENTS = {"api-server": ["api-server"], "scheduler": ["scheduler"], "dag-processor": ["dag-processor"]}
 HEARTBEAT_TIMEOUT = 30  # seconds without a task heartbeat before the scheduler fails the task instance
 
@@ -130,6 +143,7 @@ class Components:
 
     env: dict[str, str]
     logs_dir: Path
+    code: Path  # the snapshot the components run (snapshot())
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     events: list[tuple[float, str]] = field(default_factory=list)
     held: set[str] = field(default_factory=set)  # components a fault has down on purpose: not restarted
@@ -143,7 +157,7 @@ class Components:
 
     def start(self, name: str) -> None:
         with self.log(name).open("ab") as out:
-            self.procs[name] = subprocess.Popen([SCRIPT, *COMPONENTS[name]], env=self.env, stdout=out,
+            self.procs[name] = subprocess.Popen([script(self.code), *COMPONENTS[name]], env=self.env, stdout=out,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                 start_new_session=True)
 
@@ -200,15 +214,18 @@ class Components:
         stop_groups(self.procs.values(), grace=30)
 
 
-def season_env(home: Path, *, port: int, server: str, database: str, landing: Path, cron: str,
+def season_env(home: Path, *, code: Path, port: int, server: str, database: str, landing: Path, cron: str,
                maintenance: str, code_version: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The components' environment: this project's Airflow (scripts/airflow.sh) with the season's home, database,
     schedule and data roots; nothing of the caller's AIRFLOW_*/NIGHTSHIFT_*/MLflow settings."""
     from tests.integration.airflow_helpers import BIN
 
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("AIRFLOW", "NIGHTSHIFT_", "MLFLOW_TRACKING_URI"))}
+           if not k.startswith(("AIRFLOW", "NIGHTSHIFT_", "MLFLOW_TRACKING_URI", "PYTHONPATH"))}
     env.update({
+        # The snapshot's packages before the editable install's (which is the live checkout); the ranks get it
+        # too (PYTHONPATH is on operators/local_launcher.py's allowlist).
+        "PYTHONPATH": os.pathsep.join([str(code), str(code / "dags")]),
         "NIGHTSHIFT_HOME": str(home),
         "AIRFLOW_HOME": str(home / "airflow-home"),
         "AIRFLOW_PORT": str(port),
@@ -238,8 +255,8 @@ def season_env(home: Path, *, port: int, server: str, database: str, landing: Pa
     return env
 
 
-def migrate(env: dict[str, str]) -> None:
-    done = subprocess.run([SCRIPT, "db", "migrate"], env=env, capture_output=True, text=True, timeout=900,
+def migrate(env: dict[str, str], code: Path) -> None:
+    done = subprocess.run([script(code), "db", "migrate"], env=env, capture_output=True, text=True, timeout=900,
                           check=False, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise RuntimeError(f"airflow db migrate exited {done.returncode}: {done.stderr[-3000:]}")

@@ -39,6 +39,7 @@ from bench.season.airflow import (
     migrate,
     postgres_bin,
     season_env,
+    snapshot,
     terminate_connections,
 )
 from bench.season.script import Landing, Night, golden_table
@@ -78,6 +79,7 @@ class NightRow:
     run_id: str | None = None
     read: int | None = None  # whose data the run read (a night number)
     decision: str = "no run"
+    run_state: str | None = None  # Airflow's end state of the run
     expected: str = "?"
     wall_s: float | None = None  # the run's own start to end
     wait_s: float | None = None  # from the night's start (the previous run's end) to the run's start
@@ -224,12 +226,14 @@ class Season:
         self.switched = {1: time.time()}
         code = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=False).stdout.strip() or "unknown"
-        self.env = season_env(self.home, port=self.port, server=self.server, database=self.database,
+        self.code = snapshot(self.root / "code")
+        self.say(f"code: {code} (HEAD, a snapshot in {self.code})")
+        self.env = season_env(self.home, code=self.code, port=self.port, server=self.server, database=self.database,
                               landing=self.landing.root, cron=self.config.cron,
                               maintenance=self.config.maintenance, code_version=f"{code}+season")
         started = time.monotonic()
-        migrate(self.env)
-        self.components = Components(self.env, self.logs)
+        migrate(self.env, self.code)
+        self.components = Components(self.env, self.logs, self.code)
         self.components.start_all()
         self.api = SeasonApi(f"http://{HOST}:{self.port}")
         self.api.wait_ready(DAG_ID, self.components.alive, self.config.ready_bound, self.components.describe)
@@ -392,6 +396,7 @@ class Season:
                     break
                 time.sleep(1)
             row.checks["not wedged"] = not wedged
+            row.run_state = str(run.get("state"))
             start, end = _epoch(run.get("start_date")), _epoch(run.get("end_date"))
             row.wall_s = round(end - start, 1) if start and end else None
             row.wait_s = round(start - night_start, 1) if start else None
@@ -426,10 +431,10 @@ class Season:
         if not nights or number - nights < 1:
             return {}
         done = subprocess.run([str(BIN / "python"), "-m", "bench.season.clock", "--pipeline",
-                               str(REPO / "pipelines" / "digits.yaml"), "--nights", str(nights), "--since",
+                               str(self.code / "pipelines" / "digits.yaml"), "--nights", str(nights), "--since",
                                str(self.night_starts[int(number - nights)]), "--metadata-url",
                                database_url(self.database, server=self.server)],
-                              env=self.env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+                              env=self.env, cwd=self.code, capture_output=True, text=True, timeout=900, check=False)
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or ["?"])[-1]
             return {"error": f"exited {done.returncode}: {tail[-500:]}"}
@@ -451,6 +456,13 @@ class Season:
         assert row.run_id is not None
         record = self.record_of(row.run_id)
         row.decision = oracle.decision_of(record)
+        # The run ends as its record says: success for a success record (its collect_garbage included), failed
+        # for a failed one.
+        row.checks["run state agrees"] = record is not None and row.run_state == record.get("status")
+        if record is not None and row.run_state != record.get("status"):
+            failed = sorted(t for t, ti in tis.items() if ti.get("state") == "failed")
+            row.notes.append(f"the run ended {row.run_state} (failed: {', '.join(failed) or 'none'}), its record "
+                             f"says {record.get('status')}")
         if record and record.get("status") == "failed" and record.get("reason"):
             row.notes.append(f"reason: {str(record['reason'])[:300]}")
         # Which night's data the run read: its record names the folder it staged; a run that failed before
@@ -613,8 +625,10 @@ class Season:
         home = Path(tempfile.mkdtemp(prefix="nightshift-season-dagstest-"))
         try:
             env = demo.airflow_env(home, home / "airflow-home")
-            env.update({k: self.env[k] for k in ("NIGHTSHIFT_DATA_ROOTS", "NIGHTSHIFT_GIT_COMMIT", "OMP_WAIT_POLICY")
-                        if k in self.env})
+            env.update({k: self.env[k] for k in ("NIGHTSHIFT_DATA_ROOTS", "NIGHTSHIFT_GIT_COMMIT", "OMP_WAIT_POLICY",
+                                                 "PYTHONPATH") if k in self.env})
+            env["AIRFLOW__CORE__DAGS_FOLDER"] = str(self.code / "dags")  # the season's code, not the checkout's
+            env["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(self.code / "plugins")
             env["NIGHTSHIFT_RETRAIN_CRON"] = "none"
             demo.prepare_airflow(env)
             folder = self.landing.written.get(1, {}).get("folder")
