@@ -17,6 +17,7 @@ declared_rules).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from nightshift import ledger, removals, settings
-from nightshift.errors import NightshiftError
+from nightshift.errors import NightshiftError, UsageError
 from nightshift.fsutil import safe_name
 from nightshift.pipelines.spec import Pipeline
 from nightshift.retention import (
@@ -326,8 +327,15 @@ def _data_facts(now: float, rules: DeclaredRules, skip: frozenset[str] = frozens
 
     uses = {version: {dag_id: (now - when) / DAY for dag_id, when in by_dag.items()}
             for version, by_dag in data.last_uses().items()}
+    recorded = {}
+    for dag_id, block in data.recorded_rules().items():
+        try:
+            recorded[dag_id] = RetentionPolicy(**block)
+        except (TypeError, UsageError):
+            continue  # a record written by hand, or by another version: the longest declared rule applies
     return Facts(data_registered={k: tuple(v) for k, v in data.registered_data().items()},
-                 data_in_use=data.in_use(skip), data_uses=uses, data_rules=rules)
+                 data_in_use=data.in_use(skip), data_uses=uses,
+                 data_rules=dataclasses.replace(rules, recorded={**rules.recorded, **recorded}))
 
 
 def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float, leaving: frozenset[str] = frozenset(),
@@ -338,8 +346,6 @@ def collect_data(policy: RetentionPolicy, *, dry_run: bool, now: float, leaving:
     once it is gone. Each version is judged by the rule of every pipeline whose ledger names it (`rules`:
     declared_rules; `policy` alone when None). The store is opened, and the plan made again under its lock, only when
     something may go. GcFailed when DVC, the remote, the registry or a ledger fails."""
-    import dataclasses
-
     from nightshift.data import collect as data
 
     rules = rules or DeclaredRules()

@@ -28,7 +28,8 @@ What a pipeline leaves behind, and what refers to it (found in the code, issue 3
   `workspaces_dir()` stages (a run kept above, or one running). Any other version is kept while the rule of any
   pipeline that used it keeps it: each pipeline's own `data_versions_days` after its newest ledger record naming the
   version (a pipeline whose retention is disabled keeps the versions it used; one whose declaration is not found goes
-  by the longest declared rule, and while a declaration cannot be read, the versions of undeclared pipelines stay). A
+  by the retention its newest run record carries, else by the longest declared rule, and while a declaration cannot
+  be read, the versions of undeclared pipelines stay). A
   version no ledger names (or staged again since its last recorded use: a run that recorded nothing) goes by the
   longest declared rule from its staging. The objects it shares with a version that stays stay too, and the remote is
   collected only when NIGHTSHIFT_DVC_REMOTE_EXCLUSIVE=1 says it is this machine's alone (`nightshift.data.collect`).
@@ -95,11 +96,14 @@ class DeclaredRules:
 
     policies: dag_id -> its declared retention; invalid: dag_id -> a declaration of it that is not valid (its rule
     cannot be told: what it used stays); unreadable: declarations whose dag_id cannot even be read (any pipeline no
-    valid declaration names might be theirs: what those pipelines used stays)."""
+    valid declaration names might be theirs: what those pipelines used stays); recorded: dag_id -> the retention its
+    newest run record carries (what its declaration said then), for a pipeline whose declaration was not found (its
+    DAG file points elsewhere, a DAG bundle, `nightshift gc` run where the DAG folder is not known)."""
 
     policies: Mapping[str, RetentionPolicy] = field(default_factory=dict)
     invalid: Mapping[str, str] = field(default_factory=dict)
     unreadable: tuple[str, ...] = ()
+    recorded: Mapping[str, RetentionPolicy] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,15 @@ def _data_rule(dag_id: str, age: float, policy: RetentionPolicy, facts: Facts) -
     if rules.unreadable:
         return True, (f"{dag_id} used it {_days(age)} ago and no readable declaration of {dag_id} was found while "
                       f"{', '.join(rules.unreadable)} cannot be read: its rule cannot be told")
+    recorded = rules.recorded.get(dag_id)
+    if recorded is not None and not recorded.enabled:
+        return True, (f"{dag_id} used it {_days(age)} ago and its retention is disabled (retention.enabled: false, "
+                      f"as its last run recorded: its declaration was not found)")
+    if recorded is not None:
+        within = age < recorded.data_versions_days
+        return within, (f"{dag_id} used it {_days(age)} ago ({'within' if within else 'over'} its "
+                        f"{recorded.data_versions_days:g} d, as its last run recorded: its declaration was not "
+                        f"found)")
     longest = _longest_data_days(policy, facts)
     within = age < longest
     return within, (f"{dag_id} used it {_days(age)} ago and no declaration of {dag_id} was found: the longest "

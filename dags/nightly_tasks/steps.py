@@ -324,6 +324,8 @@ def report(pipeline: Pipeline, dag_id: str, run_id: str, params: dict[str, Any],
         "model_version": (registered or {}).get("version"), "model_name": pipeline.model_name,
         "serving_url": (deployed or {}).get("url"), "deploy_status": (deployed or {}).get("status"),
         "params": dict(params),
+        # The rule its dataset versions are judged by in the shared store, also when gc cannot find the declaration.
+        "retention": pipeline.retention.to_dict(),
     }
     lineage.append_record(dag_id, summary)
     lines = [f"{dag_id} {run_id}: {outcome}",

@@ -84,6 +84,22 @@ def last_uses() -> dict[str, dict[str, float]]:
     return uses
 
 
+def recorded_rules() -> dict[str, dict[str, Any]]:
+    """dag_id -> the `retention` block its newest run record carries (what the run's declaration said: gc judges
+    the versions of a pipeline whose declaration it cannot find by it)."""
+    rules: dict[str, dict[str, Any]] = {}
+    for dag_id in ledger.dag_ids():
+        try:
+            records = ledger.read_records(dag_id, strict=True)
+        except ledger.LedgerUnreadable as err:
+            raise DataCollectionFailed(f"{err}; no dataset version was removed: which rule keeps which cannot "
+                                       f"be told") from err
+        for record in records:
+            if isinstance(record.get("retention"), dict):
+                rules[dag_id] = record["retention"]
+    return rules
+
+
 def _workspace_versions(workspace: Path) -> set[str]:
     """The versions a workspace stages: its `dataset.json` and its `data.dvc` (both, when they differ)."""
     found: set[str] = set()

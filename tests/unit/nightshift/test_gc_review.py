@@ -4,7 +4,10 @@ declarations)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,3 +131,38 @@ def test_a_collection_killed_half_way_has_logged_what_it_removed_before(nightshi
     assert not (settings.workspaces_dir() / dag / "r1").exists(), "removed before the kill"
     assert [(e["kind"], e["run_id"]) for e in removals.read(dag)] == [("workspace", "r1")]
 
+
+# ---- the shared dataset store -------------------------------------------------------------------------------
+
+def test_a_pipeline_whose_declaration_gc_cannot_see_keeps_its_versions_by_the_rule_its_runs_recorded(
+        nightshift_home: Path, demo_data: Path, digits_pipeline: Any) -> None:
+    """A pipeline's DAG file may point at its declaration anywhere (`pipeline_dag("/srv/churn/churn.yaml")`), a git
+    DAG bundle checks the DAG files out away from [core] dags_folder, and `nightshift gc` by hand finds the DAG folder
+    only through AIRFLOW__CORE__DAGS_FOLDER or $AIRFLOW_HOME/dags (not an airflow.cfg's dags_folder). Such a
+    pipeline's versions went by the longest rule gc saw: churn_model declares `enabled: false` (nothing of it is
+    collected), yet nightly_retrain's 30 days took the version churn's run used 35 days ago."""
+    from dags.nightly_tasks import steps
+    from nightshift import tracking
+    from nightshift.data.stage import project_dir, stage_dataset
+    from nightshift.retention import RetentionPolicy
+    from tests.conftest import DIGITS_YAML
+
+    tracking.configure()
+    workspace = settings.workspaces_dir() / "churn_model" / "c1"
+    version = stage_dataset(demo_data, workspace, roots=[demo_data])["hash"]
+    shutil.rmtree(workspace)
+    then = time.time() - 40 * DAY
+    os.utime(project_dir() / "versions" / f"{version}.json", (then, then))
+    churn = dataclasses.replace(digits_pipeline, dag_id="churn_model", model_name="churn",
+                                retention=RetentionPolicy(enabled=False))
+    steps.report(churn, "churn_model", "c1", {}, {"stage_dataset": {"hash": version, "rows": 1797}})
+    path = ledger.ledger_path("churn_model")
+    (record,) = [json.loads(line) for line in path.read_text().splitlines()]
+    record["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(time.time() - 35 * DAY))
+    path.write_text(json.dumps(record) + "\n")
+
+    nightly = dataclasses.replace(digits_pipeline, retention=RetentionPolicy(data_versions_days=30))
+    result = gc.collect(nightly, dry_run=True, rules=gc.declared_rules([DIGITS_YAML.parent]))
+    kept = {e["what"]: e["reason"] for e in result["keep"] if e["kind"] == "data_version"}
+    assert version in kept, result["remove"]
+    assert "churn_model used it 35.0 d ago and its retention is disabled" in kept[version]
