@@ -13,9 +13,12 @@ since the last one. So commits are counted in time, not steps: about every `comm
 default), and every `commit_every` steps as well when that is set. All ranks must commit at the same step, so at
 each commit rank 0 turns the seconds into steps at the pace of the steps since the previous commit (the interval at
 most doubles from one commit to the next, and starts at one step) and sends that to every rank with the commit
-(`next_commit_interval`). A lost host therefore rolls back at most about `commit_seconds` of training, at the pace
-measured before (a step that slows down stretches it in proportion until the next commit measures again), and a
-host that is added waits up to as long to be taken in.
+(`next_commit_interval`). Every rank also commits at each epoch's end, after the shared evaluation and the
+per-epoch hook: time that no step pace foresees, which a lost host would otherwise redo on top of the steps (that
+commit keeps the interval planned before). A lost host therefore rolls back at most about `commit_seconds` of
+training at the pace measured before (a step that slows down stretches it in proportion until the next commit
+measures again), plus the part of an epoch's end it interrupted, and a host that is added waits up to as long to be
+taken in.
 
 Samples. An epoch's order is a pure function of the seed and the epoch (a permutation of the training split,
 as `DistributedSampler` draws it). A step takes the next `batch_size * world_size` samples of that order (fewer
@@ -105,8 +108,8 @@ def next_commit_interval(seconds: float, steps: int, elapsed: float, previous: i
     """Steps from this commit to the next: as many as fit in `seconds` at the pace of the `steps` trained in the
     `elapsed` seconds since the previous commit, at most twice the `previous` interval (a pace measured over a few
     fast steps must not stretch the next interval far past `seconds`), at least 1, at most `most` when given."""
-    fit = int(seconds * steps / elapsed) if steps > 0 and elapsed > 0 else previous
-    interval = max(1, min(fit, 2 * max(previous, 1)))
+    fit = seconds * steps / elapsed if steps > 0 and elapsed > 0 else previous  # a float: may be inf, never raises
+    interval = max(1, int(min(fit, 2 * max(previous, 1))))
     return min(interval, most) if most else interval
 
 
@@ -262,9 +265,9 @@ class ElasticTrainer(Trainer):
         if self.is_chief and state.disk_checked:
             self._forget_metrics_after(self.step)
 
-    def _commit(self, state: Any, epoch: int, processed: int, samples_done: int) -> None:
+    def _commit(self, state: Any, epoch: int, processed: int, samples_done: int, epoch_end: bool = False) -> None:
         started = _clock()
-        interval = self._next_commit_interval(started)
+        interval = self._next_commit_interval(started, epoch_end)
         state.epoch, state.processed, state.samples_done, state.step = epoch, processed, samples_done, self.step
         state.epoch_loss = (self.epoch_loss[0], self.epoch_loss[1])
         state.scaler = self.scaler.state_dict()
@@ -279,12 +282,14 @@ class ElasticTrainer(Trainer):
             self.commit_time += now - started
             self._pace = (now, self.step)
 
-    def _next_commit_interval(self, now: float) -> int:
+    def _next_commit_interval(self, now: float, epoch_end: bool = False) -> int:
         """Rank 0's `next_commit_interval` from its pace since the last commit, on every rank (a broadcast: ranks must
-        commit at the same step, and their clocks differ)."""
+        commit at the same step, and their clocks differ). At an epoch's end the time since the last commit holds
+        the evaluation, which says nothing of the steps' pace: the interval planned before is kept."""
         plan = None
         if self.is_chief:
-            plan = next_commit_interval(self.config.commit_seconds, self.step - self._pace[1], now - self._pace[0],
+            steps = 0 if epoch_end else self.step - self._pace[1]
+            plan = next_commit_interval(self.config.commit_seconds, steps, now - self._pace[0],
                                         self.commit_interval, self.config.commit_every)
         return int(self.hvd.broadcast_object(plan, root_rank=0, name="nightshift.elastic.commit_plan"))
 
@@ -433,8 +438,10 @@ class ElasticTrainer(Trainer):
                 self._save_elastic_checkpoint(epoch, processed, samples_done)
             if stop:
                 break
-            if not finished and self.step >= self.commit_at:
-                self._commit(state, epoch, processed, samples_done)
+            # Every rank knows an epoch's end at the same step: a commit there, after the shared evaluation and
+            # the per-epoch hook, keeps that time (no step pace foresees it) out of what a lost host makes redo.
+            if not finished and (epoch_done or self.step >= self.commit_at):
+                self._commit(state, epoch, processed, samples_done, epoch_end=epoch_done)
         return epoch_metrics
 
     def _end_epoch(self, epoch: int) -> dict[str, float]:

@@ -303,9 +303,9 @@ def _elastic_fit(demo_data: Path, tmp_path: Path, hvd: Any, monkeypatch: pytest.
         step_once(self, loss)
         clock.now += clock.per_step
 
-    def commit(self: Any, state: Any, *args: Any) -> None:
+    def commit(self: Any, state: Any, *args: Any, **kwargs: Any) -> None:
         commits.append((self.step, clock.now))
-        commit_once(self, state, *args)
+        commit_once(self, state, *args, **kwargs)
 
     monkeypatch.setattr(elastic.ElasticTrainer, "_backward_and_step", backward_and_step)
     monkeypatch.setattr(elastic.ElasticTrainer, "_commit", commit)
@@ -331,11 +331,13 @@ def test_commits_come_by_time_so_slow_steps_never_leave_more_than_commit_seconds
 def test_fast_steps_commit_rarely(demo_data: Path, tmp_path: Path, hvd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cost every elastic run pays: before, a commit (a copy of the model and optimizer, a broadcast) every 10
     steps and at every epoch's end, 12 for these 120 steps; by time, the interval doubles from one step until it
-    fills --commit-seconds, so 120 fast steps take about log2(120) commits."""
+    fills --commit-seconds, so 120 fast steps take about log2(120) commits, plus one at each epoch's end but the
+    last (after its evaluation: steps 40 and 80 here)."""
     summary, commits = _elastic_fit(demo_data, tmp_path, hvd, monkeypatch, per_step=0.001)
     steps = summary["steps"]
     assert steps > 100
-    assert len(commits) <= 8, commits
+    assert len(commits) <= 8 + 2, commits
+    assert {40, 80} <= {step for step, _ in commits}, commits
     assert [step for step, _ in commits[:4]] == [0, 1, 3, 7]  # 1, 2, 4 steps apart
 
 
@@ -364,3 +366,52 @@ def test_commit_seconds_must_be_a_positive_number(tmp_path: Path, seconds: Any) 
     with pytest.raises(UsageError, match="--commit-seconds must be a positive number of seconds"):
         TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=True, commit_seconds=seconds)
     assert TrainConfig(data=tmp_path, out=tmp_path, checkpoint_dir=tmp_path, elastic=True).commit_every is None
+
+
+# --- review of commits by time (rev-commit) -------------------------------------------------------------------
+
+
+def test_an_epoch_end_between_commits_is_not_lost_beyond_commit_seconds(
+        demo_data: Path, tmp_path: Path, hvd: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With no commit at the epoch's end, the epoch's evaluation (and the per-epoch hook) fell inside a commit
+    interval planned from the steps' pace alone: a host lost just after the epoch's end redid the evaluation on top
+    of up to --commit-seconds of steps (here 5.5 s of steps + 30 s of evaluation, where the docs promise about 10 s)."""
+    import logging
+    import re
+
+    from nightshift.train import elastic
+
+    caplog.set_level(logging.INFO, logger="nightshift.train")
+    evaluate_once = elastic.ElasticTrainer.evaluate_shared
+    attempted: dict[int, float] = {}
+    step_once = elastic.ElasticTrainer._backward_and_step
+
+    def slow_evaluate(self: Any, split: Any) -> dict[str, float]:
+        elastic._clock.now += 30.0  # type: ignore[attr-defined]  # the test's clock (_elastic_fit)
+        return evaluate_once(self, split)
+
+    def record_step(self: Any, loss: torch.Tensor) -> None:
+        attempted.setdefault(self.step + 1, elastic._clock.now)  # type: ignore[attr-defined]
+        step_once(self, loss)
+
+    monkeypatch.setattr(elastic.ElasticTrainer, "evaluate_shared", slow_evaluate)
+    monkeypatch.setattr(elastic.ElasticTrainer, "_backward_and_step", record_step)
+    fail_at = 43  # the epoch ends at step 40 (1,257 samples, batch 32)
+    summary, commits = _elastic_fit(demo_data, tmp_path, hvd, monkeypatch, per_step=0.5, fail_at=fail_at)
+    back_to = re.search(r"elastic reset 1: .* step (\d+)", caplog.text)
+    assert back_to, caplog.text[-2000:]
+    committed_at = max(clock for step, clock in commits if step == int(back_to.group(1)))
+    failed_at = attempted[fail_at - 1] + 0.5  # the end of the last step before the failed one
+    lost = failed_at - committed_at  # the training done since the commit, redone after the loss
+    assert lost <= 10.0, (lost, commits)
+    assert summary["elastic"]["resets"] == 1
+
+
+def test_an_enormous_commit_seconds_plans_no_overflow() -> None:
+    """Rank 0 planned int(seconds x steps / elapsed) before capping it: --commit-seconds 1e308 (a valid finite
+    number) raised OverflowError on rank 0 alone, leaving the other ranks waiting in the plan's broadcast."""
+    from nightshift.train.elastic import next_commit_interval
+
+    assert next_commit_interval(1e308, steps=10, elapsed=1.0, previous=4) == 8
+    assert next_commit_interval(10.0, steps=10**6, elapsed=1e-300, previous=4) == 8
