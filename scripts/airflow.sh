@@ -219,7 +219,9 @@ case "${NIGHTSHIFT_DAG_BUNDLE:-folder}" in
 print(json.dumps({"conn_type": "git", "host": os.environ["BUNDLE_REPO"]}))
 print(json.dumps([{"name": "nightshift", "classpath": "airflow.providers.git.bundles.git.GitDagBundle",
                    "kwargs": {"git_conn_id": "nightshift_git",
+                              # The branch of the repository the dag-processor follows (default: main).
                               "tracking_ref": os.environ.get("NIGHTSHIFT_DAG_BUNDLE_BRANCH") or "main",
+                              # The DAG folder inside the repository (default: dags; set empty: its top level).
                               "subdir": os.environ.get("NIGHTSHIFT_DAG_BUNDLE_SUBDIR", "dags") or None,
                               "refresh_interval": int(os.environ.get("NIGHTSHIFT_DAG_BUNDLE_REFRESH") or 60)}}]))')
         export AIRFLOW_CONN_NIGHTSHIFT_GIT="${AIRFLOW_CONN_NIGHTSHIFT_GIT:-$bundle_conn}"

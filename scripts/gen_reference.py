@@ -296,16 +296,23 @@ def _python_reads(path: Path) -> Iterator[tuple[str, str, int]]:
 
 _SHELL_USE = re.compile(r"(?<![A-Za-z0-9_])(?:\$\{|\$\(|\$|ENV |ARG |export |- name: )(NIGHTSHIFT_[A-Z0-9_]*[A-Z0-9])"
                         r"|^\s*(?:export )?(NIGHTSHIFT_[A-Z0-9_]*[A-Z0-9]) *[?:]?=", re.M)
+# Python embedded in a shell script (`python -c '...'`, a heredoc): os.environ["X"], os.environ.get("X"),
+# os.getenv("X"), environ.setdefault / pop.
+_EMBEDDED_PYTHON_READ = re.compile(r"""\b(?:environ\[|environ\.(?:get|setdefault|pop)\(|getenv\()\s*"""
+                                   r"""["'](NIGHTSHIFT_[A-Z0-9_]*[A-Z0-9])["']""")
 
 
 def _other_reads(path: Path) -> Iterator[tuple[str, str, int]]:
-    """Variables a shell script, Makefile, Dockerfile or chart sets or expands, as `_python_reads` gives them."""
+    """Variables a shell script, Makefile, Dockerfile or chart sets or expands, or Python embedded in it reads,
+    as `_python_reads` gives them, in the order they come in the file."""
     try:
         content = path.read_text()
     except UnicodeDecodeError:
         return
-    for match in _SHELL_USE.finditer(content):
-        yield match[1] or match[2], "", content.count("\n", 0, match.start()) + 1
+    matches = [*_SHELL_USE.finditer(content), *_EMBEDDED_PYTHON_READ.finditer(content)]
+    for match in sorted(matches, key=lambda m: m.start()):
+        name = next(group for group in match.groups() if group)
+        yield name, "", content.count("\n", 0, match.start()) + 1
 
 
 def _comment_above(lines: list[str], line: int) -> str:

@@ -73,13 +73,56 @@ def test_every_settings_variable_has_an_entry(pages: dict[str, str]) -> None:
     assert "ReadWriteMany" in documented["NIGHTSHIFT_SHARED_PVC"]
 
 
+# Where the code reads its variables (tests/ and bench/ read their own, which need no entry).
+CODE_DIRS = ("nightshift", "operators", "plugins", "dags", "scripts", "nightshift_plan", "images", "deploy")
+# Names the code spells that are not variables it reads, so they need no entry (a name only a test reads goes here
+# too, with why):
+NOT_VARIABLES = {
+    "NIGHTSHIFT_": "a prefix: the local launcher's allowlist (operators/local_launcher.py), `NIGHTSHIFT_*` in text",
+    "NIGHTSHIFT_AIRFLOW_": "a prefix: NIGHTSHIFT_AIRFLOW_*_RETENTION_DAYS in nightshift_maintenance's description",
+    "NIGHTSHIFT_GITHUB_PAT": "an example of a name redaction hides (nightshift/redaction.py's comments)",
+    "NIGHTSHIFT_JWT_FILE": "an example of a name redaction hides (nightshift/redaction.py's comments)",
+    "NIGHTSHIFT_SIGNING_KEY": "an example of a name redaction hides (nightshift/redaction.py's comments)",
+}
+
+
+def code_variables() -> dict[str, set[str]]:
+    """Every NIGHTSHIFT_* name spelled in the code (any file, any language: Python, shell and the Python embedded in
+    it, Dockerfiles, charts), each with the files that spell it."""
+    found: dict[str, set[str]] = {}
+    for directory in CODE_DIRS:
+        for path in sorted((REPO / directory).rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            try:
+                content = path.read_text()
+            except UnicodeDecodeError:
+                continue
+            for name in re.findall(r"(?<![A-Za-z0-9_])NIGHTSHIFT_[A-Z0-9_]*", content):
+                found.setdefault(name, set()).add(str(path.relative_to(REPO)))
+    return found
+
+
 def test_a_variable_read_anywhere_in_the_code_has_an_entry(pages: dict[str, str]) -> None:
+    """Every NIGHTSHIFT_* name the code spells, found here on its own (a plain text search of every file, not the
+    generator's patterns: scripts/airflow.sh reads two in the Python it embeds), has an entry."""
     documented = set(sections(pages["reference/environment.md"]))
-    for name in ("NIGHTSHIFT_RETRAIN_CRON", "NIGHTSHIFT_TRAINER_IMAGE", "NIGHTSHIFT_GIT_COMMIT", "NIGHTSHIFT_CACHE",
-                 "NIGHTSHIFT_VENV_BIN", "NIGHTSHIFT_INSTANCE", "NIGHTSHIFT_ARTIFACTS"):
+    spelled = code_variables()
+    assert {"NIGHTSHIFT_RETRAIN_CRON", "NIGHTSHIFT_TRAINER_IMAGE", "NIGHTSHIFT_DAG_BUNDLE_BRANCH"} <= set(spelled)
+    missing = {name: sorted(files) for name, files in spelled.items()
+               if name not in documented and name not in NOT_VARIABLES}
+    assert not missing, f"the code reads {missing}, which reference/environment.md lacks"
+    # the exclusions stay true: each is still spelled in the code and is not a variable with an entry
+    stale = sorted(name for name in NOT_VARIABLES if name not in spelled or name in documented)
+    assert not stale, f"NOT_VARIABLES lists {stale}, which the code no longer spells or which has an entry"
+    # and those read outside CODE_DIRS (the Makefile, tests/conftest.py) keep theirs
+    for name in ("NIGHTSHIFT_GIT_COMMIT", "NIGHTSHIFT_CACHE", "NIGHTSHIFT_VENV_BIN", "NIGHTSHIFT_INSTANCE",
+                 "NIGHTSHIFT_ARTIFACTS"):
         assert name in documented
-    # names that only appear in examples of what is redacted are not variables the project reads
-    assert "NIGHTSHIFT_GITHUB_PAT" not in documented
+    # the generator takes a variable's description from the comment above where it is read, in embedded Python too
+    entries = sections(pages["reference/environment.md"])
+    assert "The branch of the repository" in entries["NIGHTSHIFT_DAG_BUNDLE_BRANCH"]
+    assert "The DAG folder inside" in entries["NIGHTSHIFT_DAG_BUNDLE_SUBDIR"]
 
 
 def test_every_cli_command_and_flag_has_an_entry(pages: dict[str, str]) -> None:
