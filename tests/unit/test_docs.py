@@ -8,6 +8,7 @@ has no generated entry, and when the built site lacks it. The README is the fron
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import os
@@ -187,6 +188,20 @@ def test_the_pages_that_move_from_the_readme_say_what_the_tests_hold() -> None:
     """Facts other tests check in the docs (the registry table, the Secrets) live on these pages."""
     assert "| `operators.backends` |" in (REPO / "docs" / "concepts" / "backends.md").read_text()
     assert "## From `make demo` to a cluster" in (REPO / "docs" / "how-to" / "kubernetes.md").read_text()
+
+
+def test_the_security_page_states_what_a_decision_page_asks_and_its_policy() -> None:
+    """operations/security.md quotes the permission the plugin's decisions route checks and the CSP it serves the
+    page with (read from plugins/nightshift_plugin.py, which this test does not import: it would import Airflow)."""
+    source = (REPO / "plugins" / "nightshift_plugin.py").read_text()
+    policy = next(ast.literal_eval(node.value) for node in ast.parse(source).body if isinstance(node, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "PAGE_CSP" for t in node.targets))
+    assert 'requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN' in source
+    assert '@pipeline_docs.get("/decisions/{dag_id}/{path:path}")' in source
+    page = " ".join((REPO / "docs" / "operations" / "security.md").read_text().split())
+    assert "`/nightshift/decisions/<dag_id>/<MLflow run id>/decision.html`" in page
+    assert "`GET` the DAG runs (`DagAccessEntity.RUN`) of the DAG the path names" in page
+    assert f"`Content-Security-Policy: {policy}`" in page
 
 
 @pytest.mark.slow
