@@ -190,6 +190,35 @@ def test_the_pages_that_move_from_the_readme_say_what_the_tests_hold() -> None:
     assert "## From `make demo` to a cluster" in (REPO / "docs" / "how-to" / "kubernetes.md").read_text()
 
 
+def factory_tasks() -> list[str]:
+    """The task ids dags/nightly_tasks/factory.py's build_dag creates, in the order of its source: each operator's
+    `task_id=`, each function decorated with `@task...` (read with ast: importing the factory imports Airflow)."""
+    tree = ast.parse((REPO / "dags" / "nightly_tasks" / "factory.py").read_text())
+    build = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "build_dag")
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(build):
+        if isinstance(node, ast.Call):
+            found += [(node.lineno, k.value.value) for k in node.keywords
+                      if k.arg == "task_id" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)]
+        elif isinstance(node, ast.FunctionDef) and node is not build and any(
+                "task" in ast.unparse(d).split("(")[0].split(".") for d in node.decorator_list):
+            found.append((node.lineno, node.name))
+    return [name for _, name in sorted(found)]
+
+
+def test_the_home_page_draws_the_dag_the_factory_builds() -> None:
+    """docs/index.md's picture is the README's text picture, and names the factory's tasks: those of the trained
+    path on its first line in the order the factory makes them, and skip_training on the branch below."""
+    tasks = factory_tasks()
+    assert tasks[:3] == ["validate_data", "stage_dataset", "check_changes"] and "collect_garbage" in tasks
+    picture = (REPO / "docs" / "index.md").read_text().split("```text\n", 1)[1].split("```", 1)[0]
+    readme = (REPO / "README.md").read_text().split("The same, as text:\n\n```\n", 1)[1].split("```", 1)[0]
+    assert picture == readme, "docs/index.md's DAG picture differs from the README's"
+    first, *rest = picture.splitlines()
+    assert re.findall(r"[a-z_]+", first) == [t for t in tasks if t != "skip_training"]
+    assert re.findall(r"\b[a-z]+_[a-z_]+\b", rest[-1]) == ["skip_training"]
+
+
 def test_the_security_page_states_what_a_decision_page_asks_and_its_policy() -> None:
     """operations/security.md quotes the permission the plugin's decisions route checks and the CSP it serves the
     page with (read from plugins/nightshift_plugin.py, which this test does not import: it would import Airflow)."""
