@@ -102,6 +102,14 @@ def test_loader_options_its_signature_does_not_take_are_named(folder: Path) -> N
     assert check_declaration(load_pipeline(plugin)) == []
 
 
+def test_the_digits_loader_takes_no_option_and_check_says_so(folder: Path) -> None:
+    """Its `**options` made the signature check pass any option, which training then refused."""
+    path = declare(folder, task="multiclass", gate={"primary": "accuracy", "floor": 0.8, "guards": {}},
+                   dataset={"loader": "digits", "label": "label", "options": {"label": "label"}})
+    assert check_declaration(load_pipeline(path)) == [
+        f"{path}: dataset.options.label: loader 'digits' takes no option 'label' (its signature); it takes no option"]
+
+
 # ---- nulls the loader refuses --------------------------------------------------------------------------------------
 
 LENIENT = {"type": "expect_column_values_to_not_be_null", "kwargs": {"column": "mean_radius", "mostly": 0.9},

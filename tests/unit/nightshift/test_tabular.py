@@ -145,7 +145,7 @@ def test_bad_options_and_tasks_are_usage_errors(cancer: Path, demo_data: Path) -
         load_split("tabular", cancer, "train", task="binary", options={"lable": "diagnosis"})
     with pytest.raises(UsageError, match="features names the label column 'diagnosis'"):
         load_split("tabular", cancer, "train", task="binary", options={**CANCER, "features": ["diagnosis"]})
-    with pytest.raises(UsageError, match="'digits' takes no options"):
+    with pytest.raises(UsageError, match=r"dataset 'digits' does not take \['label'\]"):
         load_split("digits", demo_data, "train", options={"label": "label"})
     with pytest.raises(UsageError, match="'digits' is a multiclass task, not 'regression'"):
         load_split("digits", demo_data, "train", task="regression")
