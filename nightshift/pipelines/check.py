@@ -4,7 +4,7 @@
 arguments and the loader its options (their signatures), and the suite lets through no missing value the loader
 refuses. `check_against_data`: against the train split, from its Parquet schema (and its label column alone): the
 label column is there, the suite names only columns the data has, the `tabular` features are numeric, a declared
-positive class is one of the labels.
+positive class is one of the labels, and the suite holds every column a loader refusing nulls reads to no nulls.
 """
 
 from __future__ import annotations
@@ -76,6 +76,19 @@ def nulls_let_through(suite: dict[str, Any], columns: Iterable[str] | None) -> l
                 what = (f"{kind} (mostly {mostly})" if lenient else kind) + (f" [{rule}]" if rule else "")
                 found.append((what, named))
     return found
+
+
+def nulls_unguarded(suite: dict[str, Any], columns: Iterable[str]) -> list[str]:
+    """The `columns` that no strict not-null rule of `suite` covers (no `mostly`, or `mostly` 1): a suite that says
+    nothing of nulls in a column lets them through as surely as a lenient rule does."""
+    covered: set[str] = set()
+    for expectation in suite.get("expectations", []):
+        kind, kwargs = str(expectation.get("type")), expectation.get("kwargs", {})
+        mostly = kwargs.get("mostly")
+        if kind in _NOT_NULL and (mostly is None or (isinstance(mostly, int | float) and not isinstance(mostly, bool)
+                                                     and mostly >= 1)):
+            covered.update(_named_columns(kwargs))
+    return [c for c in columns if c not in covered]
 
 
 def check_declaration(pipeline: Pipeline) -> list[str]:
@@ -200,7 +213,7 @@ def check_against_data(pipeline: Pipeline, *, home: str | Path | None = None,
     if pipeline.dataset.loader == TABULAR:
         for name in (c for c in features if c in columns):
             kind = arrow_schema.field(name).type
-            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+            if not _numeric(kind):
                 problem("dataset.features", f"column {name!r} of {train} is {kind}, not numeric: the tabular "
                                             f"loader needs numbers; encode it, or leave it out of dataset.features")
     try:
@@ -220,7 +233,39 @@ def check_against_data(pipeline: Pipeline, *, home: str | Path | None = None,
         problem("suite", f"names columns {_listing(absent)} that {train} does not have (in "
                          f"{_listing(expectations, limit=3)}): a suite for other columns? Write one for this data "
                          f"with `nightshift suite init`")
+    elif not takes_missing_values(pipeline.dataset.loader, _loader_factory(pipeline.dataset.loader)):
+        # The columns such a loader reads that the data has: the label, and the numeric features (a text column is
+        # named above when it is a tabular feature, and no loader of numbers reads it). A column a lenient rule lets
+        # nulls into is check_declaration's line.
+        numeric = [c for c in features if c in columns and _numeric(arrow_schema.field(c).type)]
+        read = [*numeric, *([label] if label in columns else [])]
+        lenient = {c for _, named in nulls_let_through(suite, read) for c in named}
+        unguarded = [c for c in nulls_unguarded(suite, read) if c not in lenient]
+        if unguarded:
+            problem("suite", f"no rule holds {_listing(unguarded)} to no nulls, which the {pipeline.dataset.loader!r} "
+                             f"loader refuses (any missing value in a feature or the label): such data would pass "
+                             f"validation and fail training. Add a not-null rule for them "
+                             f"(expect_columns_values_to_not_be_null; `nightshift suite init` draws one)")
     return problems
+
+
+def _numeric(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind))
+
+
+def _loader_factory(name: str) -> Any:
+    """The loader's factory when it is a plugin's (whether it takes missing values is its attribute), else None:
+    a built-in's answer is known by name, and an unknown or broken one is check_declaration's line."""
+    if name in NO_MISSING_VALUES:
+        return None
+    from nightshift.datasets import DATASETS
+
+    try:
+        return DATASETS.get(name)
+    except Exception:
+        return None
 
 
 def label_values(path: Path, label: str) -> list[str] | None:

@@ -132,6 +132,25 @@ def test_a_suite_letting_nulls_into_a_column_the_loader_refuses_them_in_is_named
         == []
 
 
+def test_a_suite_with_no_null_rule_for_a_column_the_loader_reads_is_named(folder: Path, cancer: Path) -> None:
+    """A suite saying nothing of nulls in a column lets them through as surely as a lenient rule: validation passed
+    such data and the tabular loader refused it in training, and pipeline check said nothing."""
+    silent = {**SUITE, "expectations": [e for e in SUITE["expectations"] if e["kwargs"].get("column") != "diagnosis"]}
+    (folder / "suites" / "cancer.json").write_text(json.dumps(silent))
+    path = declare(folder)
+    assert check_against_data(load_pipeline(path)) == [
+        f"{path}: suite: no rule holds diagnosis to no nulls, which the 'tabular' loader refuses (any missing value "
+        f"in a feature or the label): such data would pass validation and fail training. Add a not-null rule for "
+        f"them (expect_columns_values_to_not_be_null; `nightshift suite init` draws one)"]
+    # a loader that takes missing values, or a strict rule for every column it reads: nothing to say
+    assert check_against_data(load_pipeline(declare(folder, dataset={"loader": f"{MODULE}:loader_taking_nulls"}))) \
+        == []
+    strict = {"type": "expect_columns_values_to_not_be_null", "kwargs": {"column_list": ["diagnosis", "mean_radius"]}}
+    (folder / "suites" / "cancer.json").write_text(json.dumps({**silent, "expectations": [
+        *silent["expectations"], strict]}))
+    assert check_against_data(load_pipeline(declare(folder))) == []
+
+
 def test_suite_init_for_a_loader_refusing_nulls_never_draws_a_suite_letting_them_through(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from sklearn.datasets import load_breast_cancer

@@ -31,6 +31,7 @@ from nightshift.pipelines import (
 REPO = Path(__file__).resolve().parents[3]
 SUITE = {"name": "cancer", "meta": {}, "notes": None, "expectations": [
     {"type": "expect_column_values_to_not_be_null", "kwargs": {"column": "mean_radius"}, "meta": {"rule": "r"}},
+    {"type": "expect_column_values_to_not_be_null", "kwargs": {"column": "diagnosis"}, "meta": {"rule": "r"}},
     {"type": "expect_table_columns_to_match_set", "kwargs": {"column_set": ["mean_radius", "diagnosis"]}},
 ]}
 DECLARATION: dict[str, Any] = {
