@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -243,3 +246,25 @@ def test_evaluate_scores_with_the_gates_positive_class(monkeypatch: pytest.Monke
                     gate={"task": "binary", "positive_class": "0", "primary": "accuracy", "floor": 0.8,
                           "min_improvement": 0.001, "guards": {}})
     assert scored.value.args == ("0",)
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def evaluations_of_a_table_without_a_model_name(text: str) -> list[str]:
+    """The `nightshift evaluate` commands of a page (lines joined at a trailing backslash) that evaluate a table of
+    one's own (`--task` or `--label-column`) and leave `--model-name` out: they face `nightshift-digits@champion`."""
+    commands = re.findall(r"\bnightshift evaluate\b[^\n`]*", re.sub(r"\\\n\s*", " ", text))
+    return [c for c in commands if re.search(r"--(task|label-column)\b", c) and "--model-name" not in c]
+
+
+def test_every_documented_evaluation_of_a_table_names_its_registered_model() -> None:
+    """Issue 34 item 10: the README's tabular `nightshift evaluate` example named no model, so a reader's table was
+    gated against the demo's digits champion."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    found = {page.name: evaluations_of_a_table_without_a_model_name(page.read_text()) for page in pages}
+    assert not any(found.values()), found
+    assert any(re.search(r"nightshift evaluate .*--task .*--model-name", page.read_text()) for page in pages)
+    assert evaluations_of_a_table_without_a_model_name(  # the README's example before 8b28fbf
+        "nightshift evaluate --out OUT --data DIR --task binary --label-column diagnosis\n")
+
