@@ -29,13 +29,22 @@ def add_parser(subparsers: Any) -> None:
 def _plan(args: argparse.Namespace) -> int:
     import contextlib
 
-    from nightshift_plan.plan import PlanError, diff, placeholders, plan, plan_at_ref, render_yaml, validate_all
+    from nightshift_plan.plan import (
+        PlanError,
+        diff,
+        placeholders,
+        plan_at_ref,
+        plan_explained,
+        render_yaml,
+        validate_all,
+    )
     from operators.validation import ManifestInvalid
 
     try:
         # Airflow's loggers write to stdout outside a task: keep stdout for the YAML alone.
         with contextlib.redirect_stdout(sys.stderr):
-            objects = plan(args.conf, run_id=args.run_id)
+            planned = plan_explained(args.conf, run_id=args.run_id)
+            objects = planned.objects
             unchecked = validate_all(objects)
             before = plan_at_ref(args.against, args.conf, args.run_id) if args.against else None
     except (PlanError, ManifestInvalid) as err:
@@ -43,11 +52,13 @@ def _plan(args: argparse.Namespace) -> int:
     if unchecked:
         print(f"nightshift plan: not validated (no CRD schema found; set NIGHTSHIFT_SCHEMAS): "
               f"{', '.join(unchecked)}", file=sys.stderr)
+    if planned.namespace is not None:
+        print(f"nightshift plan: namespace {planned.namespace} ({planned.namespace_source})", file=sys.stderr)
     stand_ins = placeholders(objects)
     if stand_ins:
         print(f"nightshift plan: placeholders, filled in at run time: {'; '.join(stand_ins)}", file=sys.stderr)
     if before is None:
-        sys.stdout.write(render_yaml(objects))
+        sys.stdout.write(render_yaml(objects, planned.namespace_source))
     else:
         sys.stdout.write(diff(before, objects, args.against, "working tree") or f"# no change against {args.against}\n")
     return 0

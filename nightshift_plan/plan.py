@@ -12,6 +12,7 @@ operator runs at execute, so the plan is what the cluster would receive.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import sys
 from collections.abc import Mapping
@@ -101,15 +102,55 @@ class _StagedTI:
         return {"path": str(workspace / "data"), "workspace": str(workspace), "hash": DATASET_VERSION_PLACEHOLDER}
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `plan_explained` found: the objects, and the namespace they go to with where it came from (None when
+    the backend creates no object)."""
+
+    objects: list[dict[str, Any]]
+    namespace: str | None = None
+    namespace_source: str | None = None
+
+
+def namespace_source(task: Any, namespace: str) -> str:
+    """Where `namespace`, what the rendered `task` resolves (HorovodKubernetesOperator.resolve_namespace), comes
+    from: the task's `cluster.namespace`, else the namespace of its Airflow connection, else the default."""
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    conn_id = task.cluster.kubernetes_conn_id
+    expected: str | None = None
+    if task.cluster.namespace:
+        expected, source = task.cluster.namespace, f"from the {task.task_id} task's cluster.namespace"
+    else:
+        try:
+            # KubernetesHook answers a missing kubernetes_default with an empty connection: ask Airflow itself
+            BaseHook.get_connection(conn_id)
+        except AirflowNotFoundException:
+            source = f"the default: no cluster.namespace and no Airflow connection {conn_id}"
+        else:
+            expected = task.hook.get_namespace()
+            source = (f"from Airflow connection {conn_id}" if expected
+                      else f"the default: no cluster.namespace, and Airflow connection {conn_id} names none")
+    if (expected or "default") != namespace:  # the operator resolved it otherwise than this reads it
+        source = f"as the {task.task_id} task resolves it"
+    return source
+
+
 def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None) -> list[dict[str, Any]]:
     """Every Kubernetes object a run with `conf` creates, in creation order (none on a backend that submits no
     MPIJob, such as local; `auto` is planned as kubernetes, what it is where the cluster connection exists)."""
+    return plan_explained(conf, run_id=run_id, dag=dag).objects
+
+
+def plan_explained(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None) -> Plan:
+    """`plan`'s objects, with their namespace and where it came from (`namespace_source`)."""
     dag = dag if dag is not None else load_dag()
     params = effective_params(dag, conf)
     name = str(params.get("backend") or AUTO)
     kind = backend_class("kubernetes" if name == AUTO else name)
     if not kind.renders_mpijob:
-        return []
+        return Plan([])
     from operators.horovod import HorovodKubernetesOperator
 
     task = copy.deepcopy(dag.get_task(TRAIN_TASK))
@@ -123,7 +164,9 @@ def plan(conf: Mapping[str, Any], *, run_id: str = PLAN_RUN_ID, dag: Any = None)
         backend = task.make_backend("kubernetes" if name == AUTO else name)
         task.check_elastic(backend)  # as execute refuses before submitting: elastic with Kueue, say
         # The namespace as the task resolves it: cluster.namespace, else the connection's, else "default".
-        return [backend.render(task.identity_from(context), backend.run.namespace())]
+        namespace = backend.run.namespace()
+        return Plan([backend.render(task.identity_from(context), namespace)], namespace,
+                    namespace_source(task, namespace))
     except InvalidJobConfig as err:
         raise PlanError(f"{TRAIN_TASK}: {err}") from err
 
@@ -197,9 +240,21 @@ def plan_at_ref(ref: str, conf: Mapping[str, Any], run_id: str, repo: Path = REP
     return [o for o in yaml.safe_load_all(done.stdout) if o]
 
 
-def render_yaml(objects: list[dict[str, Any]]) -> str:
+def render_yaml(objects: list[dict[str, Any]], namespace_source: str | None = None) -> str:
+    """The objects as YAML documents; with `namespace_source`, each object's `metadata.namespace` line says where
+    the namespace came from, in a comment beside it."""
     import yaml
 
     if not objects:
         return "# this run's backend creates no Kubernetes objects (backend=local: horovodrun on the Airflow worker)\n"
-    return yaml.safe_dump_all(objects, sort_keys=False)
+    text = yaml.safe_dump_all(objects, sort_keys=False)
+    if not namespace_source:
+        return text
+    lines, in_metadata = [], False
+    for line in text.splitlines():
+        if line == "---" or (line and not line.startswith((" ", "- "))):  # a document or a top-level key begins
+            in_metadata = line == "metadata:"
+        elif in_metadata and line.startswith("  namespace: "):
+            line += f"  # {namespace_source}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"

@@ -233,3 +233,52 @@ def test_the_namespace_is_resolved_as_the_task_resolves_it_and_placeholders_are_
     (job,) = list(yaml.safe_load_all(out))
     assert job["metadata"]["namespace"] == "nightshift"
     assert "placeholders, filled in at run time: md5:dataset-version" in err
+    # and where it came from, beside it and on stderr
+    assert "\n  namespace: nightshift  # from Airflow connection kubernetes_default\n" in out
+    assert "nightshift plan: namespace nightshift (from Airflow connection kubernetes_default)" in err
+
+
+def test_plan_says_the_namespace_is_the_default_and_why(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside a cluster (no connection, no cluster.namespace) the namespace is "default", and plan says so."""
+    monkeypatch.delenv("AIRFLOW_CONN_KUBERNETES_DEFAULT", raising=False)
+    code, out, err = plan_here({"backend": "kubernetes"}, monkeypatch, capsys)
+    assert code == 0, err
+    (job,) = list(yaml.safe_load_all(out))
+    assert job["metadata"]["namespace"] == "default"
+    why = "the default: no cluster.namespace and no Airflow connection kubernetes_default"
+    assert f"namespace default ({why})" in err, err
+    assert f"\n  namespace: default  # {why}\n" in out
+
+
+def test_the_tasks_cluster_namespace_comes_before_the_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from nightshift_plan.plan import load_dag, plan_explained, render_yaml
+
+    connection = json.dumps({"conn_type": "kubernetes", "extra": {"namespace": "nightshift"}})
+    for name, value in {"NIGHTSHIFT_HOME": "/nightshift", "MLFLOW_TRACKING_URI": TRACKING,
+                        "AIRFLOW__CORE__FERNET_KEY": "planted-fernet",
+                        "AIRFLOW_CONN_KUBERNETES_DEFAULT": connection}.items():
+        monkeypatch.setenv(name, value)
+    dag = load_dag()
+    train = dag.get_task("train")
+    train._use(cluster=dataclasses.replace(train.cluster, namespace="team-a"))  # ClusterConfig(namespace=...)
+    planned = plan_explained({"backend": "kubernetes"}, dag=dag)
+    assert planned.objects[0]["metadata"]["namespace"] == planned.namespace == "team-a"
+    assert planned.namespace_source == "from the train task's cluster.namespace"
+    assert "\n  namespace: team-a  # from the train task's cluster.namespace\n" in render_yaml(
+        planned.objects, planned.namespace_source)
+    assert plan_explained({"backend": "local"}, dag=dag).namespace is None  # no object, no namespace
+
+
+def test_only_each_objects_own_namespace_line_gets_the_comment() -> None:
+    from nightshift_plan.plan import render_yaml
+
+    objects = [{"kind": "MPIJob", "metadata": {"name": "a", "namespace": "ns"},
+                "spec": {"template": {"metadata": {"namespace": "ns"}}, "args": ["namespace: ns"]}},
+               {"kind": "ConfigMap", "metadata": {"namespace": "ns", "name": "b"}}]
+    text = render_yaml(objects, "from here")
+    assert text.count("# from here") == 2 and "  namespace: ns  # from here\n  name: b\n" in text
+    assert list(yaml.safe_load_all(text)) == objects
+    assert render_yaml(objects) == yaml.safe_dump_all(objects, sort_keys=False)
