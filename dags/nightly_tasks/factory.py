@@ -33,7 +33,7 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from nightly_tasks import steps
 from nightly_tasks.adapters import GXDataGateOperator, OptionalApprovalOperator
-from nightly_tasks.events import retrain_schedule
+from nightly_tasks.events import event_pipelines, events_connection, retrain_schedule
 from nightshift.deploy import target_names
 from nightshift.tasks import BINARY
 from operators.backends import backend_choices, backend_help
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from nightshift.pipelines import Pipeline
 
 CRON_ENV = "NIGHTSHIFT_RETRAIN_CRON"
+# Schedules Airflow takes that are no cron: with new-data events the cron goes into a CronTriggerTimetable, which
+# refuses them when the DAG is parsed.
+NOT_A_CRON = ("@once", "@continuous")
 RETRY_DELAY_ENV = "NIGHTSHIFT_TRAIN_RETRY_DELAY_S"
 DECLARATION_SUFFIXES = (".yaml", ".yml")
 START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
@@ -91,6 +94,7 @@ def pipeline_dag(declaration: Pipeline | str | os.PathLike[str]) -> DAG:
     try:
         pipeline = read_declaration(declaration)
         check_declared_backend(pipeline)
+        check_schedule(pipeline)
         check_local_horovod(pipeline)
     except (PipelineInvalid, HorovodUnusable) as err:
         return invalid_dag(declaration, err)
@@ -131,6 +135,27 @@ def check_declared_backend(pipeline: Pipeline) -> None:
         check_backend(pipeline.training.backend)
     except UsageError as err:
         raise PipelineInvalid(str(pipeline.source or pipeline.dag_id), [f"training.backend: {err}"]) from err
+
+
+def check_schedule(pipeline: Pipeline) -> None:
+    """PipelineInvalid naming the file and where the schedule came from when Airflow would refuse the DAG's
+    schedule as it parses the DAG, naming neither: a NIGHTSHIFT_RETRAIN_CRON that is no valid cron (the declared
+    schedule was checked when the declaration was loaded), or a preset that is no cron (@once, @continuous) where
+    new-data events start the pipeline on its cron or an event (retrain_schedule makes a cron timetable of it)."""
+    from nightshift.pipelines import PipelineInvalid
+    from nightshift.pipelines.load import cron_problems
+
+    override = os.environ.get(CRON_ENV)
+    key = f"{CRON_ENV} (the deployment's override of schedule)" if override is not None else "schedule"
+    cron = schedule_cron(pipeline)
+    problems = cron_problems(cron) if cron is not None and override is not None else []
+    if not problems and cron in NOT_A_CRON and events_connection() is not None \
+            and pipeline.dag_id in event_pipelines():
+        problems = [f"{cron!r} is no cron, and new-data events (NIGHTSHIFT_EVENTS_CONN_ID or "
+                    f"NIGHTSHIFT_EVENTS_REDIS_URL) start this pipeline on its cron or an event; give a cron, or null "
+                    f"for events alone"]
+    if problems:
+        raise PipelineInvalid(str(pipeline.source or pipeline.dag_id), [f"{key}: {line}" for line in problems])
 
 
 def read_declaration(declaration: Pipeline | str | os.PathLike[str]) -> Pipeline:

@@ -322,17 +322,25 @@ def _metric_problems(data: Mapping[str, Any]) -> list[str]:
 def _schedule_problems(data: Mapping[str, Any]) -> list[str]:
     """A cron schedule Airflow would refuse when it parses the DAG (naming neither file nor key), named here."""
     schedule = data.get("schedule")
-    if not isinstance(schedule, str) or schedule.startswith("@"):
-        return []
-    from croniter import croniter
+    return [f"schedule: {problem}" for problem in cron_problems(schedule)] if isinstance(schedule, str) else []
 
-    if croniter.is_valid(schedule):
-        try:
-            croniter(schedule).get_next(float)  # a day that never comes (30 February) fails only here
+
+def cron_problems(schedule: str) -> list[str]:
+    """What Airflow would refuse in the schedule text `schedule` when it parses the DAG, naming neither file nor
+    key (without the key: the caller names it): not of the schema's form (a preset it lists, or five fields), a
+    cron croniter does not take, or one that never fires. The DAG factory checks NIGHTSHIFT_RETRAIN_CRON with it."""
+    if re.fullmatch(schema()["properties"]["schedule"]["pattern"], schedule) is not None:
+        if schedule.startswith("@"):
             return []
-        except Exception as err:
-            return [f"schedule: {schedule!r} never fires ({err}); name a day that exists, e.g. '0 2 28 2 *'"]
-    return [f"schedule: {schedule!r} is not a valid cron expression (minute hour day-of-month month day-of-week, "
+        from croniter import croniter
+
+        if croniter.is_valid(schedule):
+            try:
+                croniter(schedule).get_next(float)  # a day that never comes (30 February) fails only here
+                return []
+            except Exception as err:
+                return [f"{schedule!r} never fires ({err}); name a day that exists, e.g. '0 2 28 2 *'"]
+    return [f"{schedule!r} is not a valid cron expression (minute hour day-of-month month day-of-week, "
             f"e.g. '0 2 * * *' for 02:00 every day); fix it, or use a preset like '@daily'"]
 
 

@@ -133,6 +133,31 @@ def test_new_data_events_start_only_the_listed_pipelines(monkeypatch: pytest.Mon
     assert type(factory.pipeline_dag(_second(tmp_path)).timetable).__name__ == "AssetOrTimeSchedule"
 
 
+def test_a_schedule_airflow_refuses_at_parse_fails_the_dag_file_naming_file_and_key(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 34 item 8: with new-data events on, `schedule: '@once'` (valid without them) became a cron timetable
+    that Airflow refused at parse, naming neither file nor key; an invalid NIGHTSHIFT_RETRAIN_CRON did the same to
+    every DAG."""
+    factory = _factory()
+    path = _declare(tmp_path, "once", dag_id="once_retrain", model_name="once", schedule="@once",
+                    **{"dataset.asset": "once"})
+    assert type(factory.pipeline_dag(path).timetable).__name__ == "OnceTimetable"
+    monkeypatch.setenv("NIGHTSHIFT_EVENTS_CONN_ID", "redis_events")
+    monkeypatch.setenv("NIGHTSHIFT_EVENTS_PIPELINES", "once_retrain")
+    dag = factory.pipeline_dag(path)
+    assert isinstance(dag, factory.InvalidPipelineDag), dag.timetable
+    assert str(dag.problem) == (
+        f"{path}: schedule: '@once' is no cron, and new-data events (NIGHTSHIFT_EVENTS_CONN_ID or "
+        f"NIGHTSHIFT_EVENTS_REDIS_URL) start this pipeline on its cron or an event; give a cron, or null for events "
+        f"alone")
+    assert type(factory.pipeline_dag(DIGITS_YAML).timetable).__name__ == "CronTriggerTimetable"  # not listed
+    monkeypatch.setenv("NIGHTSHIFT_RETRAIN_CRON", "99 99 * * *")
+    dag = factory.pipeline_dag(DIGITS_YAML)
+    assert isinstance(dag, factory.InvalidPipelineDag)
+    assert str(dag.problem).startswith(f"{DIGITS_YAML}: NIGHTSHIFT_RETRAIN_CRON (the deployment's override of "
+                                       f"schedule): '99 99 * * *' is not a valid cron expression")
+
+
 def test_a_second_declaration_gives_a_second_dag_sharing_nothing(tmp_path: Path, nightshift_home: Path) -> None:
     from nightly_tasks import steps
 
