@@ -186,9 +186,10 @@ def invalid_dag(declaration: Pipeline | str | os.PathLike[str], problem: Excepti
     """The stand-in for a DAG of the invalid `declaration` (`suffix`: which DAG of the file), failing its import
     with `problem`."""
     from nightshift.pipelines import Pipeline
+    from nightshift.pipelines.spec import INVALID_DAG_PREFIX
 
     name = declaration.dag_id if isinstance(declaration, Pipeline) else declaration_path(declaration).stem
-    placeholder = InvalidPipelineDag(dag_id=f"invalid_pipeline__{_safe_id(name)}{suffix}", schedule=None,
+    placeholder = InvalidPipelineDag(dag_id=f"{INVALID_DAG_PREFIX}{_safe_id(name)}{suffix}", schedule=None,
                                      start_date=START_DATE, tags=["nightshift"])
     placeholder.problem = problem
     return placeholder

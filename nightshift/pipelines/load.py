@@ -24,6 +24,9 @@ import yaml
 from nightshift.errors import UsageError
 from nightshift.pipelines.spec import (
     GX_PREFIX,
+    INVALID_DAG_PREFIX,
+    PROJECT_DAG_IDS,
+    SEARCH_DAG_SUFFIX,
     DataLocation,
     DatasetSpec,
     DeploySpec,
@@ -319,6 +322,22 @@ def _metric_problems(data: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _dag_id_problems(data: Mapping[str, Any]) -> list[str]:
+    """A dag_id another DAG of the project takes (Airflow keeps one DAG per dag_id and fails the other file): the
+    project's own DAG files', another pipeline's model search DAG's, an invalid declaration's stand-in's."""
+    dag_id = data["dag_id"]
+    if dag_id in PROJECT_DAG_IDS:
+        taken = f"is the dag_id of the project's own DAG dags/{dag_id}.py"
+    elif dag_id.endswith(SEARCH_DAG_SUFFIX):
+        taken = (f"ends with {SEARCH_DAG_SUFFIX!r}, the dag_id of pipeline "
+                 f"{dag_id.removesuffix(SEARCH_DAG_SUFFIX)!r}'s model search DAG")
+    elif dag_id.startswith(INVALID_DAG_PREFIX):
+        taken = f"begins with {INVALID_DAG_PREFIX!r}, the dag_id of the stand-in DAG of a declaration that is not valid"
+    else:
+        return []
+    return [f"dag_id: {dag_id!r} {taken}; choose another dag_id"]
+
+
 def _schedule_problems(data: Mapping[str, Any]) -> list[str]:
     """A cron schedule Airflow would refuse when it parses the DAG (naming neither file nor key), named here."""
     schedule = data.get("schedule")
@@ -413,7 +432,8 @@ def pipeline_from_dict(data: Mapping[str, Any], *, base_dir: str | Path | None =
         raise PipelineInvalid(label, problems)
     filled = _with_defaults(data, schema())
     filled["gate"], problems = gate_with_task_defaults(filled["task"], filled["gate"])
-    problems += _metric_problems(filled) + _data_problems(filled) + _schedule_problems(filled)
+    problems += (_dag_id_problems(filled) + _metric_problems(filled) + _data_problems(filled)
+                 + _schedule_problems(filled))
     suite_path = None
     try:
         suite_path = resolve_suite(filled["suite"], folder)

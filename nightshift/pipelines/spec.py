@@ -26,6 +26,11 @@ TABULAR = "tabular"
 NO_MISSING_VALUES = frozenset({TABULAR, "digits"})
 # A pipeline's model search DAG is named `<dag_id>__search` (nightly_tasks.search; the demo's is model_search).
 SEARCH_DAG_SUFFIX = "__search"
+# The dag_ids of the project's own DAG files (dags/model_search.py, dags/nightshift_maintenance.py: their DAG_ID), and
+# the prefix of the stand-in DAG the factory makes for a declaration that is not valid: no declaration may take one
+# (Airflow keeps one DAG per dag_id and fails the other file).
+PROJECT_DAG_IDS = ("model_search", "nightshift_maintenance")
+INVALID_DAG_PREFIX = "invalid_pipeline__"
 
 
 def frozen(value: Any) -> Any:

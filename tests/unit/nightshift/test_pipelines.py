@@ -7,6 +7,7 @@ import ast
 import copy
 import dataclasses
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -641,3 +642,25 @@ def test_a_schedule_that_never_fires_is_refused(folder: Path) -> None:
     path = declare(folder, schedule="0 0 30 2 *")
     (problem,) = problems_of(path)
     assert problem.startswith(f"{path}: schedule: '0 0 30 2 *' never fires (") and "'0 2 28 2 *'" in problem
+
+
+@pytest.mark.parametrize(("dag_id", "says"), [
+    ("model_search", "is the dag_id of the project's own DAG dags/model_search.py"),
+    ("nightshift_maintenance", "is the dag_id of the project's own DAG dags/nightshift_maintenance.py"),
+    ("churn_retrain__search", "ends with '__search', the dag_id of pipeline 'churn_retrain''s model search DAG"),
+    ("invalid_pipeline__churn", "begins with 'invalid_pipeline__', the dag_id of the stand-in DAG"),
+])
+def test_a_dag_id_another_dag_of_the_project_takes_is_refused(folder: Path, dag_id: str, says: str) -> None:
+    """Airflow keeps one DAG per dag_id and fails the other file: a declaration named like the project's own DAGs,
+    or like another pipeline's search DAG, passed pipeline check and lost to (or hid) that DAG at parse."""
+    path = declare(folder, dag_id=dag_id)
+    (problem,) = problems_of(path)
+    assert problem.startswith(f"{path}: dag_id: {dag_id!r} {says}") and problem.endswith("; choose another dag_id")
+
+
+def test_the_reserved_dag_ids_are_those_of_the_projects_dag_files() -> None:
+    from nightshift.pipelines.spec import PROJECT_DAG_IDS
+
+    found = {match for py in (REPO / "dags").glob("*.py")
+             for match in re.findall(r'^DAG_ID = "([^"]+)"', py.read_text(), re.M)}
+    assert set(PROJECT_DAG_IDS) == found
