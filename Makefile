@@ -88,7 +88,7 @@ constraints: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(MKDOCS) --quiet
+	set -o pipefail; $(MKDOCS) 2>&1 | { grep -v "^INFO" || true; }  # not --quiet: it hides the warnings strict counts
 
 # The documentation site (mkdocs.yml, docs/), strictly: a broken link, a page missing from the nav or a reference
 # page the generator cannot build (scripts/gen_reference.py) fails it. Into site/; `make lint` builds it too.
