@@ -1,10 +1,11 @@
 """Checks of a pipeline that the schema cannot make and a run would fail on.
 
 `check_declaration`: the loader and the model exist (by name or import path), the model takes the declared
-arguments and the loader its options (their signatures), and the suite lets through no missing value the loader
-refuses. `check_against_data`: against the train split, from its Parquet schema (and its label column alone): the
-label column is there, the suite names only columns the data has, the `tabular` features are numeric, a declared
-positive class is one of the labels, and the suite holds every column a loader refusing nulls reads to no nulls.
+arguments and the loader its options (their signatures) and the declared task, and the suite lets through no
+missing value the loader refuses. `check_against_data`: against the train split, from its Parquet schema (and its
+label column alone): the label column is there, the suite names only columns the data has, the `tabular` features
+are numeric, a declared positive class is one of the labels, and the suite holds every column a loader refusing
+nulls reads to no nulls.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nightshift.errors import UsageError
-from nightshift.pipelines.spec import NO_MISSING_VALUES, TABULAR, Pipeline
+from nightshift.pipelines.spec import LOADER_TASKS, NO_MISSING_VALUES, TABULAR, Pipeline
 from nightshift.tasks import BINARY
 
 # Expectation kwargs that name columns (GX's and nightshift.data.expectations').
@@ -57,6 +58,13 @@ def takes_missing_values(loader: str, factory: Any = None) -> bool:
     """Whether the dataset loader `loader` (its factory, when already found) can use a missing value in a feature
     or the label: not the built-ins (NO_MISSING_VALUES); a plugin's unless it sets `takes_missing_values = False`."""
     return loader not in NO_MISSING_VALUES and bool(getattr(factory, "takes_missing_values", True))
+
+
+def loader_tasks(loader: str, factory: Any = None) -> tuple[str, ...] | None:
+    """The tasks the dataset loader `loader` (its factory, when already found) loads, or None for any: a built-in's
+    (LOADER_TASKS), a plugin's `tasks` attribute."""
+    tasks = LOADER_TASKS.get(loader, getattr(factory, "tasks", None))
+    return tuple(str(t) for t in tasks) if isinstance(tasks, list | tuple) else None
 
 
 def nulls_let_through(suite: dict[str, Any], columns: Iterable[str] | None) -> list[tuple[str, list[str]]]:
@@ -107,6 +115,11 @@ def check_declaration(pipeline: Pipeline) -> list[str]:
         options = keyword_arguments(loader, supplied=LOADER_ARGUMENTS)
         problems.extend(_unknown_arguments(source, "dataset.options", f"loader {pipeline.dataset.loader!r}",
                                            pipeline.dataset.options, options, "option"))
+        tasks = loader_tasks(pipeline.dataset.loader, loader)
+        if tasks is not None and pipeline.task not in tasks:
+            problems.append(f"{source}: task: loader {pipeline.dataset.loader!r} loads a {' or '.join(tasks)} task "
+                            f"only, not {pipeline.task}; declare task {' or '.join(tasks)}, or a loader for a "
+                            f"{pipeline.task} task (e.g. {TABULAR})")
     model = _factory(MODELS, pipeline.model.name, f"{source}: model.name", problems)
     if model is not None:
         problems.extend(f"{source}: model.kwargs.{name}: set by the trainer from the data ({', '.join(MODEL_ARGUMENTS)}"

@@ -24,6 +24,9 @@ TABULAR = "tabular"
 # Loaders that cannot use a missing value in a feature or the label: `tabular` refuses any, `digits` would train on
 # NaN. A plugin's loader says so with an attribute `takes_missing_values = False` (nightshift.pipelines.check).
 NO_MISSING_VALUES = frozenset({TABULAR, "digits"})
+# The tasks a built-in loader loads, where not every task (`tabular`: any): `digits` is the demo's ten classes. A
+# plugin's loader says so with an attribute `tasks = ("regression",)` (nightshift.pipelines.check).
+LOADER_TASKS = {"digits": ("multiclass",)}
 # A pipeline's model search DAG is named `<dag_id>__search` (nightly_tasks.search; the demo's is model_search).
 SEARCH_DAG_SUFFIX = "__search"
 # The dag_ids of the project's own DAG files (dags/model_search.py, dags/nightshift_maintenance.py: their DAG_ID), and

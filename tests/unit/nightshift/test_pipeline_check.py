@@ -110,6 +110,27 @@ def test_the_digits_loader_takes_no_option_and_check_says_so(folder: Path) -> No
         f"{path}: dataset.options.label: loader 'digits' takes no option 'label' (its signature); it takes no option"]
 
 
+def loader_of_regression(data_dir: str, split: str, *, task: str = "regression") -> None:
+    """A plugin's loader that loads regression tasks only, and says so."""
+
+
+loader_of_regression.tasks = ("regression",)  # type: ignore[attr-defined]
+
+
+def test_a_task_the_loader_does_not_load_is_named(folder: Path) -> None:
+    """The digits loader loads a multiclass task only: a binary declaration of it passed pipeline check and failed
+    in training ("dataset 'digits' is a multiclass task, not 'binary'")."""
+    path = declare(folder, dataset={"loader": "digits", "label": "label"})
+    assert check_declaration(load_pipeline(path)) == [
+        f"{path}: task: loader 'digits' loads a multiclass task only, not binary; declare task multiclass, or a "
+        f"loader for a binary task (e.g. tabular)"]
+    plugin = declare(folder, dataset={"loader": f"{MODULE}:loader_of_regression"})
+    assert check_declaration(load_pipeline(plugin)) == [
+        f"{plugin}: task: loader '{MODULE}:loader_of_regression' loads a regression task only, not binary; declare "
+        f"task regression, or a loader for a binary task (e.g. tabular)"]
+    assert check_declaration(load_pipeline(declare(folder))) == []  # tabular loads any task
+
+
 # ---- nulls the loader refuses --------------------------------------------------------------------------------------
 
 LENIENT = {"type": "expect_column_values_to_not_be_null", "kwargs": {"column": "mean_radius", "mostly": 0.9},
