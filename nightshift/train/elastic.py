@@ -15,10 +15,10 @@ each commit rank 0 turns the seconds into steps at the pace of the steps since t
 most doubles from one commit to the next, and starts at one step) and sends that to every rank with the commit
 (`next_commit_interval`). Every rank also commits at each epoch's end, after the shared evaluation and the
 per-epoch hook: time that no step pace foresees, which a lost host would otherwise redo on top of the steps (that
-commit keeps the interval planned before). A lost host therefore rolls back at most about `commit_seconds` of
-training at the pace measured before (a step that slows down stretches it in proportion until the next commit
-measures again), plus the part of an epoch's end it interrupted, and a host that is added waits up to as long to be
-taken in.
+commit measures the steps' pace up to the end of the epoch's last step, leaving the epoch's end out). A lost host
+therefore rolls back at most about `commit_seconds` of training at the pace measured before (a step that slows down
+stretches it in proportion until the next commit measures again), plus the part of an epoch's end it interrupted,
+and a host that is added waits up to as long to be taken in.
 
 Samples. An epoch's order is a pure function of the seed and the epoch (a permutation of the training split,
 as `DistributedSampler` draws it). A step takes the next `batch_size * world_size` samples of that order (fewer
@@ -265,9 +265,10 @@ class ElasticTrainer(Trainer):
         if self.is_chief and state.disk_checked:
             self._forget_metrics_after(self.step)
 
-    def _commit(self, state: Any, epoch: int, processed: int, samples_done: int, epoch_end: bool = False) -> None:
+    def _commit(self, state: Any, epoch: int, processed: int, samples_done: int,
+                steps_ended: float | None = None) -> None:
         started = _clock()
-        interval = self._next_commit_interval(started, epoch_end)
+        interval = self._next_commit_interval(started if steps_ended is None else steps_ended)
         state.epoch, state.processed, state.samples_done, state.step = epoch, processed, samples_done, self.step
         state.epoch_loss = (self.epoch_loss[0], self.epoch_loss[1])
         state.scaler = self.scaler.state_dict()
@@ -282,15 +283,16 @@ class ElasticTrainer(Trainer):
             self.commit_time += now - started
             self._pace = (now, self.step)
 
-    def _next_commit_interval(self, now: float, epoch_end: bool = False) -> int:
+    def _next_commit_interval(self, steps_ended: float) -> int:
         """Rank 0's `next_commit_interval` from its pace since the last commit, on every rank (a broadcast: ranks must
-        commit at the same step, and their clocks differ). At an epoch's end the time since the last commit holds
-        the evaluation, which says nothing of the steps' pace: the interval planned before is kept."""
+        commit at the same step, and their clocks differ). `steps_ended`: when the last step ended; at an epoch's end
+        that is before the evaluation and the per-epoch hook, which say nothing of the steps' pace (keeping the
+        interval planned before there instead left a slowdown of the steps since the last commit unmeasured for a
+        whole stale interval after the epoch's end)."""
         plan = None
         if self.is_chief:
-            steps = 0 if epoch_end else self.step - self._pace[1]
-            plan = next_commit_interval(self.config.commit_seconds, steps, now - self._pace[0],
-                                        self.commit_interval, self.config.commit_every)
+            plan = next_commit_interval(self.config.commit_seconds, self.step - self._pace[1],
+                                        steps_ended - self._pace[0], self.commit_interval, self.config.commit_every)
         return int(self.hvd.broadcast_object(plan, root_rank=0, name="nightshift.elastic.commit_plan"))
 
     # -- checkpoints on disk -----------------------------------------------------------------
@@ -429,7 +431,9 @@ class ElasticTrainer(Trainer):
                 window_start, window_steps, window_loss, window_samples = now, 0, 0.0, 0
             stop = False
             epoch_done = processed >= self.n_train
+            steps_ended: float | None = None
             if epoch_done:
+                steps_ended = _clock()  # the steps' pace, for the epoch-end commit, leaves the epoch's end out
                 epoch_metrics = self._end_epoch(epoch)
                 stop = self._hook_says_stop(epoch + 1, epoch_metrics)
                 epoch, processed = epoch + 1, 0
@@ -441,7 +445,7 @@ class ElasticTrainer(Trainer):
             # Every rank knows an epoch's end at the same step: a commit there, after the shared evaluation and
             # the per-epoch hook, keeps that time (no step pace foresees it) out of what a lost host makes redo.
             if not finished and (epoch_done or self.step >= self.commit_at):
-                self._commit(state, epoch, processed, samples_done, epoch_end=epoch_done)
+                self._commit(state, epoch, processed, samples_done, steps_ended=steps_ended)
         return epoch_metrics
 
     def _end_epoch(self, epoch: int) -> dict[str, float]:

@@ -415,3 +415,38 @@ def test_an_enormous_commit_seconds_plans_no_overflow() -> None:
 
     assert next_commit_interval(1e308, steps=10, elapsed=1.0, previous=4) == 8
     assert next_commit_interval(10.0, steps=10**6, elapsed=1e-300, previous=4) == 8
+
+
+def test_the_epoch_end_commit_measures_the_steps_pace(demo_data: Path, tmp_path: Path, hvd: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of 033d4b1: the commit at an epoch's end kept the interval planned before and counted it from the
+    epoch's end, so a slowdown the steps since the last commit showed went unmeasured there and the next commit came
+    a whole stale interval later. Here steps take 1 ms, then 1 s after the commit of step 31 (interval 32 planned at
+    the fast pace): the epoch-end commit of step 40 kept 32 steps, 32 s of training a lost host would redo at
+    --commit-seconds 3. The docs promise a slowdown stretches the bound only until the next commit. The pace is
+    measured up to the end of the epoch's last step, so the evaluation and the hook still count for nothing."""
+    from nightshift.train import elastic
+
+    step_once = elastic.ElasticTrainer._backward_and_step
+
+    def slow_down(self: Any, loss: torch.Tensor) -> None:
+        elastic._clock.per_step = 1.0 if self.step >= 31 else 0.001  # type: ignore[attr-defined]  # _elastic_fit's
+        step_once(self, loss)
+
+    evaluate_once = elastic.ElasticTrainer.evaluate_shared
+
+    def slow_evaluate(self: Any, split: Any) -> dict[str, float]:
+        elastic._clock.now += 30.0  # type: ignore[attr-defined]  # an evaluation, not a step: no pace in it
+        return evaluate_once(self, split)
+
+    monkeypatch.setattr(elastic.ElasticTrainer, "_backward_and_step", slow_down)
+    monkeypatch.setattr(elastic.ElasticTrainer, "evaluate_shared", slow_evaluate)
+    summary, commits = _elastic_fit(demo_data, tmp_path, hvd, monkeypatch, per_step=0.001, commit_seconds=3)
+    assert [step for step, _ in commits[:6]] == [0, 1, 3, 7, 15, 31]
+    assert 40 in {step for step, _ in commits}, commits
+    # From the epoch-end commit on, the pace is known (9 steps in 9 s, the 30 s evaluation left out): 3 steps of 1 s
+    # between commits, never more.
+    later = [step for step, _ in commits if step >= 40]
+    assert later[:3] == [40, 43, 46], commits
+    assert max(b - a for a, b in itertools.pairwise(later)) <= 3, commits
+    assert summary["elastic"]["commits"] == len(commits)
