@@ -9,5 +9,6 @@ oracle that is independent of the pipeline's gate.
 - `faults`: the faults a night may suffer;
 - `runner`: the season itself, night by night, and its table.
 
-`python -m bench season --nights N` (bench/bench_season.py) runs one; tests/integration/test_season.py a short one.
+`python -m bench season --nights N` (bench/bench_season.py) runs one (the short-season integration test is in
+history, ff0fd8c^, until it fits CI's budget).
 """

@@ -1,5 +1,6 @@
 """Every shell block of the documentation is a command to run as written, or marked as something else
-(tests/docs_commands.py has the convention; tests/integration/test_docs_commands.py runs the blocks of four pages).
+(tests/docs_commands.py has the convention and the runner; no test runs the pages' blocks end to end yet: that
+integration module is in history, ff0fd8c^, until it passes in a full CI run).
 
 Here, without running the pages: every block's marking, the shell syntax of each runnable block, the arguments of
 each `nightshift` command they show against the CLI's own parsers, and the runner itself on small pages of its own:
