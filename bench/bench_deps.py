@@ -85,16 +85,23 @@ def schedule(repeats: int) -> list[tuple[int, str, str]]:
 
 
 def table(runs: dict[str, list[dict[str, float]]]) -> str:
-    """A Markdown table of each measure's median in the old and the new set, with new/old and the runs counted."""
+    """A Markdown table of each measure's median in the old and the new set, new/old of the medians, new/old of
+    each repeat's pair of runs (the n-th old run with the n-th new one, next to each other in time: median, min-max)
+    and the runs counted."""
     names = list(dict.fromkeys(name for which in ("old", "new") for run in runs.get(which, []) for name in run))
-    lines = ["| measure | old (median) | new (median) | new / old | runs (old, new) |", "|---|---|---|---|---|"]
+    lines = ["| measure | old (median) | new (median) | new / old | new / old per repeat (min-max) | runs (old, new) |",
+             "|---|---|---|---|---|---|"]
     for name in names:
         values = {which: [run[name] for run in runs.get(which, []) if name in run] for which in ("old", "new")}
         med = {which: statistics.median(v) if v else None for which, v in values.items()}
         old, new = med["old"], med["new"]
         ratio = f"{new / old:.3f}" if old and new is not None else "—"
+        pairs = [b[name] / a[name] for a, b in zip(runs.get("old", []), runs.get("new", []), strict=False)
+                 if a.get(name) and name in b]
+        paired = f"{statistics.median(pairs):.3f} ({min(pairs):.3f}-{max(pairs):.3f})" if pairs else "—"
         cells = [f"{m:.3f}" if m is not None else "—" for m in (old, new)]
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio} | {len(values['old'])}, {len(values['new'])} |")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio} | {paired} | "
+                     f"{len(values['old'])}, {len(values['new'])} |")
     return "\n".join(lines)
 
 

@@ -42,11 +42,12 @@ def test_the_table_has_each_sets_median_and_new_over_old() -> None:
     runs = {"old": [{"parse (s)": 2.0, "ratio": 1.0}, {"parse (s)": 4.0, "ratio": 1.2}, {"parse (s)": 3.0}],
             "new": [{"parse (s)": 3.3, "ratio": 1.1}, {"parse (s)": 3.0}, {"parse (s)": 9.0}]}
     lines = table(runs).splitlines()
-    assert lines[0].startswith("| measure | old (median) | new (median) | new / old |")
-    assert lines[2] == "| parse (s) | 3.000 | 3.300 | 1.100 | 3, 3 |"
-    assert lines[3] == "| ratio | 1.100 | 1.100 | 1.000 | 2, 1 |"
+    assert lines[0].startswith("| measure | old (median) | new (median) | new / old | new / old per repeat")
+    # per repeat: 3.3/2, 3/4, 9/3
+    assert lines[2] == "| parse (s) | 3.000 | 3.300 | 1.100 | 1.650 (0.750-3.000) | 3, 3 |"
+    assert lines[3] == "| ratio | 1.100 | 1.100 | 1.000 | 1.100 (1.100-1.100) | 2, 1 |"
 
 
 def test_a_measure_one_set_lacks_has_no_ratio() -> None:
     lines = table({"old": [{"a": 1.0}], "new": [{"b": 2.0}]}).splitlines()
-    assert lines[2:] == ["| a | 1.000 | — | — | 1, 0 |", "| b | — | 2.000 | — | 0, 1 |"]
+    assert lines[2:] == ["| a | 1.000 | — | — | — | 1, 0 |", "| b | — | 2.000 | — | — | 0, 1 |"]
