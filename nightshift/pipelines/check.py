@@ -30,6 +30,8 @@ LOADER_ARGUMENTS = ("data_dir", "split", "task")
 MODEL_ARGUMENTS = ("input_shape", "num_classes")
 # Null rules: the one-column GX rule and the wide one of nightshift.data.expectations; `mostly` < 1 lets nulls in.
 _NOT_NULL = ("expect_column_values_to_not_be_null", "expect_columns_values_to_not_be_null")
+# GX's share of non-null values: with min_value 1, a not-null rule too.
+_NON_NULL_SHARE = "expect_column_proportion_of_non_null_values_to_be_between"
 
 
 def _named_columns(kwargs: dict[str, Any]) -> list[str]:
@@ -86,15 +88,20 @@ def nulls_let_through(suite: dict[str, Any], columns: Iterable[str] | None) -> l
     return found
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def nulls_unguarded(suite: dict[str, Any], columns: Iterable[str]) -> list[str]:
-    """The `columns` that no strict not-null rule of `suite` covers (no `mostly`, or `mostly` 1): a suite that says
-    nothing of nulls in a column lets them through as surely as a lenient rule does."""
+    """The `columns` that no strict not-null rule of `suite` covers (no `mostly`, or `mostly` 1; or a share of
+    non-null values of at least 1): a suite that says nothing of nulls in a column lets them through as surely as
+    a lenient rule does."""
     covered: set[str] = set()
     for expectation in suite.get("expectations", []):
         kind, kwargs = str(expectation.get("type")), expectation.get("kwargs", {})
-        mostly = kwargs.get("mostly")
-        if kind in _NOT_NULL and (mostly is None or (isinstance(mostly, int | float) and not isinstance(mostly, bool)
-                                                     and mostly >= 1)):
+        mostly, least = kwargs.get("mostly"), kwargs.get("min_value")
+        if (kind in _NOT_NULL and (mostly is None or (_number(mostly) and mostly >= 1))) \
+                or (kind == _NON_NULL_SHARE and _number(least) and least >= 1):
             covered.update(_named_columns(kwargs))
     return [c for c in columns if c not in covered]
 

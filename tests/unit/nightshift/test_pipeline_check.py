@@ -172,6 +172,21 @@ def test_a_suite_with_no_null_rule_for_a_column_the_loader_reads_is_named(folder
     assert check_against_data(load_pipeline(declare(folder))) == []
 
 
+def test_a_not_null_rule_written_as_a_share_of_non_null_values_holds_the_column(folder: Path, cancer: Path) -> None:
+    """GX's expect_column_proportion_of_non_null_values_to_be_between with min_value 1 refuses any null or NaN as
+    surely as expect_column_values_to_not_be_null; pipeline check said no rule held the column and exited 1."""
+    share = {"type": "expect_column_proportion_of_non_null_values_to_be_between",
+             "kwargs": {"column": "diagnosis", "min_value": 1.0}}
+    others = [e for e in SUITE["expectations"] if e["kwargs"].get("column") != "diagnosis"]
+    (folder / "suites" / "cancer.json").write_text(json.dumps({**SUITE, "expectations": [*others, share]}))
+    assert check_against_data(load_pipeline(declare(folder))) == []
+    # a share below 1 lets nulls in: still named
+    lenient = {**share, "kwargs": {"column": "diagnosis", "min_value": 0.95}}
+    (folder / "suites" / "cancer.json").write_text(json.dumps({**SUITE, "expectations": [*others, lenient]}))
+    (line,) = check_against_data(load_pipeline(declare(folder)))
+    assert "no rule holds diagnosis to no nulls" in line
+
+
 def test_suite_init_for_a_loader_refusing_nulls_never_draws_a_suite_letting_them_through(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from sklearn.datasets import load_breast_cancer
