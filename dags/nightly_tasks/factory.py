@@ -148,7 +148,7 @@ def check_schedule(pipeline: Pipeline) -> None:
     override = os.environ.get(CRON_ENV)
     key = f"{CRON_ENV} (the deployment's override of schedule)" if override is not None else "schedule"
     cron = schedule_cron(pipeline)
-    problems = cron_problems(cron) if cron is not None and override is not None else []
+    problems = cron_problems(cron, schema_form=False) if cron is not None and override is not None else []
     if not problems and cron in NOT_A_CRON and events_connection() is not None \
             and pipeline.dag_id in event_pipelines():
         problems = [f"{cron!r} is no cron, and new-data events (NIGHTSHIFT_EVENTS_CONN_ID or "

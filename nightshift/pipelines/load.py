@@ -344,13 +344,18 @@ def _schedule_problems(data: Mapping[str, Any]) -> list[str]:
     return [f"schedule: {problem}" for problem in cron_problems(schedule)] if isinstance(schedule, str) else []
 
 
-def cron_problems(schedule: str) -> list[str]:
+def cron_problems(schedule: str, *, schema_form: bool = True) -> list[str]:
     """What Airflow would refuse in the schedule text `schedule` when it parses the DAG, naming neither file nor
     key (without the key: the caller names it): not of the schema's form (a preset it lists, or five fields), a
-    cron croniter does not take, or one that never fires. The DAG factory checks NIGHTSHIFT_RETRAIN_CRON with it."""
-    if re.fullmatch(schema()["properties"]["schedule"]["pattern"], schedule) is not None:
-        if schedule.startswith("@"):
-            return []
+    cron croniter does not take, or one that never fires.
+
+    `schema_form` False: the text is Airflow's to read as it is, not a declaration's (NIGHTSHIFT_RETRAIN_CRON, which
+    the DAG factory checks with it): any cron croniter takes also passes, as Airflow takes it (six or seven fields,
+    with seconds and year; croniter's own presets such as @midnight; fields apart by tabs)."""
+    form = re.fullmatch(schema()["properties"]["schedule"]["pattern"], schedule) is not None
+    if form and schedule.startswith("@"):
+        return []
+    if form or not schema_form:
         from croniter import croniter
 
         if croniter.is_valid(schedule):

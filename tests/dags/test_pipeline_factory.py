@@ -158,6 +158,22 @@ def test_a_schedule_airflow_refuses_at_parse_fails_the_dag_file_naming_file_and_
                                        f"schedule): '99 99 * * *' is not a valid cron expression")
 
 
+@pytest.mark.parametrize("cron", ["0 2 * * * 30", "0 2 * * MON-FRI 0 2026", "@midnight", "0\t2 * * *", "@quarterly"])
+def test_a_retrain_cron_airflow_takes_is_not_refused(monkeypatch: pytest.MonkeyPatch, cron: str) -> None:
+    """NIGHTSHIFT_RETRAIN_CRON is Airflow's to read, not the declaration schema's: a cron of six or seven fields
+    (seconds, year), croniter's @midnight or fields apart by a tab build and validate in Airflow, and check_schedule
+    (225d9f1) refused them by the schema's five-field form, failing every pipeline's DAG file at parse."""
+    factory = _factory()
+    monkeypatch.setenv("NIGHTSHIFT_RETRAIN_CRON", cron)
+    for events in (False, True):
+        if events:
+            monkeypatch.setenv("NIGHTSHIFT_EVENTS_CONN_ID", "redis_events")
+        dag = factory.pipeline_dag(DIGITS_YAML)
+        assert not isinstance(dag, factory.InvalidPipelineDag), dag.problem
+        dag.timetable.validate()
+        getattr(dag.timetable, "timetable", dag.timetable).validate()  # AssetOrTimeSchedule's cron
+
+
 def test_a_second_declaration_gives_a_second_dag_sharing_nothing(tmp_path: Path, nightshift_home: Path) -> None:
     from nightly_tasks import steps
 
