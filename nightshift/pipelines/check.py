@@ -17,7 +17,7 @@ from typing import Any
 
 from nightshift.errors import UsageError
 from nightshift.pipelines.spec import LOADER_TASKS, NO_MISSING_VALUES, TABULAR, Pipeline
-from nightshift.tasks import BINARY
+from nightshift.tasks import BINARY, MULTICLASS
 
 # Expectation kwargs that name columns (GX's and nightshift.data.expectations').
 _COLUMN_KEYS = ("column", "column_A", "column_B")
@@ -64,9 +64,15 @@ def takes_missing_values(loader: str, factory: Any = None) -> bool:
 
 def loader_tasks(loader: str, factory: Any = None) -> tuple[str, ...] | None:
     """The tasks the dataset loader `loader` (its factory, when already found) loads, or None for any: a built-in's
-    (LOADER_TASKS), a plugin's `tasks` attribute."""
+    (LOADER_TASKS), a plugin's `tasks` attribute, else multiclass alone for a factory whose signature takes no
+    `task` (nightshift.datasets.load_split passes `task=` for any other task, which it would refuse)."""
+    from nightshift.plugins import keyword_arguments
+
     tasks = LOADER_TASKS.get(loader, getattr(factory, "tasks", None))
-    return tuple(str(t) for t in tasks) if isinstance(tasks, list | tuple) else None
+    if isinstance(tasks, list | tuple):
+        return tuple(str(t) for t in tasks)
+    named = keyword_arguments(factory) if factory is not None else None
+    return (MULTICLASS,) if named is not None and "task" not in named else None
 
 
 def nulls_let_through(suite: dict[str, Any], columns: Iterable[str] | None) -> list[tuple[str, list[str]]]:

@@ -131,6 +131,27 @@ def test_a_task_the_loader_does_not_load_is_named(folder: Path) -> None:
     assert check_declaration(load_pipeline(declare(folder))) == []  # tabular loads any task
 
 
+def loader_before_tasks(data_dir: str, split: str) -> None:
+    """A plugin's loader as docs/how-to/own-model.md writes one, `(data_dir, split)`: load_split gives it no `task`
+    for a multiclass task and `task=` for any other, which its signature refuses."""
+
+
+def test_a_loader_whose_signature_takes_no_task_loads_a_multiclass_task_only(folder: Path) -> None:
+    """A binary declaration of such a loader passed pipeline check and failed in training ("dataset ... does not
+    take ['task']")."""
+    name = f"{MODULE}:loader_before_tasks"
+    path = declare(folder, dataset={"loader": name})
+    assert check_declaration(load_pipeline(path)) == [
+        f"{path}: task: loader '{name}' loads a multiclass task only, not binary; declare task multiclass, or a "
+        f"loader for a binary task (e.g. tabular)"]
+    multiclass = declare(folder, dataset={"loader": name}, task="multiclass",
+                         gate={"primary": "accuracy", "floor": 0.8, "guards": {}})
+    assert check_declaration(load_pipeline(multiclass)) == []
+    # one taking `task`, or any keyword (**options), may load any task
+    assert check_declaration(load_pipeline(declare(folder, dataset={"loader": f"{MODULE}:loader_taking_nulls"}))) \
+        == []
+
+
 # ---- nulls the loader refuses --------------------------------------------------------------------------------------
 
 LENIENT = {"type": "expect_column_values_to_not_be_null", "kwargs": {"column": "mean_radius", "mostly": 0.9},
