@@ -18,6 +18,11 @@ DIGITS_YAML = REPO / "pipelines" / "digits.yaml"
 # with work to do: two 2-thread trainers at once used 33% less CPU and 30% less time with PASSIVE (measured
 # here, 2026-11-26). Every child inherits it; rank environments pass it on (operators/local_launcher.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every MLflow tracking server a test starts (directly, or as run-mpijob's --service) without MLflow's own job
+# execution: by default `mlflow server` starts eight huey consumers for server-side jobs nobody here submits, ~32 s
+# more CPU a server (10 processes against 2; measured here, 2026-11-29); rehearsal 12 spent 767 s of CPU in MLflow
+# processes. The product's servers set it themselves (operators/backends/hosts.py, scripts/airflow.sh).
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
 # Modules that cost minutes (from `--durations=0` of a full run), started first so that with pytest-xdist the
 # longest ones do not start last and leave the other workers idle at the end. The order only matters for speed.

@@ -83,6 +83,7 @@ job = yaml.safe_load(open(manifest))
 env = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["env"]
 print("pod-env", json.dumps({e["name"]: e.get("value") for e in env}), flush=True)
 print("my-env", json.dumps(sorted(os.environ)), flush=True)
+print("mlflow-jobs", json.dumps(os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION")), flush=True)
 if mode == "ok":
     print("[job-launcher] training", flush=True)
 elif mode == "fail":
@@ -181,6 +182,8 @@ def test_the_job_runs_as_the_kubernetes_backends_mpijob_with_the_service_and_the
     assert pod_env["NIGHTSHIFT_HOME"] == str(home)
     child_env = logged(hb, "my-env ")
     assert "AWS_SECRET_ACCESS_KEY" not in child_env and "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN" not in child_env
+    # the MLflow service (started by run-mpijob with its environment) runs no job consumers: 8 processes fewer
+    assert logged(hb, "mlflow-jobs ") == "false"
     assert "[job-launcher] training" in hb.log.lines
     (argv,) = backend.argvs
     assert argv[1:3] == ["run-mpijob", str(scratch / "mpijob.yaml")]
