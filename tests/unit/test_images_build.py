@@ -68,7 +68,7 @@ def test_one_build_per_run_whoever_asks_and_every_process_gets_its_output(fake_r
     assert images_build.ensure_images().split()[0] == "building"  # this process too, at once
     starts = (fake_root / "starts.log").read_text().splitlines()
     assert len(starts) == 1, starts
-    # the weights the run gives the build (its processes' nice, its RUN containers' cgroup weight)
+    # niced, and the RUN containers' weight lowered: the build gives way to the tests it overlaps
     assert starts[0].endswith(f"--cpu-shares {images_build.BUILD_CPU_SHARES} nice={images_build.BUILD_NICE}")
 
 
