@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -264,6 +265,12 @@ def _script(page: str, chosen: list[Block], texts: list[str], state: Path, serve
     return "\n".join(lines) + "\n", spans
 
 
+def _children_cpu_s() -> float:
+    """User and system CPU seconds of this process's waited-for children (and theirs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of group `pgid` still runs (zombies, which kill(2) still finds, do not count)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -315,10 +322,13 @@ def _failure(page: str, spans: list[tuple[int, int, Block, bool]], record: str, 
 
 def run_page(reader: Reader, page: str, *, only: list[Block] | None = None, replace: dict[str, str] | None = None,
              skip: dict[str, str] | None = None, cwd: Path | None = None, env: dict[str, str] | None = None,
-             timeout_s: float = 600, server_wait_s: float = 120, root: Path = DOCS) -> str:
+             timeout_s: float = 600, server_wait_s: float | None = None, root: Path = DOCS) -> str:
     """Run the runnable and server blocks of `page` (under `root`; or `only` those) in order, in one fresh bash in
     `cwd` (else `reader.cwd`) with `env` (else `reader.env`); returns the output, raises PageFailed naming the page,
     block and command that broke.
+
+    `timeout_s` guards against a page that hangs: the page's own waits follow readiness. A server block is waited
+    for until its URL answers or it exits (at most `server_wait_s`, by default the page's `timeout_s`).
 
     `replace` {text: smaller}: a setting the test may run smaller, only where the page itself shows the smaller one.
     `skip` {line: why}: a runnable line the test does not run (the test suite itself), said in the output."""
@@ -349,10 +359,10 @@ def run_page(reader: Reader, page: str, *, only: list[Block] | None = None, repl
                                  for row in texts[i].splitlines())
     state = reader.state / re.sub(r"[^A-Za-z0-9]+", "-", page)
     state.mkdir(parents=True, exist_ok=True)
-    script, spans = _script(page, chosen, texts, state, server_wait_s)
+    script, spans = _script(page, chosen, texts, state, timeout_s if server_wait_s is None else server_wait_s)
     (state / "page.sh").write_text(script)
     output = state / "output.log"
-    started = time.monotonic()
+    started, cpu_before = time.monotonic(), _children_cpu_s()
     with output.open("w") as out:
         shell = subprocess.Popen(["bash", str(state / "page.sh")], cwd=cwd or reader.cwd, env=env or reader.env,
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -377,5 +387,6 @@ def run_page(reader: Reader, page: str, *, only: list[Block] | None = None, repl
         failed = (state / "failed").read_text() if (state / "failed").exists() else ""
         raise PageFailed(_failure(page, spans, failed, f"exited {code}")
                          + f"\n--- output's tail ({state / 'output.log'}):\n{tail}")
-    print(f"docs/{page}: {len(chosen)} block(s) ran in {time.monotonic() - started:.0f} s")
+    print(f"docs/{page}: {len(chosen)} block(s) ran in {time.monotonic() - started:.0f} s "
+          f"({_children_cpu_s() - cpu_before:.0f} s CPU of the processes the page's shell waited for)")
     return text
