@@ -18,8 +18,7 @@ the rule in words. From the sample it takes:
 - distribution: each numeric column's 5/25/50/75/95% quantiles and its standard deviation within their
   bootstrap spread at the size of the smallest split (Z standard errors, at least the bootstrap's own
   extremes), widened by DRIFT_ALLOWANCE of the column's 5-95% spread (the standard deviation by a factor of
-  at least SPREAD_FACTOR either way: a small file of a skewed column that misses its tail, or holds one, moves it
-  further than the bootstrap's Z standard errors say). A column stuck at one value, or whose units changed, fails here.
+  at least SPREAD_FACTOR down and SPREAD_HIGH up). A column stuck at one value, or whose units changed, fails here.
   Drift of a stated size: a quantile may also move by DRIFT_SD (a third) of the column's standard deviation in the
   file validated, so a column shifted as a whole by less than a third of its own standard deviation is judged as if
   it had not moved, whatever its shape. A share of the 5-95% range is not that: it is a third of a normal column's
@@ -111,7 +110,8 @@ Z = 6.0                        # standard errors a statistic may move: ~300 chec
 SHARE_Z = 4.5
 DRIFT_ALLOWANCE = 0.10
 DRIFT_SD = 1 / 3               # a continuous column's quantiles may drift by this much of the file's standard deviation
-SPREAD_FACTOR = 4.0            # a file's standard deviation may be this factor either way of the sample's, at least
+SPREAD_FACTOR = 1.5
+SPREAD_HIGH = 4.0
 RANGE_WIDEN = 1.5
 DUPLICATE_SLACK = 0.05
 SEED = 0
@@ -184,25 +184,18 @@ def distribution_bounds(values: np.ndarray, validated: float, rng: np.random.Gen
 
     stdev = float(values.std(ddof=1))
     spreads = resamples.std(axis=1, ddof=1)
-    stretch = 0.0
+    stretch = math.log(SPREAD_FACTOR)
     if (spreads > 0).all():
         stretch = max(stretch, Z * float(np.log(spreads).std()) * scale)
-        # downwards at least SPREAD_FACTOR too, as upwards: a small file of a skewed column that misses its tail has
-        # a standard deviation far under the sample's, further than a bootstrap of the sample says (Z standard
-        # errors of log(sd) assume a symmetric spread; a small subset's log(sd) has a long lower tail). Wine's
-        # malic acid: an 18-row split at 0.34 against an 89-row sample's 1.24, whose bootstrap bounded it at 0.39
-        # (1 of 100 nights refused). What this bound is for, a column stuck at one value (standard deviation 0)
-        # or units divided by 1,000, stays far below any positive bound; a factor 4 either way is what the spread
-        # rule lets through, and x1000 either way is refused on it.
-        low_stdev = min(stdev / max(math.exp(stretch), SPREAD_FACTOR), float(spreads.min()))
+        low_stdev = min(stdev * math.exp(-stretch), float(spreads.min()))
     else:
         low_stdev = 0.0  # resamples with a single value: a column this sparse may be constant in a small file
     _, counts = np.unique(values, return_counts=True)
     if counts.max() >= MODE_SHARE * values.size:
         low_stdev = 0.0  # dominated by one value: stuck at it and sparse look the same
-    # upwards at least SPREAD_FACTOR: one outlier of a heavy tail in a small file inflates it that much; and at
+    # upwards at least SPREAD_HIGH: one outlier of a heavy tail in a small file inflates it that much; and at
     # least half the allowed range, which values the range rule lets through can reach
-    high_stdev = max(stdev * max(math.exp(stretch), SPREAD_FACTOR), float(spreads.max()), allowed_width / 2)
+    high_stdev = max(stdev * max(math.exp(stretch), SPREAD_HIGH), float(spreads.max()), allowed_width / 2)
     return ranges, list(_round_out(low_stdev, high_stdev))
 
 
