@@ -20,6 +20,19 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` distinct TCP ports free on `host` now. Picked while all are held open: calling free_port() several
+    times may hand back a port twice (the kernel may reuse one just closed), which one server then fails to bind
+    (seen: an MLServer whose REST and metrics ports were both 43047)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
+
+
 def listening_sockets(port: int) -> set[int] | None:
     """The inodes of the TCP sockets listening on `port` on any address (IPv4 and IPv6), from /proc/net/tcp*;
     None where the kernel does not publish those tables (not Linux), so that a caller can skip the check."""

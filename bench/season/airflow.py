@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nightshift.netutil import free_port
+from nightshift.netutil import free_port, free_ports
 from tests.integration.airflow_helpers import HOST, REPO, Api, stop_groups
 
 
@@ -220,6 +220,8 @@ def season_env(home: Path, *, code: Path, port: int, server: str, database: str,
     schedule and data roots; nothing of the caller's AIRFLOW_*/NIGHTSHIFT_*/MLflow settings."""
     from tests.integration.airflow_helpers import BIN
 
+    # Two log-server ports distinct from each other and from the API server's
+    worker_log_port, trigger_log_port = [p for p in free_ports(3) if p != port][:2]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("AIRFLOW", "NIGHTSHIFT_", "MLFLOW_TRACKING_URI", "PYTHONPATH"))}
     env.update({
@@ -245,8 +247,8 @@ def season_env(home: Path, *, code: Path, port: int, server: str, database: str,
         "NIGHTSHIFT_TRAIN_RETRY_DELAY_S": "5",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
         "AIRFLOW__API__WORKERS": "1",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
         "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
         "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),

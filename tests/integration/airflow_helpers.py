@@ -279,9 +279,9 @@ def airflow_standalone(home: Path, *, ready: Iterable[str], env: dict[str, str] 
     answers, else SQLite; `database_prefix=None`: as `env` says. Ready when the API (an `api_class`) knows every
     DAG in `ready` (`timeout`: a bound for a hung start, not a speed; under a load of 8 a start took over 240 s).
     Stopped (its whole process group), then any model server a deploy task started, also on failure."""
-    from nightshift.netutil import free_port
+    from nightshift.netutil import free_ports
 
-    port = free_port()
+    port, worker_log_port, trigger_log_port = free_ports(3)
     dropped = {*_NOT_INHERITED, *unset}
     full = {k: v for k, v in os.environ.items()
             if k not in dropped and not (unset_prefixes and k.startswith(unset_prefixes))}
@@ -290,8 +290,8 @@ def airflow_standalone(home: Path, *, ready: Iterable[str], env: dict[str, str] 
         "AIRFLOW_HOME": str(home / "airflow-home"),
         "AIRFLOW_PORT": str(port),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
         "NIGHTSHIFT_MLFLOW_UI_PORT": "none",
         "NIGHTSHIFT_VENV_BIN": str(BIN),
     })

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from nightshift.netutil import free_port
+from nightshift.netutil import free_ports
 from tests.integration.airflow_helpers import (
     HOST,
     POSTGRES_URL,
@@ -90,7 +90,7 @@ def _delete_redis_keys(prefix: str) -> None:
 @pytest.fixture(scope="module")
 def celery_airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryAirflow]:
     home = tmp_path_factory.mktemp("nightshift-celery")
-    port = free_port()
+    port, worker_log_port, trigger_log_port = free_ports(3)
     prefix = f"nightshift_test_{secrets.token_hex(4)}:"
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs: dict[str, Path] = {}
@@ -115,8 +115,8 @@ def celery_airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryA
             "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "3600",
             "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{database_url(name)}",
             "AIRFLOW__CELERY__WORKER_CONCURRENCY": "1",
-            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
             # The lost worker is replaced at once here: its retry need not wait the default minute
             "NIGHTSHIFT_TRAIN_RETRY_DELAY_S": "5",

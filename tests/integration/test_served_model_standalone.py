@@ -46,7 +46,7 @@ from nightshift import registry
 from nightshift.datasets import read_split_frame
 from nightshift.deploy.kserve import storage_uri
 from nightshift.evaluate import evaluate
-from nightshift.netutil import free_port
+from nightshift.netutil import free_port, free_ports
 from nightshift.tracking import log_training_run
 from tests.trained_model import write_trained_output
 
@@ -312,7 +312,7 @@ def test_mlserver_with_the_serving_images_libraries_serves_it_over_v2(version: d
     variables, the model folder as KServe's storage initializer leaves it in /mnt/models."""
     models = tmp_path / "mnt-models"
     shutil.copytree(version["path"], models)
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     env = _stranger_env(mlserver, MLSERVER_MODEL_IMPLEMENTATION="mlserver_mlflow.MLflowRuntime",
                         MLSERVER_MODEL_NAME="nightshift-digits", MLSERVER_MODEL_URI=str(models),
                         MLSERVER_HTTP_PORT=str(http), MLSERVER_GRPC_PORT=str(grpc),
