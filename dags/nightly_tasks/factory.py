@@ -560,7 +560,13 @@ def build_dag(pipeline: Pipeline) -> DAG:
             # an XComArg argument would log an "XCom not found" error for a run that went as designed.
             registered = context["ti"].xcom_pull(task_ids="register") or None
             if not registered:
-                raise AirflowSkipException("nothing registered to deploy")
+                # Nothing new to serve; but @champion's local server may have died since (killed, OOM, reboot)
+                result = steps.restore_champion(pipeline, staged, context["params"])
+                if result is None:
+                    raise AirflowSkipException("nothing registered to deploy; @champion (if any) is served")
+                context["outlet_events"][champion_asset].extra = {
+                    "model_version": result.get("version"), "url": result.get("url"), "status": result["status"]}
+                return result
             result = steps.deploy(pipeline, registered, staged, context["params"])
             context["outlet_events"][champion_asset].extra = {
                 "model_version": result.get("version"), "url": result.get("url"), "status": result.get("status")}

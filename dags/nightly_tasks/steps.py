@@ -286,6 +286,32 @@ def deploy(pipeline: Pipeline, registered: dict[str, Any], staged: dict[str, Any
     return {k: v for k, v in result.items() if k not in {"smoke"}} | {"smoke": _brief(result.get("smoke"))}
 
 
+def restore_champion(pipeline: Pipeline, staged: dict[str, Any], params: dict[str, Any]) -> dict[str, Any] | None:
+    """A night that registers nothing: the local target's `@champion` server is started again when it no longer
+    answers (nightshift.deploy.local.restore_local); None when it answers, when there is no champion, or for another
+    target (KServe's controller restarts its own pods)."""
+    from nightshift.deploy.local import restore_local
+    from nightshift.errors import DeploymentFailed
+    from nightshift.pipelines.spec import plain
+    from nightshift.tracking import configure
+
+    target = params.get("deploy_target", pipeline.deploy.target)
+    if target != "local":
+        return None
+    configure()
+    options = plain(pipeline.deploy.options) if target == pipeline.deploy.target else {}
+    try:
+        result = restore_local(pipeline.model_name, data_dir=staged["path"], **options)
+    except DeploymentFailed as err:
+        raise AirflowFailException(f"deploy: @champion's server no longer answers and restarting it failed: "
+                                   f"{err}") from err
+    if result is not None:
+        log.warning("%s v%s's server (%s) no longer answered: restarted at %s", pipeline.model_name,
+                    result["version"], result["previous"].get("url"), result["url"])
+        result = {k: v for k, v in result.items() if k != "smoke"} | {"smoke": _brief(result.get("smoke"))}
+    return result
+
+
 def _brief(smoke: Any) -> Any:
     if not isinstance(smoke, dict):
         return smoke
@@ -301,6 +327,9 @@ def report(pipeline: Pipeline, dag_id: str, run_id: str, params: dict[str, Any],
     fingerprint = results.get("fingerprint") or {}
     trained, decision = results.get("train"), results.get("evaluate")
     registered, deployed = results.get("register"), results.get("deploy")
+    restarted = deployed if (deployed or {}).get("status") == "restarted" else None
+    if restarted:
+        deployed = None
     if results.get("skip_training"):
         outcome = "training skipped (unchanged)"
     elif decision and not decision["passed"]:
@@ -311,6 +340,9 @@ def report(pipeline: Pipeline, dag_id: str, run_id: str, params: dict[str, Any],
         outcome = f"promoted v{deployed.get('version')} ({deployed.get('status')})"
     else:
         outcome = "no model"
+    if restarted:
+        outcome += f"; @champion v{restarted.get('version')}'s server no longer answered: restarted"
+        deployed = restarted
     summary = {
         "dag_id": dag_id, "run_id": run_id, "status": "success", "outcome": outcome,
         "dataset_version": staged.get("hash"), "dataset_rows": staged.get("rows"),

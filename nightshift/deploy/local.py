@@ -368,6 +368,31 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
                 "smoke": smoke, "previous": previous}
 
 
+def restore_local(model_name: str, *, data_dir: str | Path, **options: Any) -> dict[str, Any] | None:
+    """Serve `@champion` again where its server no longer answers: killed, OOM-killed, or gone with a reboot of
+    the machine (a night that registers nothing deploys nothing, and the local target has no supervisor that
+    would restart it). None when there is nothing to do: no champion, or its recorded server answers.
+
+    The version was judged when it was first deployed (its canary accuracy); a restart serves the same
+    artifacts, so it checks that the server answers every canary row of `data_dir` well-formed, not the accuracy on
+    tonight's data (a night of drift or label noise would refuse the champion's own restart). Otherwise as
+    deploy_local: the record and `@champion` move only once the new server answers; DeploymentFailed says why not.
+    Returns deploy_local's result with status "restarted" and `previous`, the record of the server that died."""
+    champion = registry.version_by_alias(model_name, registry.CHAMPION)
+    if champion is None:
+        return None
+    version = str(champion.version)
+    old = read_record(model_name)
+    if old and str(old.get("version")) == version and _still_serving(old):
+        return None
+    result = deploy_local(model_name, data_dir=data_dir, version=version, **{**options, "tolerance": 1.0})
+    if result["status"] == "already_serving":  # another deploy restarted it meanwhile
+        return None
+    return {**result, "status": "restarted",
+            "previous": {"version": (old or {}).get("version"), "url": (old or {}).get("url"),
+                         "pid": (old or {}).get("pid"), "answered": False}}
+
+
 def _start_on_a_free_port(model_name: str, version: str, staging: Path, server: str, startup_timeout: float,
                           range_policy: str = "accept") -> tuple[subprocess.Popen[bytes], int, Path, Path]:
     """Serve the downloaded `staging` on a free port until /ping answers from it: (process, port, model

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -236,6 +238,30 @@ def _is_server_for(proc: Path, version: str) -> bool:
         return f"{MODEL}-v{version}".encode() in (proc / "cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_a_dead_champion_server_is_restarted_and_a_live_one_left_alone(world: dict[str, Any]) -> None:
+    # A night that registers nothing deploys nothing: the season's model server killed on an unchanged night left
+    # nothing serving until the next promotion (bench season, night 6).
+    assert local.restore_local(MODEL, data_dir=world["data"]) is None  # v2 answers: left alone
+    assert local.restore_local("nobody-registered-this", data_dir=world["data"]) is None
+    before = read_record(MODEL)
+    assert before is not None and str(before["version"]) == "2"
+    os.killpg(int(before["pid"]), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _alive(int(before["pid"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    result = local.restore_local(MODEL, data_dir=world["data"], startup_timeout=120)
+    assert result is not None
+    world["pids"].append(result["pid"])
+    assert result["status"] == "restarted" and result["version"] == "2"
+    assert result["previous"]["url"] == before["url"] and result["url"] != before["url"]
+    assert read_record(MODEL)["url"] == result["url"]
+    assert str(version_by_alias(MODEL, "champion").version) == "2"
+    assert _post(result["url"], json=_rows(world, 5)).status_code == 200
+    assert not Path(before["model_path"]).exists()  # the dead server's model folder is not left behind
+    world["B"] = {**world["B"], **result}
+    assert local.restore_local(MODEL, data_dir=world["data"]) is None
 
 
 def test_cli_register_retried_twice_yields_one_version(world: dict[str, Any]) -> None:
