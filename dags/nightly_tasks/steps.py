@@ -302,12 +302,12 @@ def restore_champion(pipeline: Pipeline, staged: dict[str, Any], params: dict[st
     options = plain(pipeline.deploy.options) if target == pipeline.deploy.target else {}
     try:
         result = restore_local(pipeline.model_name, data_dir=staged["path"], **options)
-    except DeploymentFailed as err:
-        raise AirflowFailException(f"deploy: @champion's server no longer answers and restarting it failed: "
-                                   f"{err}") from err
+    except DeploymentFailed as err:  # retried (the task's retry): a deployment holding the lock, a port race
+        raise DeploymentFailed(f"deploy: @champion's local server had to be started again and was not: "
+                               f"{err}") from err
     if result is not None:
-        log.warning("%s v%s's server (%s) no longer answered: restarted at %s", pipeline.model_name,
-                    result["version"], result["previous"].get("url"), result["url"])
+        log.warning("%s @champion v%s restarted at %s: %s (was %s)", pipeline.model_name, result["version"],
+                    result["url"], result["reason"], result["previous"].get("url"))
         result = {k: v for k, v in result.items() if k != "smoke"} | {"smoke": _brief(result.get("smoke"))}
     return result
 
@@ -341,7 +341,7 @@ def report(pipeline: Pipeline, dag_id: str, run_id: str, params: dict[str, Any],
     else:
         outcome = "no model"
     if restarted:
-        outcome += f"; @champion v{restarted.get('version')}'s server no longer answered: restarted"
+        outcome += f"; @champion v{restarted.get('version')} restarted ({restarted.get('reason')})"
         deployed = restarted
     summary = {
         "dag_id": dag_id, "run_id": run_id, "status": "success", "outcome": outcome,

@@ -158,22 +158,36 @@ def _group_alive(pgid: int) -> bool:
     return bool(_group_pids(pgid))
 
 
-def _is_model_server(pid: int) -> bool:
+def _is_model_server(pid: int, model_path: str | None = None) -> bool:
+    """Whether `pid` is a model server (of the folder `model_path`, when given: a PID reused after a reboot may
+    be another model's server)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except FileNotFoundError:
         return False
     joined = b" ".join(cmdline)
-    return (b"mlflow" in joined and b"serve" in cmdline) or b"nightshift.deploy.asgi:app" in cmdline
+    guarded = b"nightshift.deploy.asgi:app" in cmdline
+    if not ((b"mlflow" in joined and b"serve" in cmdline) or guarded):
+        return False
+    if model_path is None:
+        return True
+    if guarded:  # its model folder is in its environment
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return b"NIGHTSHIFT_SERVING_MODEL=" + os.fsencode(model_path) in environ
+    return os.fsencode(model_path) in cmdline
 
 
-def stop_server(pid: int, timeout: float = 20.0) -> bool:
+def stop_server(pid: int, timeout: float = 20.0, model_path: str | None = None) -> bool:
     """Stop the model server whose session leader is `pid` and its uvicorn child (TERM, then KILL).
 
     Returns once no process of its group is left (so its port is closed); False if it was not running.
-    A PID that no longer belongs to an MLflow model server (reused by the OS) is left alone.
+    A PID that no longer belongs to an MLflow model server (reused by the OS), or, with `model_path`, to the
+    server of that model folder, is left alone.
     """
-    if not _alive(pid) or not _is_model_server(pid):
+    if not _alive(pid) or not _is_model_server(pid, model_path):
         return False
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
@@ -305,6 +319,16 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
     Raises DeploymentFailed when the new server does not start, answer, or pass the smoke test; the old
     server, the record and `@champion` are then untouched.
     """
+    check_range_policy(range_policy)
+    with _deploy_lock(model_name):
+        return _deploy_held(model_name, data_dir=data_dir, version=version, alias=alias, canary_rows=canary_rows,
+                            tolerance=tolerance, startup_timeout=startup_timeout, server=server,
+                            range_policy=range_policy)
+
+
+def _deploy_held(model_name: str, *, data_dir: str | Path, version: str | None, alias: str, canary_rows: int,
+                 tolerance: float, startup_timeout: float, server: str, range_policy: str) -> dict[str, Any]:
+    """deploy_local's work, with the model's deploy lock held."""
     if version is None:
         selected = registry.version_by_alias(model_name, alias)
         if selected is None:
@@ -314,83 +338,99 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
     else:
         selected = registry.get_version(model_name, version)
     version = str(version)
-    check_range_policy(range_policy)
-    with _deploy_lock(model_name):
-        old = read_record(model_name)
-        if old and str(old.get("version")) == version and _still_serving(old):
-            registry.set_alias(model_name, registry.CHAMPION, version)
-            return {"target": "local", "status": "already_serving", "model_name": model_name,
-                    "version": version, "url": old["url"], "port": old["port"], "pid": old["pid"],
-                    "model_path": old.get("model_path"), "smoke": None, "previous": None}
+    old = read_record(model_name)
+    if old and str(old.get("version")) == version and _still_serving(old):
+        registry.set_alias(model_name, registry.CHAMPION, version)
+        return {"target": "local", "status": "already_serving", "model_name": model_name,
+                "version": version, "url": old["url"], "port": old["port"], "pid": old["pid"],
+                "model_path": old.get("model_path"), "smoke": None, "previous": None}
 
-        expected = registry.evaluated_accuracy(selected)
-        staging = _download(model_name, version)
+    expected = registry.evaluated_accuracy(selected)
+    staging = _download(model_name, version)
+    try:
+        contract = model_contract(staging)  # a tabular model's columns, label and task
+        frame, labels = canary_batch(data_dir, canary_rows, contract=contract,
+                                     within=served_bounds(staging, range_policy))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    try:
+        proc, port, model_path, log_path = _start_on_a_free_port(model_name, version, staging, server,
+                                                                 startup_timeout, range_policy)
+    except DeploymentFailed as err:
+        raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; {_serving_now(old)}") from err
+    url = f"http://{HOST}:{port}"
+    try:
+        smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance,
+                           task=contract.task)
+        record = {"model_name": model_name, "version": version, "url": url, "port": port, "server": server,
+                  "pid": proc.pid, "model_path": str(model_path), "log_path": str(log_path),
+                  "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        _write_record(model_name, record)
         try:
-            contract = model_contract(staging)  # a tabular model's columns, label and task
-            frame, labels = canary_batch(data_dir, canary_rows, contract=contract,
-                                         within=served_bounds(staging, range_policy))
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            registry.set_alias(model_name, registry.CHAMPION, version)
+        except Exception:
+            _write_record(model_name, old)
             raise
-        try:
-            proc, port, model_path, log_path = _start_on_a_free_port(model_name, version, staging, server,
-                                                                     startup_timeout, range_policy)
-        except DeploymentFailed as err:
-            raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; {_serving_now(old)}") from err
-        url = f"http://{HOST}:{port}"
-        try:
-            smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance,
-                               task=contract.task)
-            record = {"model_name": model_name, "version": version, "url": url, "port": port, "server": server,
-                      "pid": proc.pid, "model_path": str(model_path), "log_path": str(log_path),
-                      "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
-            _write_record(model_name, record)
-            try:
-                registry.set_alias(model_name, registry.CHAMPION, version)
-            except Exception:
-                _write_record(model_name, old)
-                raise
-        except BaseException as err:
-            stop_server(proc.pid)
-            shutil.rmtree(model_path, ignore_errors=True)
-            if isinstance(err, DeploymentFailed):
-                raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; "
-                                       f"{_serving_now(old)}") from err
-            raise
-        previous = None
-        if old:
-            stopped = stop_server(int(old["pid"]))
-            if old.get("model_path") and Path(old["model_path"]) != model_path:
-                shutil.rmtree(old["model_path"], ignore_errors=True)
-            previous = {"version": str(old.get("version")), "pid": old.get("pid"), "stopped": stopped}
-        return {"target": "local", "status": "promoted", "model_name": model_name, "version": version,
-                "url": url, "port": port, "pid": proc.pid, "model_path": str(model_path),
-                "smoke": smoke, "previous": previous}
+    except BaseException as err:
+        stop_server(proc.pid)
+        shutil.rmtree(model_path, ignore_errors=True)
+        if isinstance(err, DeploymentFailed):
+            raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; "
+                                   f"{_serving_now(old)}") from err
+        raise
+    previous = None
+    if old:
+        stopped = stop_server(int(old["pid"]), model_path=old.get("model_path"))
+        if old.get("model_path") and Path(old["model_path"]) != model_path:
+            shutil.rmtree(old["model_path"], ignore_errors=True)
+        previous = {"version": str(old.get("version")), "pid": old.get("pid"), "stopped": stopped}
+    return {"target": "local", "status": "promoted", "model_name": model_name, "version": version,
+            "url": url, "port": port, "pid": proc.pid, "model_path": str(model_path),
+            "smoke": smoke, "previous": previous}
+
+
+def _alias_version(model_name: str) -> str | None:
+    champion = registry.version_by_alias(model_name, registry.CHAMPION)
+    return None if champion is None else str(champion.version)
 
 
 def restore_local(model_name: str, *, data_dir: str | Path, **options: Any) -> dict[str, Any] | None:
-    """Serve `@champion` again where its server no longer answers: killed, OOM-killed, or gone with a reboot of
-    the machine (a night that registers nothing deploys nothing, and the local target has no supervisor that
-    would restart it). None when there is nothing to do: no champion, or its recorded server answers.
+    """Serve `@champion` again where its recorded server no longer answers: killed, OOM-killed, or gone with a
+    reboot of the machine (a night that registers nothing deploys nothing, and the local target has no supervisor
+    that would restart it). None when there is nothing to do: no serving record (never served here, or stopped on
+    purpose with `nightshift deploy --stop`), no champion, or the recorded server is @champion's and answers.
+    Decided with the model's deploy lock held, so that a deployment running meanwhile is never undone.
 
     The version was judged when it was first deployed (its canary accuracy); a restart serves the same
     artifacts, so it checks that the server answers every canary row of `data_dir` well-formed, not the accuracy on
     tonight's data (a night of drift or label noise would refuse the champion's own restart). Otherwise as
     deploy_local: the record and `@champion` move only once the new server answers; DeploymentFailed says why not.
-    Returns deploy_local's result with status "restarted" and `previous`, the record of the server that died."""
-    champion = registry.version_by_alias(model_name, registry.CHAMPION)
-    if champion is None:
-        return None
-    version = str(champion.version)
+    Returns deploy_local's result with status "restarted", `reason`, and `previous` (the record it replaced)."""
+    check_range_policy(options.get("range_policy", "accept"))
     old = read_record(model_name)
-    if old and str(old.get("version")) == version and _still_serving(old):
-        return None
-    result = deploy_local(model_name, data_dir=data_dir, version=version, **{**options, "tolerance": 1.0})
-    if result["status"] == "already_serving":  # another deploy restarted it meanwhile
-        return None
-    return {**result, "status": "restarted",
-            "previous": {"version": (old or {}).get("version"), "url": (old or {}).get("url"),
-                         "pid": (old or {}).get("pid"), "answered": False}}
+    if not old or (_still_serving(old) and str(old.get("version")) == _alias_version(model_name)):
+        return None  # the common case, without the lock: a deployment running meanwhile is not held up
+    with _deploy_lock(model_name):
+        old = read_record(model_name)
+        if not old:
+            return None
+        champion = registry.version_by_alias(model_name, registry.CHAMPION)
+        if champion is None:
+            return None
+        version = str(champion.version)
+        if str(old.get("version")) == version:
+            if _still_serving(old):
+                return None
+            reason = f"v{version}'s server no longer answered"
+        else:  # a deployment stopped between writing the record and moving the alias
+            reason = f"the record named v{old.get('version')}, not @champion v{version}"
+        settings_ = {"canary_rows": 256, "startup_timeout": 180.0, "server": "mlflow", "range_policy": "accept",
+                     **options, "tolerance": 1.0}
+        result = _deploy_held(model_name, data_dir=data_dir, version=version, alias=registry.CHAMPION,
+                              **settings_)
+    return {**result, "status": "restarted", "reason": reason,
+            "previous": {"version": old.get("version"), "url": old.get("url"), "pid": old.get("pid")}}
 
 
 def _start_on_a_free_port(model_name: str, version: str, staging: Path, server: str, startup_timeout: float,
