@@ -36,6 +36,7 @@ LONGEST_FIRST = (
     "tests/integration/test_wheel_install.py",
     "tests/integration/test_hosts_backend.py",
     "tests/integration/test_run_mpijob_elastic.py",
+    "tests/integration/test_season.py",
     "tests/integration/test_new_data_event.py",
     "tests/integration/test_stream_scoring.py",
     "tests/integration/test_search.py",
