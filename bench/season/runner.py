@@ -173,6 +173,20 @@ def ledger_records(home: Path) -> list[dict[str, Any]]:
     return out
 
 
+def struck(fault: str | None, staged_at: float | None, read_only_at: float | None) -> tuple[str | None, str | None]:
+    """(the night's fault as it struck, a note when it missed). The scheduler starts a night's run as soon as the
+    last one ends (its cron tick has passed already), so it may stage before the season has made the remote
+    read-only: that night is judged without the fault."""
+    if fault != "dvc_remote_unwritable" or staged_at is None or read_only_at is None or staged_at >= read_only_at:
+        return fault, None
+    return None, (f"the fault missed: stage_dataset started at {_clock(staged_at)}, before the remote was made "
+                  f"read-only ({_clock(read_only_at)}); judged without it")
+
+
+def _clock(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch).strftime("%H:%M:%S")
+
+
 def _epoch(text: str | None) -> float | None:
     if not text:
         return None
@@ -224,6 +238,7 @@ class Season:
         self.landing.write(1, self.config.nights[0])
         self.landing.switch(1)
         self.switched = {1: time.time()}
+        self.remote_read_only: dict[int, float] = {}  # night: when its DVC remote was made read-only
         code = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=False).stdout.strip() or "unknown"
         self.code = snapshot(self.root / "code")
@@ -352,6 +367,7 @@ class Season:
         remote = self.home / "dvc-remote"
         if night.fault == "dvc_remote_unwritable":
             faults.make_read_only(remote)
+            self.remote_read_only[number] = time.time()
             row.notes.append(f"{remote} mounted read-only")
         if night.fault == "model_server_killed":
             pid = faults.kill_model_server(self.home, MODEL)
@@ -475,8 +491,12 @@ class Season:
         if read != row.night:
             row.notes.append(f"the run read night {read}'s data, not its own")
         data = self.landing.written[read] if read in self.landing.written else info
+        fault, missed = struck(night.fault, _epoch(tis.get("stage_dataset", {}).get("start_date")),
+                               self.remote_read_only.get(row.night))
+        if missed:
+            row.notes.append(missed)
         expected = oracle.expected_by_data(valid=data["valid"], digests=data["digests"], trained_on=trained_on,
-                                           fault=night.fault)
+                                           fault=fault)
         golden = self.golden(data["world"])
         before_score = self.scorer.score(f"models:/{MODEL}/{champion_before}", golden) if champion_before else None
         challenger = None

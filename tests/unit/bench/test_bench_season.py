@@ -230,3 +230,15 @@ def test_retention_on_the_seasons_clock_cuts_at_the_night_t_nights_back(monkeypa
     assert seen["db_cutoff"].timestamp() == since  # type: ignore[attr-defined]
     assert seen["folder"] == tmp_path / "logs" and seen["url"] == "postgresql+psycopg://x/db"
     assert json.loads(capsys.readouterr().out)["removed"] == {"mlflow_run": 1}
+
+
+def test_a_remote_made_read_only_after_the_run_staged_is_a_fault_that_missed() -> None:
+    # Season 30b, night 10: the run (its cron tick passed) started as night 9's ended and staged at 03:59:12; the
+    # remote went read-only at 03:59:16; the night promoted and was judged against failed:stage_dataset.
+    from bench.season.runner import struck
+
+    assert struck("dvc_remote_unwritable", 100.0, 104.0)[0] is None
+    assert "the fault missed" in str(struck("dvc_remote_unwritable", 100.0, 104.0)[1])
+    assert struck("dvc_remote_unwritable", 105.0, 104.0) == ("dvc_remote_unwritable", None)
+    assert struck("dvc_remote_unwritable", None, 104.0) == ("dvc_remote_unwritable", None)  # never staged
+    assert struck("worker_killed", 100.0, None) == ("worker_killed", None)
