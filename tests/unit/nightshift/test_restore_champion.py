@@ -9,6 +9,7 @@ import fcntl
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,9 @@ def test_a_reused_pid_serving_another_model_folder_is_not_stopped(tmp_path: Path
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mlflow", "serve", "-m",
                               str(tmp_path / "other-v1-40001")], start_new_session=True)
     try:
+        deadline = time.monotonic() + 60  # its command line is the parent's until it has exec'd (a loaded machine)
+        while not local._is_model_server(other.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert local._is_model_server(other.pid)
         assert local.stop_server(other.pid, model_path=str(tmp_path / "mine-v2-40002")) is False
         assert other.poll() is None
