@@ -21,6 +21,7 @@ with a fault is expected to end as the same night without it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,8 +136,6 @@ class GoldenScorer:
     """Scores MLflow models (pyfunc, as served) on golden tables; models are loaded once each."""
 
     def __init__(self, tracking_uri: str) -> None:
-        import os
-
         self.tracking_uri = tracking_uri
         self._models: dict[str, Any] = {}
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no bar per model loaded
@@ -147,11 +146,22 @@ class GoldenScorer:
 
             import mlflow
 
-            mlflow.set_tracking_uri(self.tracking_uri)
-            mlflow.set_registry_uri(self.tracking_uri)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # MLflow's advice on type hints, once per model
-                self._models[uri] = mlflow.pyfunc.load_model(uri)
+            # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI into os.environ: left there, it pointed every
+            # later test of the same pytest worker at this season's store, deleted with the season (rehearsal 14:
+            # 31 tests of test_deploy_kserve/test_kserve_faults, "attempt to write a readonly database")
+            saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+            try:
+                mlflow.set_tracking_uri(self.tracking_uri)
+                mlflow.set_registry_uri(self.tracking_uri)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # MLflow's advice on type hints, once per model
+                    self._models[uri] = mlflow.pyfunc.load_model(uri)
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
         return self._models[uri]
 
     def predict(self, uri: str, table: Any) -> Any:

@@ -3,6 +3,7 @@ its table, and how `python -m bench season --nights N` reaches it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -242,3 +243,18 @@ def test_a_remote_made_read_only_after_the_run_staged_is_a_fault_that_missed() -
     assert struck("dvc_remote_unwritable", 105.0, 104.0) == ("dvc_remote_unwritable", None)
     assert struck("dvc_remote_unwritable", None, 104.0) == ("dvc_remote_unwritable", None)  # never staged
     assert struck("worker_killed", 100.0, None) == ("worker_killed", None)
+
+
+def test_the_golden_scorer_leaves_the_processs_mlflow_settings_as_they_were(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI: the short season left its (then deleted) store in the
+    # pytest worker's environment and the kserve tests that ran after it there wrote into it (rehearsal 14).
+    from bench.season.oracle import GoldenScorer
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", "sqlite:///elsewhere.db")
+    scorer = GoldenScorer(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with pytest.raises(Exception):  # noqa: B017 - whatever MLflow raises for a model that is not there
+        scorer.model("models:/nothing-registered/1")
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    assert os.environ["MLFLOW_REGISTRY_URI"] == "sqlite:///elsewhere.db"
