@@ -76,8 +76,19 @@ def configure(uri: str | None = None) -> MlflowClient:
     import mlflow
 
     uri = uri or settings.mlflow_tracking_uri()
-    # mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI (and the registry one) into os.environ, which
-    # would turn the process's default into a setting the user never made (children inherit os.environ).
+    point_mlflow(uri)
+    with _store_creation_lock(uri):
+        _configured = (uri, mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri))
+    return _configured[1]
+
+
+def point_mlflow(uri: str) -> None:
+    """MLflow's own tracking and registry URIs (its fluent API's) set to `uri`, and nothing else:
+    mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI (and the registry one) into os.environ, which would
+    turn the process's default into a setting the user never made (children inherit os.environ) and outlive the
+    store it names."""
+    import mlflow
+
     saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     try:
         mlflow.set_tracking_uri(uri)
@@ -88,9 +99,6 @@ def configure(uri: str | None = None) -> MlflowClient:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    with _store_creation_lock(uri):
-        _configured = (uri, mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri))
-    return _configured[1]
 
 
 @contextmanager

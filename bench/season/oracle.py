@@ -146,22 +146,15 @@ class GoldenScorer:
 
             import mlflow
 
-            # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI into os.environ: left there, it pointed every
-            # later test of the same pytest worker at this season's store, deleted with the season (rehearsal 14:
-            # 31 tests of test_deploy_kserve/test_kserve_faults, "attempt to write a readonly database")
-            saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-            try:
-                mlflow.set_tracking_uri(self.tracking_uri)
-                mlflow.set_registry_uri(self.tracking_uri)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # MLflow's advice on type hints, once per model
-                    self._models[uri] = mlflow.pyfunc.load_model(uri)
-            finally:
-                for name, value in saved.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
+            from nightshift.tracking import point_mlflow
+
+            # not mlflow.set_tracking_uri alone: it exports MLFLOW_TRACKING_URI, which pointed every later test of
+            # the same pytest worker at this season's store, deleted with the season (rehearsal 14: 31 tests of
+            # test_deploy_kserve/test_kserve_faults, "attempt to write a readonly database")
+            point_mlflow(self.tracking_uri)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # MLflow's advice on type hints, once per model
+                self._models[uri] = mlflow.pyfunc.load_model(uri)
         return self._models[uri]
 
     def predict(self, uri: str, table: Any) -> Any:

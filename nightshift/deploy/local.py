@@ -308,7 +308,7 @@ def _download(model_name: str, version: str) -> Path:
 def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None = None,
                  alias: str = registry.CHALLENGER, canary_rows: int = 256, tolerance: float = 0.05,
                  startup_timeout: float = 180.0, server: str = "mlflow",
-                 range_policy: str = "accept") -> dict[str, Any]:
+                 range_policy: str = "accept", lock_held: bool = False) -> dict[str, Any]:
     """Serve `model_name` `version` (default: the version `@alias`) locally, blue/green, and promote it.
 
     `range_policy` (accept | refuse) is the served model's answer to values beyond its training range; the
@@ -317,18 +317,9 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
     Returns {"target": "local", "status": "promoted" | "already_serving", "model_name", "version",
     "url", "port", "pid", "model_path", "smoke": {...}, "previous": {"version", "pid", "stopped"} | None}.
     Raises DeploymentFailed when the new server does not start, answer, or pass the smoke test; the old
-    server, the record and `@champion` are then untouched.
+    server, the record and `@champion` are then untouched. `lock_held`: the caller holds the model's deploy lock
+    (restore_local, which decides under it).
     """
-    check_range_policy(range_policy)
-    with _deploy_lock(model_name):
-        return _deploy_held(model_name, data_dir=data_dir, version=version, alias=alias, canary_rows=canary_rows,
-                            tolerance=tolerance, startup_timeout=startup_timeout, server=server,
-                            range_policy=range_policy)
-
-
-def _deploy_held(model_name: str, *, data_dir: str | Path, version: str | None, alias: str, canary_rows: int,
-                 tolerance: float, startup_timeout: float, server: str, range_policy: str) -> dict[str, Any]:
-    """deploy_local's work, with the model's deploy lock held."""
     if version is None:
         selected = registry.version_by_alias(model_name, alias)
         if selected is None:
@@ -338,56 +329,58 @@ def _deploy_held(model_name: str, *, data_dir: str | Path, version: str | None, 
     else:
         selected = registry.get_version(model_name, version)
     version = str(version)
-    old = read_record(model_name)
-    if old and str(old.get("version")) == version and _still_serving(old):
-        registry.set_alias(model_name, registry.CHAMPION, version)
-        return {"target": "local", "status": "already_serving", "model_name": model_name,
-                "version": version, "url": old["url"], "port": old["port"], "pid": old["pid"],
-                "model_path": old.get("model_path"), "smoke": None, "previous": None}
-
-    expected = registry.evaluated_accuracy(selected)
-    staging = _download(model_name, version)
-    try:
-        contract = model_contract(staging)  # a tabular model's columns, label and task
-        frame, labels = canary_batch(data_dir, canary_rows, contract=contract,
-                                     within=served_bounds(staging, range_policy))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    try:
-        proc, port, model_path, log_path = _start_on_a_free_port(model_name, version, staging, server,
-                                                                 startup_timeout, range_policy)
-    except DeploymentFailed as err:
-        raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; {_serving_now(old)}") from err
-    url = f"http://{HOST}:{port}"
-    try:
-        smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance,
-                           task=contract.task)
-        record = {"model_name": model_name, "version": version, "url": url, "port": port, "server": server,
-                  "pid": proc.pid, "model_path": str(model_path), "log_path": str(log_path),
-                  "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
-        _write_record(model_name, record)
-        try:
+    check_range_policy(range_policy)
+    with contextlib.nullcontext() if lock_held else _deploy_lock(model_name):
+        old = read_record(model_name)
+        if old and str(old.get("version")) == version and _still_serving(old):
             registry.set_alias(model_name, registry.CHAMPION, version)
-        except Exception:
-            _write_record(model_name, old)
+            return {"target": "local", "status": "already_serving", "model_name": model_name,
+                    "version": version, "url": old["url"], "port": old["port"], "pid": old["pid"],
+                    "model_path": old.get("model_path"), "smoke": None, "previous": None}
+
+        expected = registry.evaluated_accuracy(selected)
+        staging = _download(model_name, version)
+        try:
+            contract = model_contract(staging)  # a tabular model's columns, label and task
+            frame, labels = canary_batch(data_dir, canary_rows, contract=contract,
+                                         within=served_bounds(staging, range_policy))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
             raise
-    except BaseException as err:
-        stop_server(proc.pid)
-        shutil.rmtree(model_path, ignore_errors=True)
-        if isinstance(err, DeploymentFailed):
-            raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; "
-                                   f"{_serving_now(old)}") from err
-        raise
-    previous = None
-    if old:
-        stopped = stop_server(int(old["pid"]), model_path=old.get("model_path"))
-        if old.get("model_path") and Path(old["model_path"]) != model_path:
-            shutil.rmtree(old["model_path"], ignore_errors=True)
-        previous = {"version": str(old.get("version")), "pid": old.get("pid"), "stopped": stopped}
-    return {"target": "local", "status": "promoted", "model_name": model_name, "version": version,
-            "url": url, "port": port, "pid": proc.pid, "model_path": str(model_path),
-            "smoke": smoke, "previous": previous}
+        try:
+            proc, port, model_path, log_path = _start_on_a_free_port(model_name, version, staging, server,
+                                                                     startup_timeout, range_policy)
+        except DeploymentFailed as err:
+            raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; {_serving_now(old)}") from err
+        url = f"http://{HOST}:{port}"
+        try:
+            smoke = smoke_test(url, frame, labels, expected_accuracy=expected, tolerance=tolerance,
+                               task=contract.task)
+            record = {"model_name": model_name, "version": version, "url": url, "port": port, "server": server,
+                      "pid": proc.pid, "model_path": str(model_path), "log_path": str(log_path),
+                      "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
+            _write_record(model_name, record)
+            try:
+                registry.set_alias(model_name, registry.CHAMPION, version)
+            except Exception:
+                _write_record(model_name, old)
+                raise
+        except BaseException as err:
+            stop_server(proc.pid)
+            shutil.rmtree(model_path, ignore_errors=True)
+            if isinstance(err, DeploymentFailed):
+                raise DeploymentFailed(f"{model_name} v{version} not deployed: {err}; "
+                                       f"{_serving_now(old)}") from err
+            raise
+        previous = None
+        if old:
+            stopped = stop_server(int(old["pid"]), model_path=old.get("model_path"))
+            if old.get("model_path") and Path(old["model_path"]) != model_path:
+                shutil.rmtree(old["model_path"], ignore_errors=True)
+            previous = {"version": str(old.get("version")), "pid": old.get("pid"), "stopped": stopped}
+        return {"target": "local", "status": "promoted", "model_name": model_name, "version": version,
+                "url": url, "port": port, "pid": proc.pid, "model_path": str(model_path),
+                "smoke": smoke, "previous": previous}
 
 
 def _alias_version(model_name: str) -> str | None:
@@ -415,20 +408,17 @@ def restore_local(model_name: str, *, data_dir: str | Path, **options: Any) -> d
         old = read_record(model_name)
         if not old:
             return None
-        champion = registry.version_by_alias(model_name, registry.CHAMPION)
-        if champion is None:
+        version = _alias_version(model_name)
+        if version is None:
             return None
-        version = str(champion.version)
         if str(old.get("version")) == version:
             if _still_serving(old):
                 return None
             reason = f"v{version}'s server no longer answered"
         else:  # a deployment stopped between writing the record and moving the alias
             reason = f"the record named v{old.get('version')}, not @champion v{version}"
-        settings_ = {"canary_rows": 256, "startup_timeout": 180.0, "server": "mlflow", "range_policy": "accept",
-                     **options, "tolerance": 1.0}
-        result = _deploy_held(model_name, data_dir=data_dir, version=version, alias=registry.CHAMPION,
-                              **settings_)
+        result = deploy_local(model_name, data_dir=data_dir, version=version, alias=registry.CHAMPION,
+                              lock_held=True, **{**options, "tolerance": 1.0})
     return {**result, "status": "restarted", "reason": reason,
             "previous": {"version": old.get("version"), "url": old.get("url"), "pid": old.get("pid")}}
 
