@@ -105,3 +105,10 @@ class HorovodBuildFailed(NightshiftError):
     """Building or installing the patched Horovod wheel failed."""
 
     exit_code = 1
+
+
+class StreamDemoFailed(NightshiftError):
+    """The stream part of `make demo` could not score the test rows (Redis would not start, score-stream failed or
+    did not finish)."""
+
+    exit_code = 1

@@ -392,9 +392,14 @@ def main(argv: list[str] | None = None) -> int:
         print("  run 2 did not promote: the new model is not better than the champion, which keeps serving.")
     print("  (Without force=true an unchanged dataset and code skip training altogether.)")
 
+    from nightshift.errors import StreamDemoFailed
     from nightshift.stream.demo import stream_demo
 
-    stream_demo(nightshift, data, env=env)
+    try:
+        stream_demo(nightshift, data, env=env)
+    except StreamDemoFailed as err:
+        print(f"stream scoring failed: {err}", file=sys.stderr)
+        return 1
 
     serving = read_record("nightshift-digits")
     if serving:

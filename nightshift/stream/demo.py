@@ -35,11 +35,14 @@ def private_redis(data_dir: Path) -> Iterator[str]:
 
 
 def stream_demo(nightshift_home: Path, data_dir: Path, model_name: str = "nightshift-digits",
-                env: dict[str, str] | None = None) -> dict[str, Any] | None:
+                env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, Any] | None:
     """Stream the test split (and one bad row) through score-stream; print and return what came out.
-    None (with the reason printed) where it cannot run here."""
+    None (with the reason printed) where it cannot run here (no redis-server). StreamDemoFailed when it could and
+    failed: Redis would not start or answer, score-stream exited with an error or took over `timeout` seconds."""
     import pandas as pd
     import redis
+
+    from nightshift.errors import StreamDemoFailed
 
     print("\n=== stream scoring: the test rows through Redis Streams and `nightshift score-stream`", flush=True)
     if shutil.which("redis-server") is None:
@@ -61,21 +64,26 @@ def stream_demo(nightshift_home: Path, data_dir: Path, model_name: str = "nights
             pipe.execute()
             total = len(frame) + 1
             started = time.monotonic()
-            done = subprocess.run(
-                [str(BIN / "nightshift"), "score-stream", "--redis", url, "--input", "demo:in", "--output",
-                 "demo:out", "--dead-letter", "demo:dead", "--group", "demo", "--consumer", "demo-1",
-                 "--model-name", model_name, "--stop-after", str(total)],
-                env=env, capture_output=True, text=True, timeout=600, check=False)
+            command = [str(BIN / "nightshift"), "score-stream", "--redis", url, "--input", "demo:in", "--output",
+                       "demo:out", "--dead-letter", "demo:dead", "--group", "demo", "--consumer", "demo-1",
+                       "--model-name", model_name, "--stop-after", str(total)]
+            try:
+                done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+            except subprocess.TimeoutExpired as err:
+                scored = client.xlen("demo:out") + client.xlen("demo:dead")
+                raise StreamDemoFailed(
+                    f"score-stream did not finish within {timeout:.0f} s ({scored} of {total} rows answered; it "
+                    f"was stopped): run `{' '.join(command[:2])} ... --stop-after {total}` by hand against a Redis "
+                    f"to see where it waits") from err
             seconds = time.monotonic() - started
             if done.returncode != 0:
-                print(f"  score-stream failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
-                return None
+                tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+                raise StreamDemoFailed(f"score-stream exited {done.returncode}: {tail or '(it printed nothing)'}")
             outs = [json.loads(f[b"data"]) for _, f in client.xrange("demo:out")]
             dead = [json.loads(f[b"data"]) for _, f in client.xrange("demo:dead")]
             client.close()
-    except (OSError, RuntimeError) as err:
-        print(f"  skipped: {err}")
-        return None
+    except (OSError, RuntimeError, redis.RedisError) as err:
+        raise StreamDemoFailed(f"the stream demo's private redis-server failed: {err}") from err
     finally:
         shutil.rmtree(root, ignore_errors=True)
     correct = sum(1 for o in outs if o["prediction"] == labels[int(o["id"])])
