@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds (once) and prints the path of a Horovod 0.28.1 wheel patched for PyTorch >= 2.1 and for elastic
-# jobs whose hosts join late (horovod-0.28.1-elastic-join.patch, beside this script).
+# jobs whose hosts join late and whose driver discovers hosts without a spawned interpreter
+# (horovod-0.28.1-elastic-join.patch, beside this script).
 #
 # Horovod 0.28.1 asks CMake for C++14; PyTorch 2.x headers need C++17 (upstream horovod#3996,
 # fixed on master by #3998 after the last release). We patch the two CMakeLists.txt of the sdist
@@ -16,7 +17,7 @@ set -euo pipefail
 python=${1:?usage: horovod-wheel.sh PYTHON}
 cache=${NIGHTSHIFT_CACHE:-$HOME/.cache/nightshift}
 torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')
-# The elastic-join patch is part of the cache key: a wheel built before it changed is not reused.
+# The patch is part of the cache key: a wheel built before it changed is not reused.
 patch_file="$(cd "$(dirname "$0")" && pwd)/horovod-0.28.1-elastic-join.patch"
 patch_id=$(sha256sum "$patch_file" | cut -c1-12)
 wheel_dir="$cache/wheels/horovod-0.28.1-torch$torch_version-$patch_id"
