@@ -38,7 +38,8 @@ $(STAMP): pyproject.toml constraints.txt $(HOROVOD_BUILD)/horovod-wheel.sh $(HOR
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "pip==26.3"
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q "$$($(HOROVOD_BUILD)/horovod-wheel.sh $(BIN)/python)"
+	wheel="$$($(HOROVOD_BUILD)/horovod-wheel.sh $(BIN)/python)" && $(PIP) install -q "$$wheel" \
+		&& $(PIP) install -q --no-deps --force-reinstall "$$wheel"
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
