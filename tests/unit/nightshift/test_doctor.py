@@ -197,6 +197,19 @@ def test_a_failed_build_names_the_script_and_what_it_needs(tmp_path: Path, monke
         build.build_wheel(sys.executable)
 
 
+def test_make_setup_reinstalls_a_rebuilt_wheel_of_the_same_version(tmp_path: Path) -> None:
+    """A changed patch makes a new wheel of the same version (0.28.1): a plain `pip install` keeps the installed
+    build ("already satisfied"), so make setup must force the reinstall of the wheel it just got."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    printed = subprocess.run(["make", "-n", "-B", "-C", str(REPO), f"VENV={venv}", f"{venv}/.nightshift-installed"],
+                             capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
+    installs = [line for line in printed.splitlines() if "horovod-wheel.sh" in line]
+    assert len(installs) == 1, printed
+    assert '--no-deps --force-reinstall "$wheel"' in installs[0], installs[0]
+
+
 def test_the_build_ships_in_the_distribution_and_is_what_make_and_the_trainer_image_use() -> None:
     import nightshift.horovod_build as build
 
