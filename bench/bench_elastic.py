@@ -150,16 +150,26 @@ def run_job(job: dict[str, Any], workdir: Path, chaos: str | None = None, timeou
                 launched.append(time.perf_counter() - start)
             err.append(line)
 
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
+    out: list[str] = []
+
+    def read_stdout() -> None:
+        assert proc.stdout is not None
+        out.append(proc.stdout.read())
+
+    # Each pipe has one reader of its own: communicate() would read stderr too, racing the line reader (lines went
+    # to whichever got them, and the reader died on the pipe communicate closed: ValueError).
+    readers = [threading.Thread(target=read_stderr, daemon=True), threading.Thread(target=read_stdout, daemon=True)]
+    for reader in readers:
+        reader.start()
     try:
-        stdout, _ = proc.communicate(timeout=timeout + 120)
+        proc.wait(timeout=timeout + 120)
     except subprocess.TimeoutExpired:
         proc.kill()
-        stdout, _ = proc.communicate()
+        proc.wait()
     seconds = time.perf_counter() - start
-    reader.join(timeout=10)
-    return Run(proc.returncode, seconds, stdout, "".join(err), launched[0] if launched else None)
+    for reader in readers:
+        reader.join(timeout=10)
+    return Run(proc.returncode, seconds, "".join(out), "".join(err), launched[0] if launched else None)
 
 
 def _summary(out: Path) -> dict[str, Any]:
