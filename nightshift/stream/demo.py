@@ -8,8 +8,11 @@ the binary is missing, the demo says so and skips this part.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +37,33 @@ def private_redis(data_dir: Path) -> Iterator[str]:
         server.stop()
 
 
+def _run_score_stream(command: list[str], env: dict[str, str] | None, timeout: float,
+                      folder: Path) -> tuple[int | None, str]:
+    """Run score-stream in a session of its own, its output to files (a child of its own that outlives it cannot hold
+    a pipe open): (exit code, or None when it ran past `timeout`; the last lines it printed). Whatever is left of its
+    session (children it started) is killed when it ends or is stopped."""
+    from nightshift.errors import StreamDemoFailed
+
+    out_path, err_path = folder / "score-stream.out", folder / "score-stream.err"
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        try:
+            proc = subprocess.Popen(command, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise StreamDemoFailed(f"cannot run {command[0]} score-stream: {exc}") from exc
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = [path.read_text(errors="replace").strip() for path in (err_path, out_path)]
+    lines = next((text.splitlines() for text in said if text), [])
+    return code, " | ".join(lines[-3:])
+
+
 def stream_demo(nightshift_home: Path, data_dir: Path, model_name: str = "nightshift-digits",
                 env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, Any] | None:
     """Stream the test split (and one bad row) through score-stream; print and return what came out.
@@ -43,6 +73,7 @@ def stream_demo(nightshift_home: Path, data_dir: Path, model_name: str = "nights
     import redis
 
     from nightshift.errors import StreamDemoFailed
+    from nightshift.stream.redis_io import PASSWORD_FILE_ENV
 
     print("\n=== stream scoring: the test rows through Redis Streams and `nightshift score-stream`", flush=True)
     if shutil.which("redis-server") is None:
@@ -67,21 +98,27 @@ def stream_demo(nightshift_home: Path, data_dir: Path, model_name: str = "nights
             command = [str(BIN / "nightshift"), "score-stream", "--redis", url, "--input", "demo:in", "--output",
                        "demo:out", "--dead-letter", "demo:dead", "--group", "demo", "--consumer", "demo-1",
                        "--model-name", model_name, "--stop-after", str(total)]
-            try:
-                done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-            except subprocess.TimeoutExpired as err:
-                scored = client.xlen("demo:out") + client.xlen("demo:dead")
-                raise StreamDemoFailed(
-                    f"score-stream did not finish within {timeout:.0f} s ({scored} of {total} rows answered; it "
-                    f"was stopped): run `{' '.join(command[:2])} ... --stop-after {total}` by hand against a Redis "
-                    f"to see where it waits") from err
+            # The private Redis has no password: one the user's environment names for their own Redis is not its.
+            child_env = {k: v for k, v in (os.environ if env is None else env).items() if k != PASSWORD_FILE_ENV}
+            code, said = _run_score_stream(command, child_env, timeout, root)
             seconds = time.monotonic() - started
-            if done.returncode != 0:
-                tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-                raise StreamDemoFailed(f"score-stream exited {done.returncode}: {tail or '(it printed nothing)'}")
+            if code is None:
+                try:
+                    scored = f"{client.xlen('demo:out') + client.xlen('demo:dead')} of {total}"
+                except redis.RedisError as err:
+                    scored = f"? of {total} (Redis no longer answers: {err})"
+                raise StreamDemoFailed(
+                    f"score-stream did not finish within {timeout:.0f} s ({scored} rows answered; it was stopped with "
+                    f"its children): run `{' '.join(command[:2])} ... --stop-after {total}` by hand against a Redis "
+                    f"to see where it waits")
+            if code != 0:
+                raise StreamDemoFailed(f"score-stream exited {code}: {said or '(it printed nothing)'}")
             outs = [json.loads(f[b"data"]) for _, f in client.xrange("demo:out")]
             dead = [json.loads(f[b"data"]) for _, f in client.xrange("demo:dead")]
             client.close()
+            if len(outs) + len(dead) != total:
+                raise StreamDemoFailed(f"score-stream exited 0 but answered {len(outs) + len(dead)} of {total} rows "
+                                       f"({len(outs)} predictions, {len(dead)} dead letters)")
     except (OSError, RuntimeError, redis.RedisError) as err:
         raise StreamDemoFailed(f"the stream demo's private redis-server failed: {err}") from err
     finally:
