@@ -320,17 +320,17 @@ def deploy_local(model_name: str, *, data_dir: str | Path, version: str | None =
     server, the record and `@champion` are then untouched. `lock_held`: the caller holds the model's deploy lock
     (restore_local, which decides under it).
     """
-    if version is None:
-        selected = registry.version_by_alias(model_name, alias)
-        if selected is None:
-            raise DeploymentFailed(f"{model_name}@{alias} does not exist; run `nightshift register` first "
-                                   f"or pass --version")
-        version = str(selected.version)
-    else:
-        selected = registry.get_version(model_name, version)
-    version = str(version)
     check_range_policy(range_policy)
     with contextlib.nullcontext() if lock_held else _deploy_lock(model_name):
+        if version is None:
+            selected = registry.version_by_alias(model_name, alias)
+            if selected is None:
+                raise DeploymentFailed(f"{model_name}@{alias} does not exist; run `nightshift register` first "
+                                       f"or pass --version")
+            version = str(selected.version)
+        else:
+            selected = registry.get_version(model_name, version)
+        version = str(version)
         old = read_record(model_name)
         if old and str(old.get("version")) == version and _still_serving(old):
             registry.set_alias(model_name, registry.CHAMPION, version)

@@ -8,7 +8,6 @@ the binary is missing, the demo says so and skips this part.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -17,9 +16,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
+
+from nightshift.errors import StreamDemoFailed
+from nightshift.stream.redis_io import PASSWORD_FILE_ENV
 
 BIN = Path(sys.executable).parent
 
@@ -42,8 +44,6 @@ def _run_score_stream(command: list[str], env: dict[str, str] | None, timeout: f
     """Run score-stream in a session of its own, its output to files (a child of its own that outlives it cannot hold
     a pipe open): (exit code, or None when it ran past `timeout`; the last lines it printed). Whatever is left of its
     session (children it started) is killed when it ends or is stopped."""
-    from nightshift.errors import StreamDemoFailed
-
     out_path, err_path = folder / "score-stream.out", folder / "score-stream.err"
     with out_path.open("wb") as out, err_path.open("wb") as err:
         try:
@@ -56,7 +56,7 @@ def _run_score_stream(command: list[str], env: dict[str, str] | None, timeout: f
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
+            with suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     said = [path.read_text(errors="replace").strip() for path in (err_path, out_path)]
@@ -71,9 +71,6 @@ def stream_demo(nightshift_home: Path, data_dir: Path, model_name: str = "nights
     failed: Redis would not start or answer, score-stream exited with an error or took over `timeout` seconds."""
     import pandas as pd
     import redis
-
-    from nightshift.errors import StreamDemoFailed
-    from nightshift.stream.redis_io import PASSWORD_FILE_ENV
 
     print("\n=== stream scoring: the test rows through Redis Streams and `nightshift score-stream`", flush=True)
     if shutil.which("redis-server") is None:
