@@ -173,8 +173,16 @@ def single_host_reference(job: dict[str, Any], out: Path) -> Path:
 
 
 def host_links() -> set[str]:
+    """The host's links, less those of podman's own bridge network: another test beside this one (the serving image's,
+    publishing a port) makes podman create its `podman0` bridge and a veth on it in the host's namespace."""
     done = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True)
-    return {line.split(":")[1].strip().split("@")[0] for line in done.stdout.splitlines()}
+    links = set()
+    for line in done.stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if re.fullmatch(r"podman\d+", name) or re.search(r" master podman\d+ ", line):
+            continue
+        links.add(name)
+    return links
 
 
 def namespace_pids(namespace: str) -> list[str]:
