@@ -28,6 +28,7 @@ os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 # longest ones do not start last and leave the other workers idle at the end. The order only matters for speed.
 LONGEST_FIRST = (
     "tests/integration/test_run_mpijob.py",
+    "tests/integration/test_docs_commands.py",
     "tests/integration/test_airflow_standalone.py",
     "tests/integration/test_celery_executor.py",
     "tests/integration/test_served_model_standalone.py",
@@ -59,6 +60,7 @@ LONGEST_FIRST = (
 # else while the build goes on, and only then wait for it.
 NEEDS_IMAGES = (
     "tests/integration/test_run_mpijob_podman.py",
+    "tests/integration/test_docs_commands_podman.py",
     "tests/integration/test_airflow_image.py",
     "tests/integration/test_serving_image.py",
     "tests/integration/test_images.py",

@@ -1,0 +1,57 @@
+"""The podman part of the emulated hosts page (`nightshift run-mpijob --runtime podman`), run as written, as
+tests/integration/test_docs_commands.py runs the other pages: in a fresh bash and NIGHTSHIFT_HOME, in a folder of
+its own, `.venv/bin` on PATH. It needs the trainer image `localhost/nightshift/trainer:cpu`, which this test run
+builds (tests/images_build.py; a module of tests/conftest.py's NEEDS_IMAGES, queued last and waiting for the build);
+it skips, saying why, where podman cannot run here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nightshift.mpijob_local import podman
+from tests import images_build
+from tests.docs_commands import Reader, page_blocks, run_page
+from tests.integration.test_docs_commands import reader_env
+from tests.integration.test_run_mpijob_podman import IMAGE, MISSING
+
+pytestmark = [pytest.mark.integration, pytest.mark.images]
+if MISSING:
+    pytestmark.append(pytest.mark.skip(reason=MISSING))
+PAGE = "how-to/emulated-hosts.md"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def image() -> str:
+    """The trainer image, from this test run's one build (waited for; a failed build fails this test)."""
+    try:
+        images_build.ensure_images()
+    except images_build.ImagesBuildFailed as err:
+        pytest.fail(str(err))
+    lacking = podman.missing(podman.PodmanSettings.from_environment(), [IMAGE])
+    assert not lacking, lacking
+    return IMAGE
+
+
+@pytest.fixture
+def reader(tmp_path: Path) -> Iterator[Reader]:
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    for folder in (work, tmp):
+        folder.mkdir()
+    yield Reader(work, reader_env(tmp_path / "home", tmp, venv_on_path=True), tmp_path / "state")
+
+
+def test_the_podman_runtime_runs_as_written(reader: Reader) -> None:
+    podman_blocks = [b for b in page_blocks(PAGE) if "podman" in b.section]
+    assert len(podman_blocks) == 1
+    out = run_page(reader, PAGE, only=podman_blocks, timeout_s=600)
+    assert "-try2-launcher] " in out and "-try2-worker-1] " in out  # each pod's lines, prefixed with its name
+    [home] = {p.parents[3] for p in Path(reader.env["TMPDIR"]).glob("*/workspaces/nightly_retrain/try2/model")}
+    metrics = home / "workspaces" / "nightly_retrain" / "try2" / "model" / "metrics.json"
+    assert metrics.is_file()
+    # what the pods wrote through the claim's view stays the claim owner's, as the page says
+    assert os.stat(metrics).st_uid == 1000
