@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -105,7 +106,9 @@ def test_emulated_hosts_run_as_written(reader: Reader) -> None:
     host_blocks = [b for b in page_blocks(page) if "podman" not in b.section]
     out = run_page(reader, page, only=host_blocks, timeout_s=900, server_wait_s=300)
     # "Where to see the result": the pods' prefixed lines, the MLflow UI on the store, and the files of the run
-    assert "-try1-launcher] " in out and "-try1-worker-1] " in out  # each pod's lines, prefixed with its name
+    # each pod's lines, prefixed with its name (the job's: train-<hash>-try<the task's try number>), and success
+    (job,) = set(re.findall(r"MPIJob (train-[0-9a-f]+-try1) succeeded", out))
+    assert f"[{job}-launcher] " in out and f"[{job}-worker-1] " in out
     assert "http://127.0.0.1:5001 answered 200" in out
     [home] = {p.parents[3] for p in Path(reader.env["TMPDIR"]).glob("*/workspaces/nightly_retrain/try1/model")}
     metrics = json.loads((home / "workspaces" / "nightly_retrain" / "try1" / "model" / "metrics.json").read_text())

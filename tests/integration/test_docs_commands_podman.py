@@ -8,6 +8,7 @@ it skips, saying why, where podman cannot run here.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,7 +50,9 @@ def test_the_podman_runtime_runs_as_written(reader: Reader) -> None:
     podman_blocks = [b for b in page_blocks(PAGE) if "podman" in b.section]
     assert len(podman_blocks) == 1
     out = run_page(reader, PAGE, only=podman_blocks, timeout_s=600)
-    assert "-try2-launcher] " in out and "-try2-worker-1] " in out  # each pod's lines, prefixed with its name
+    # each pod's lines, prefixed with its name (the job's: train-<hash>-try<the task's try number>), and success
+    (job,) = set(re.findall(r"MPIJob (train-[0-9a-f]+-try1) succeeded", out))
+    assert f"[{job}-launcher] " in out and f"[{job}-worker-1] " in out
     [home] = {p.parents[3] for p in Path(reader.env["TMPDIR"]).glob("*/workspaces/nightly_retrain/try2/model")}
     metrics = home / "workspaces" / "nightly_retrain" / "try2" / "model" / "metrics.json"
     assert metrics.is_file()
