@@ -192,6 +192,9 @@ def tabular_preprocessing(data_dir: str | Path, *, task: str, label: str = "labe
         prep["target_std"] = float(y.std()) or 1.0
         return prep
     classes = np.sort(pd.unique(target))
+    if classes.dtype.kind == "f":
+        classes = classes + 0.0  # -0.0 is the class 0.0 (as the labels are matched by value): named 0.0, not by
+        #                          whichever of the two a file happens to hold first
     if task == BINARY and len(classes) != 2:
         raise DataError(f"{path}: a binary task needs exactly 2 classes in label column {label!r}, found "
                         f"{len(classes)} ({', '.join(map(str, classes[:10]))}); use task multiclass or regression")

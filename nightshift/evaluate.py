@@ -145,6 +145,28 @@ def _class_names(model: Any) -> list[str] | None:
     return [str(c) for c in classifier.classes]
 
 
+def label_names(column: Any, names: list[str]) -> np.ndarray:
+    """Each row's class as text, in the spelling of the class `names` (a model's `prob_<class>` names) where the
+    label is a float equal to one of them: the classes were written from the training labels' values (a float32
+    0.1 is '0.10000000149011612', and -0.0 is 0.0 to the loader), while the column's own text would be '0.1' or
+    '-0.0'. Other labels (integers, strings, floats no name equals) keep their own text."""
+    import pandas as pd
+
+    text = column.astype(str).to_numpy(dtype=object)
+    if not pd.api.types.is_float_dtype(column.dtype):
+        return text
+    by_value: dict[float, str] = {}
+    for name in names:
+        try:
+            by_value.setdefault(float(name), name)
+        except ValueError:
+            continue
+    if not by_value:
+        return text
+    values = column.to_numpy(np.float64).tolist()
+    return np.asarray([by_value.get(v, t) for v, t in zip(values, text, strict=True)], dtype=object)
+
+
 def _load(model_uri: str) -> Any:
     import mlflow.pyfunc
 
@@ -283,8 +305,14 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
     bad = [str(c) for c in out.columns if pd.api.types.is_numeric_dtype(out[c]) and not np.isfinite(
         out[c].to_numpy(np.float64)).all()]
     if bad:
+        finite = np.isfinite(out[[c for c in out.columns if pd.api.types.is_numeric_dtype(out[c])]]
+                             .to_numpy(np.float64)).all(axis=1)
+        broken = int((~finite).sum())
+        why = ("every row: the model itself is broken, e.g. it diverged in training (NaN weights; a learning rate "
+               "too high?), so it must not be served" if broken == len(out) else
+               "a feature value too large for the network, e.g. a fill value like 9.97e36?")
         raise EvaluationError(f"{path}: model {model_uri} answers values that are not finite numbers in {bad[:3]} "
-                              f"(a feature value too large for the network, e.g. a fill value like 9.97e36?)")
+                              f"for {broken} of {len(out)} rows ({why})")
     head = {"model_uri": model_uri, "rows": len(frame), "drift": outside_training_range(model, frame)}
     if task == REGRESSION:
         if tracking.VALUE_COLUMN not in out.columns:
@@ -309,8 +337,8 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
         raise EvaluationError(f"model {model_uri} answers classes {lacking[:5]} outside the compared classes "
                               f"{names[:10]}")
     index = {name: i for i, name in enumerate(names)}
-    truth = frame[label_column].astype(str).to_numpy()
-    unseen = sorted(set(truth) - set(own))
+    truth = label_names(frame[label_column], names)
+    unseen = sorted(set(truth) - set(names))
     if unseen:
         raise EvaluationError(f"{path}: label column {label_column!r} holds {unseen[:5]}, classes the model "
                               f"does not know ({', '.join(own)})")
@@ -442,7 +470,8 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     model_uri = tracking.run_model_uri(run_id)
     challenger_model = _load(model_uri)
     challenger = score(model_uri, data_dir, split, task=task, label_column=label_column, model=challenger_model,
-                       positive_class=gate.positive_class)
+                       positive_class=gate.positive_class,
+                       classes=_with_unseen_labels(challenger_model, data_dir, split, task, label_column))
     champion: dict[str, Any] | None = None
     for_a_person: list[str] = []
     current = champion_uri(model_name)
@@ -470,6 +499,22 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     return result
 
 
+def _with_unseen_labels(model: Any, data_dir: str | Path, split: str, task: str, label_column: str
+                        ) -> list[str] | None:
+    """For a multiclass challenger: its classes and then any label of the split it never saw (tonight's training
+    split lacked a rare class that the test split holds), so that it is scored over both, each row of such a class
+    a miss, and a champion that knew the class is not compared with it (a person decides). None otherwise: its
+    own classes (a binary task's third label stays an error)."""
+    own = _class_names(model) if task == MULTICLASS else None
+    if own is None:
+        return None
+    frame = read_split_frame(data_dir, split)
+    if label_column not in frame.columns:
+        return None
+    extra = sorted(set(label_names(frame[label_column], own)) - set(own))
+    return [*own, *extra] if extra else None
+
+
 def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger: dict[str, Any],
                      data_dir: str | Path, split: str, task: str, label_column: str,
                      positive_class: str | None = None) -> tuple[dict[str, Any] | None, list[str]]:
@@ -483,8 +528,9 @@ def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger
                        data_columns=frame.columns)
     known = _class_names(champion_model) if "classes" in challenger and not why else None
     if known is not None:
-        unseen = sorted(set(frame[label_column].astype(str)) - set(known))
-        dropped = [c for c in known if c not in set(challenger["classes"])]
+        unseen = sorted(set(label_names(frame[label_column], known)) - set(known))
+        answers = set(_class_names(challenger_model) or challenger["classes"])  # its own, not the compared set
+        dropped = [c for c in known if c not in answers]
         if unseen:
             for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({label_column!r} "
                                 f"holds {unseen[:5]}, classes it does not know: it knows {known[:10]}; a new "

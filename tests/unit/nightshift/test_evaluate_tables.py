@@ -192,3 +192,91 @@ def test_a_decision_for_a_person_promotes_nothing_outside_airflow(cancer: Path, 
     with pytest.raises(ChallengerRejected):
         registry.register(challenger, model_name="cancer", evaluation=result)
     assert registry.register(challenger, model_name="cancer", evaluation=result, pending_approval=True)["version"]
+
+
+def wine_table(label: str) -> pd.DataFrame:
+    from sklearn.datasets import load_wine
+
+    return load_wine(as_frame=True).frame.rename(columns={"target": label})
+
+
+def test_float_labels_are_matched_by_value_not_by_their_text(cancer: Path, tmp_path: Path) -> None:
+    """Review rev34b: float32 class labels (0.1, 0.2, 0.3) made every night fail at evaluate, the first one too
+    (the model's classes are written from the values, '0.10000000149011612', the column's text is '0.1'); a float
+    0/1 label whose zeros came as -0.0 (np.round(-0.2)), which the loader takes as 0.0, failed the same way."""
+    wine = wine_table("grade")
+    wine["grade"] = ((wine["grade"] + 1) / 10).astype("float32")
+    grades = write_splits(wine, tmp_path / "grades")
+    result = evaluate(train(grades, tmp_path / "first", task="multiclass", label="grade"), data_dir=grades,
+                      model_name="grades", label_column="grade", gate={"task": "multiclass", "floor": 0.5})
+    assert result["passed"] and len(result["challenger"]["classes"]) == 3, result["reasons"]
+
+    floats = copy_data(cancer, tmp_path / "floats", lambda frame, split: frame.assign(
+        diagnosis=frame["diagnosis"].astype("float64")))
+    crown(train(floats, tmp_path / "champion", task="binary", label="diagnosis"), "floats")
+    tonight = copy_data(floats, tmp_path / "tonight", lambda frame, split: frame.assign(
+        diagnosis=np.where(frame["diagnosis"] == 0, np.round(-0.2), frame["diagnosis"])))
+    assert "-0.0" in set(pd.read_parquet(tonight / "test.parquet")["diagnosis"].astype(str))
+    result = evaluate(train(tonight, tmp_path / "challenger", task="binary", label="diagnosis", seed=1),
+                      data_dir=tonight, model_name="floats", label_column="diagnosis",
+                      gate={"task": "binary", "primary": "accuracy", "floor": 0.5})
+    assert result["champion"] is not None and not result["needs_approval"], result["reasons"]
+    assert sorted(result["challenger"]["classes"]) == ["0.0", "1.0"]
+
+
+def test_a_rare_class_only_in_tonights_test_split_goes_to_a_person_not_a_failed_night(tmp_path: Path) -> None:
+    """Review rev34b: a 4% class that tonight's train split lacks but its test split holds made the challenger's
+    scoring raise, so the night failed and the champion, which knew the class, was never weighed."""
+    wine = wine_table("cultivar")
+    rare = wine[wine.cultivar == 2].sample(6, random_state=0)
+    good = write_splits(pd.concat([wine[wine.cultivar != 2], rare]).sample(frac=1, random_state=1)
+                        .reset_index(drop=True), tmp_path / "good")
+    crown(train(good, tmp_path / "champion", task="multiclass", label="cultivar"), "wine")
+    tr, va, te = (pd.read_parquet(good / f"{s}.parquet") for s in ("train", "validation", "test"))
+    moved, back = tr[tr.cultivar == 2], te[te.cultivar != 2].iloc[:int((tr.cultivar == 2).sum())]
+    night = tmp_path / "night"
+    night.mkdir()
+    for split, frame in (("train", pd.concat([tr[tr.cultivar != 2], back])), ("validation", va[va.cultivar != 2]),
+                         ("test", pd.concat([te.drop(back.index), moved]))):
+        frame.reset_index(drop=True).to_parquet(night / f"{split}.parquet")
+    assert len(moved) and not (pd.read_parquet(night / "train.parquet").cultivar == 2).any()
+    result = evaluate(train(night, tmp_path / "challenger", task="multiclass", label="cultivar", seed=1),
+                      data_dir=night, model_name="wine", label_column="cultivar",
+                      gate={"task": "multiclass", "primary": "accuracy", "floor": 0.5})
+    assert not result["passed"] and result["champion"] is None
+    assert any("cannot answer class(es) ['2']" in r for r in result["reasons"]), result["reasons"]
+    assert result["needs_approval"] == (result["challenger"]["accuracy"] >= 0.5)
+    # scored over tonight's classes too: the rare class's rows are misses, not a crash
+    assert result["challenger"]["classes"] == ["0", "1", "2"]
+    assert result["challenger"]["per_class_recall"]["2"] == 0.0
+
+
+def test_a_diverged_challenger_fails_naming_the_model_not_the_data(cancer: Path, tmp_path: Path) -> None:
+    """Review rev34b: a model with NaN weights (what a learning rate of 10 does) failed evaluate with a hint that
+    blamed the data (a feature too large for the network). Every row's answer is not finite: the message says the
+    model is broken."""
+    import torch
+
+    from nightshift.datasets import load_split
+    from nightshift.errors import EvaluationError
+    from nightshift.models import build_model
+    from nightshift.train.artifacts import save_trained_model
+
+    options = {"label": "diagnosis"}
+    split = load_split("tabular", cancer, "train", task="binary", options=options)
+    kwargs = {"input_shape": split.input_shape, "num_classes": split.num_classes, "hidden": 16}
+    model = build_model("mlp", **kwargs)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(float("nan"))
+    model.eval()
+    out = tmp_path / "nan"
+    save_trained_model(out, model, model_name="mlp", model_kwargs=kwargs, dataset="tabular",
+                       params={"epochs": 1, "dataset_options": options}, train_key="k-nan", task="binary",
+                       preprocessing=split.preprocessing)
+    (out / "metrics.json").write_text(json.dumps({"epochs": 1}))
+    (out / "metrics.jsonl").write_text("")
+    run = tracking.log_training_run(out, experiment="tables", tags={"nightshift.run_key": "k-nan"})
+    with pytest.raises(EvaluationError, match=r"for (\d+) of \1 rows \(every row: the model itself is broken"):
+        evaluate(run, data_dir=cancer, model_name="nan", label_column="diagnosis",
+                 gate={"task": "binary", "primary": "accuracy", "floor": 0.5})
