@@ -163,6 +163,17 @@ def _json_problems(value: Any, path: str = "") -> list[str]:
 
 # ---- schema ------------------------------------------------------------------------------------------------
 
+def _yaml_number_hint(text: str) -> str:
+    """For a number YAML read as text: how to write it. YAML 1.1 (PyYAML) reads an exponent without a dot, 1e-3,
+    as a string."""
+    import re
+
+    if re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", text.strip()):
+        mantissa, exponent = re.split("[eE]", text.strip())
+        return f" (YAML reads {text} as text: write {mantissa}.0e{exponent})"
+    return ""
+
+
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -221,7 +232,10 @@ def _schema_problem(error: Any) -> list[str]:
     if kind == "type":
         wanted = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
         names = " or ".join(_TYPE_NAMES.get(str(t), str(t)) for t in wanted)
-        return [f"{where}: must be {names}, got {_kind(error.instance)}"]
+        hint = ""
+        if isinstance(error.instance, str) and {"number", "integer"} & {str(t) for t in wanted}:
+            hint = _yaml_number_hint(error.instance)
+        return [f"{where}: must be {names}, got {_kind(error.instance)}{hint}"]
     if kind == "enum":
         choices = ", ".join("null" if v is None else str(v) for v in error.validator_value)
         return [f"{where}: {_kind(error.instance)} is not allowed; use one of {choices}"]

@@ -546,6 +546,9 @@ def test_digits_yaml_fits_the_demo_datas_columns(nightshift_home: Path) -> None:
      "dataset.options.since: date 2024-01-01 is not a JSON value"),
     ("dataset: {loader: tabular, label: diagnosis, data: {directory: d}, options: {yes: 1}}",
      "dataset.options.True: the key True is boolean true, not a string"),
+    # YAML 1.1 reads an exponent without a dot as text (review rev34b: refused with no hint how to write it)
+    ("gate: {primary: accuracy, floor: 0.5, min_improvement: 1e-3}",
+     "gate.min_improvement: must be a number, got string '1e-3' (YAML reads 1e-3 as text: write 1.0e-3)"),
 ])
 def test_values_that_are_no_plain_json_are_refused_on_one_line(folder: Path, text: str, expected: str) -> None:
     key = text.split(":", 1)[0]
