@@ -38,12 +38,20 @@ pytestmark = pytest.mark.integration
 DAG_ID = "wine_retrain"
 
 
-def night(result: dict[str, Any], day: int, outcome: str, dataset: str) -> dict[str, Any]:
-    """The ledger record the DAG's `report` writes for a night that evaluated (dags/nightly_tasks/steps.py)."""
+CODE_VERSION = "4ed7884c0ffee5eed4ed7884c0ffee5eed4ed788"  # the DAG bundle's commit, as check_changes records it
+
+
+def night(result: dict[str, Any], day: int, outcome: str, dataset: str, version: str | None = None
+          ) -> dict[str, Any]:
+    """The ledger record the DAG's `report` writes for a night that evaluated (dags/nightly_tasks/steps.py): with
+    the registered `version` and where it is served when the night promoted."""
     names = metric_names("multiclass")
     champion = result["champion"]
     return {"recorded_at": f"2026-11-{day:02d}T02:03:00+00:00", "run_id": f"scheduled__2026-11-{day:02d}",
             "status": "success", "outcome": outcome, "dataset_version": dataset, "mlflow_run_id": result["run_id"],
+            "code_version": CODE_VERSION, "model_name": "wine", "model_version": version,
+            "serving_url": "http://127.0.0.1:5001" if version else None,
+            "deploy_status": "started" if version else None,
             "gate": {"passed": result["passed"], "reasons": result["reasons"], "run_id": result["run_id"],
                      "primary": result["gate"]["primary"],
                      "challenger": {k: result["challenger"][k] for k in names},
@@ -73,13 +81,13 @@ def season(tmp_path: Path) -> dict[str, Any]:
     weaker = evaluated("weaker", 3, 1)
     stronger = evaluated("stronger", 60, 2)
     assert not weaker["passed"] and stronger["passed"], (weaker["reasons"], stronger["reasons"])
-    records = [night(first, 1, "promoted v1 (promoted)", "a1" * 16),
+    records = [night(first, 1, "promoted v1 (promoted)", "a1" * 16, "1"),
                {"recorded_at": "2026-11-02T02:03:00+00:00", "run_id": "scheduled__2026-11-02", "status": "success",
                 "outcome": "training skipped (unchanged)", "dataset_version": "a1" * 16},
                night(weaker, 3, "not promoted (gate rejected)", "b2" * 16),
                {"recorded_at": "2026-11-04T02:03:00+00:00", "run_id": "scheduled__2026-11-04", "status": "failed",
                 "failed_task": "train", "outcome": "failed at train", "reason": "MPIJobFailed: worker-1 OOMKilled"},
-               night(stronger, 5, "promoted v2 (promoted)", "c3" * 16)]
+               night(stronger, 5, "promoted v2 (promoted)", "c3" * 16, "2")]
     for record in records:
         ledger.append_record(DAG_ID, record)
     return {"stronger": stronger, "records": records}
@@ -144,6 +152,12 @@ def test_the_decision_page_and_the_season_view_in_chromium(browser: WebDriver, s
     assert f"champion v1 accuracy {stronger['champion']['accuracy']:.4f}" in marks[4], shot
     assert len(texts(browser, "svg.season title")) >= 5 + 3, shot  # marks, points, bands, drift bars
     assert "accuracy night by night" in chart.text, shot
+    # The table under it: each promoted night's model version and where it was served, as the report records them.
+    rows = [[cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+            for row in browser.find_elements(By.CSS_SELECTOR, "table tr") if row.find_elements(By.TAG_NAME, "td")]
+    assert [(row[6], row[9]) for row in rows] == [("v2", "http://127.0.0.1:5001"), ("—", "—"), ("—", "—"),
+                                                  ("—", "—"), ("v1", "http://127.0.0.1:5001")], (rows, shot)
+    assert rows[0][3] == CODE_VERSION[:10], (rows, shot)
 
     # Its link to the night's decision page, followed as a reviewer would.
     links = browser.find_elements(By.LINK_TEXT, "Decision page")
