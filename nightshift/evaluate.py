@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,25 +146,52 @@ def _class_names(model: Any) -> list[str] | None:
     return [str(c) for c in classifier.classes]
 
 
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+
+
+def class_value(name: str) -> float | None:
+    """The number a class name spells (a numeric label's class: '1', '0.0', '0.10000000149011612'), else None."""
+    return float(name) if _NUMBER.fullmatch(name) else None
+
+
+def same_classes(own: list[str], names: list[str]) -> dict[str, str]:
+    """{each of `own` class names: the one of `names` that is the same class}: the same text, else the same number
+    (a model trained before names were normalised has '-0.0' where a newer one has '0.0'; a float32 label's class
+    is '0.10000000149011612' where a float64 one's is '0.1' only if the values differ, and then they are not the
+    same class). Names with no match are left out."""
+    by_value: dict[float, str] = {}
+    for name in names:
+        value = class_value(name)
+        if value is not None:
+            by_value.setdefault(value, name)
+    matched: dict[str, str] = {}
+    for name in own:
+        if name in names:
+            matched[name] = name
+        elif (value := class_value(name)) is not None and value in by_value:
+            matched[name] = by_value[value]
+    return matched
+
+
 def label_names(column: Any, names: list[str]) -> np.ndarray:
     """Each row's class as text, in the spelling of the class `names` (a model's `prob_<class>` names) where the
-    label is a float equal to one of them: the classes were written from the training labels' values (a float32
-    0.1 is '0.10000000149011612', and -0.0 is 0.0 to the loader), while the column's own text would be '0.1' or
-    '-0.0'. Other labels (integers, strings, floats no name equals) keep their own text."""
+    label is a number equal to one of them: the classes were written from the training labels' values (a float32
+    0.1 is '0.10000000149011612', -0.0 is 0.0 to the loader, an integer label 2 is the class '2.0' of a model trained
+    on the float 2.0), while the column's own text would be '0.1', '-0.0' or '2'. Other labels (strings, numbers
+    no name equals) keep their own text; an empty label is 'nan'."""
     import pandas as pd
 
-    text = column.astype(str).to_numpy(dtype=object)
-    if not pd.api.types.is_float_dtype(column.dtype):
+    text = np.asarray([str(v) for v in column.astype(object).tolist()], dtype=object)
+    if not (pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)):
         return text
     by_value: dict[float, str] = {}
     for name in names:
-        try:
-            by_value.setdefault(float(name), name)
-        except ValueError:
-            continue
+        value = class_value(name)
+        if value is not None:
+            by_value.setdefault(value, name)
     if not by_value:
         return text
-    values = column.to_numpy(np.float64).tolist()
+    values = column.to_numpy(np.float64, na_value=np.nan).tolist()
     return np.asarray([by_value.get(v, t) for v, t in zip(values, text, strict=True)], dtype=object)
 
 
@@ -332,7 +360,12 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
                               f"model? evaluate it with task regression")
     own = [str(c)[len("prob_"):] for c in prob_columns]
     names = list(classes) if classes is not None else own
-    lacking = [c for c in own if c not in set(names)]
+    empty = int(frame[label_column].isna().sum())
+    if empty:
+        raise EvaluationError(f"{path}: label column {label_column!r} is empty in {empty} rows; a split to score "
+                              f"needs every label (drop or fill those rows before staging)")
+    spelled = same_classes(own, names)  # each class the model answers, as the compared classes spell it
+    lacking = [c for c in own if c not in spelled]
     if lacking:
         raise EvaluationError(f"model {model_uri} answers classes {lacking[:5]} outside the compared classes "
                               f"{names[:10]}")
@@ -351,7 +384,7 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
     labels = np.asarray([index[t] for t in truth], dtype=np.int64)
     proba = np.zeros((len(frame), len(names)), dtype=np.float64)
     for column, name in zip(prob_columns, own, strict=True):
-        proba[:, index[name]] = out[column].to_numpy(np.float64)
+        proba[:, index[spelled[name]]] = out[column].to_numpy(np.float64)
     metrics = classification_metrics(task, labels, proba, positive=positive)
     recall = metrics.pop("recall")
     if task == BINARY:
@@ -499,19 +532,29 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     return result
 
 
+# A challenger is scored over labels it never saw only while those are a minority of the split's rows (a rare class
+# tonight's training split lacked); more, and the labels are taken as encoded anew, an error that names them.
+MIN_KNOWN_LABELS = 0.5
+
+
 def _with_unseen_labels(model: Any, data_dir: str | Path, split: str, task: str, label_column: str
                         ) -> list[str] | None:
     """For a multiclass challenger: its classes and then any label of the split it never saw (tonight's training
     split lacked a rare class that the test split holds), so that it is scored over both, each row of such a class
-    a miss, and a champion that knew the class is not compared with it (a person decides). None otherwise: its
-    own classes (a binary task's third label stays an error)."""
+    a miss, and a champion that knew the class is not compared with it (a person decides). None otherwise (its own
+    classes; score() then refuses labels it does not know, naming them): a binary task, empty labels, or unknown
+    labels on half the rows or more."""
     own = _class_names(model) if task == MULTICLASS else None
     if own is None:
         return None
     frame = read_split_frame(data_dir, split)
-    if label_column not in frame.columns:
+    if label_column not in frame.columns or frame[label_column].isna().any():
+        return None  # score() names what is wrong
+    truth = label_names(frame[label_column], own)
+    known = np.isin(truth, np.asarray(own, dtype=object))
+    if known.mean() < MIN_KNOWN_LABELS:  # not a rare class: labels encoded anew, or another table (score() says so)
         return None
-    extra = sorted(set(label_names(frame[label_column], own)) - set(own))
+    extra = sorted(set(truth[~known]))
     return [*own, *extra] if extra else None
 
 
@@ -529,8 +572,8 @@ def _champion_scores(current: tuple[str, str], challenger_model: Any, challenger
     known = _class_names(champion_model) if "classes" in challenger and not why else None
     if known is not None:
         unseen = sorted(set(label_names(frame[label_column], known)) - set(known))
-        answers = set(_class_names(challenger_model) or challenger["classes"])  # its own, not the compared set
-        dropped = [c for c in known if c not in answers]
+        answers = _class_names(challenger_model) or list(challenger["classes"])  # its own, not the compared set
+        dropped = [c for c in known if c not in same_classes(known, answers)]
         if unseen:
             for_a_person.append(f"champion v{version} cannot be scored on tonight's data ({label_column!r} "
                                 f"holds {unseen[:5]}, classes it does not know: it knows {known[:10]}; a new "

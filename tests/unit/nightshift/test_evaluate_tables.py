@@ -280,3 +280,59 @@ def test_a_diverged_challenger_fails_naming_the_model_not_the_data(cancer: Path,
     with pytest.raises(EvaluationError, match=r"for (\d+) of \1 rows \(every row: the model itself is broken"):
         evaluate(run, data_dir=cancer, model_name="nan", label_column="diagnosis",
                  gate={"task": "binary", "primary": "accuracy", "floor": 0.5})
+
+
+def test_labels_in_another_encoding_are_an_error_that_names_them_not_a_quiet_zero(cancer: Path,
+                                                                                   tmp_path: Path) -> None:
+    """Review rev-labels of 4ed7884: a challenger is scored over labels it never saw only while they are a minority
+    of the split's rows. Labels all unknown (a float32 model, float64 labels: other values) scored 0 and were
+    rejected quietly every night; empty labels crashed at logging. An integer label is the class of the same
+    float value."""
+    from nightshift.errors import EvaluationError
+
+    wine = wine_table("grade")
+    wine["grade"] = ((wine["grade"] + 1) / 10).astype("float32")
+    grades = write_splits(wine, tmp_path / "grades")
+    run = train(grades, tmp_path / "f32", task="multiclass", label="grade")
+    wider = copy_data(grades, tmp_path / "f64", lambda frame, split: frame.assign(
+        grade=frame["grade"].astype(str).astype("float64") if split == "test" else frame["grade"]))
+    with pytest.raises(EvaluationError, match=r"holds \['0.1', '0.2', '0.3'\], classes the model does not know"):
+        evaluate(run, data_dir=wider, model_name="grades", label_column="grade", gate={"task": "multiclass"})
+
+    holes = copy_data(grades, tmp_path / "holes", lambda frame, split: frame.assign(
+        grade=frame["grade"].where(frame.index > 2) if split == "test" else frame["grade"]))
+    with pytest.raises(EvaluationError, match=r"label column 'grade' is empty in 3 rows"):
+        evaluate(run, data_dir=holes, model_name="grades", label_column="grade", gate={"task": "multiclass"})
+
+    floats = copy_data(cancer, tmp_path / "floats", lambda frame, split: frame.assign(
+        diagnosis=frame["diagnosis"].astype("float64" if split != "test" else "int64")))
+    result = evaluate(train(floats, tmp_path / "float-model", task="multiclass", label="diagnosis"),
+                      data_dir=floats, model_name="cancer-floats", label_column="diagnosis",
+                      gate={"task": "multiclass", "floor": 0.5})
+    assert result["challenger"]["classes"] == ["0.0", "1.0"] and result["challenger"]["accuracy"] > 0.8
+
+
+def test_a_champion_named_minus_zero_before_names_were_normalised_is_still_compared(
+        cancer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review rev-labels of 4ed7884: a champion registered before float classes were named 0.0 (its class '-0.0')
+    was 'dropped' by every new challenger (class '0.0'), so no night compared with it again."""
+    import nightshift.datasets as datasets
+
+    floats = copy_data(cancer, tmp_path / "floats", lambda frame, split: frame.assign(
+        diagnosis=frame["diagnosis"].astype("float64")))
+    normalised = datasets.tabular_preprocessing
+
+    def before(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        prep = normalised(*args, **kwargs)
+        prep["classes"] = [-0.0 if c == 0 else c for c in prep["classes"]]
+        return prep
+
+    monkeypatch.setattr(datasets, "tabular_preprocessing", before)
+    crown(train(floats, tmp_path / "champion", task="binary", label="diagnosis"), "floats")
+    monkeypatch.setattr(datasets, "tabular_preprocessing", normalised)
+    weaker = train(floats, tmp_path / "weaker", task="binary", label="diagnosis", seed=1, epochs=3)
+    result = evaluate(weaker, data_dir=floats, model_name="floats", label_column="diagnosis",
+                      gate={"task": "binary", "primary": "accuracy", "floor": 0.5})
+    assert result["champion"] is not None and not result["needs_approval"], result["reasons"]
+    assert result["champion"]["classes"] == ["0.0", "1.0"]
+    assert not result["passed"] and "vs champion" in result["reasons"][0]
