@@ -192,7 +192,9 @@ def label_names(column: Any, names: list[str]) -> np.ndarray:
     if not by_value:
         return text
     values = column.to_numpy(np.float64, na_value=np.nan).tolist()
-    return np.asarray([by_value.get(v, t) for v, t in zip(values, text, strict=True)], dtype=object)
+    spelled = set(names)  # a label spelled as a class is that class (two integers past 2**53 are one float)
+    return np.asarray([t if t in spelled else by_value.get(v, t) for v, t in zip(values, text, strict=True)],
+                      dtype=object)
 
 
 def _load(model_uri: str) -> Any:

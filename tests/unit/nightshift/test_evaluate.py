@@ -268,3 +268,20 @@ def test_every_documented_evaluation_of_a_table_names_its_registered_model() -> 
     assert evaluations_of_a_table_without_a_model_name(  # the README's example before 8b28fbf
         "nightshift evaluate --out OUT --data DIR --task binary --label-column diagnosis\n")
 
+
+
+def test_label_names_match_a_class_by_its_text_first_then_by_value() -> None:
+    """Numbers are matched by value (float32 labels, -0.0, an integer 2 of a model trained on 2.0), but a label
+    spelled as a class is that class: two integers past 2**53 are one float and must stay two classes."""
+    import pandas as pd
+
+    from nightshift.evaluate import label_names, same_classes
+
+    big = [2**60, 2**60 + 1]
+    assert list(label_names(pd.Series(big), [str(b) for b in big])) == [str(b) for b in big]
+    assert list(label_names(pd.Series([0.0, -0.0, 1.0]), ["0.0", "1.0"])) == ["0.0", "0.0", "1.0"]
+    assert list(label_names(pd.Series([1, 2]), ["1.0", "2.0"])) == ["1.0", "2.0"]
+    assert list(label_names(pd.Series([0.1], dtype="float32"), ["0.10000000149011612"])) == ["0.10000000149011612"]
+    assert list(label_names(pd.Series(["a", "b"]), ["a"])) == ["a", "b"]
+    assert list(label_names(pd.Series([True, False]), ["1.0", "0.0"])) == ["True", "False"]  # no bool as number
+    assert same_classes(["-0.0", "1.0", "x"], ["0.0", "1.0"]) == {"-0.0": "0.0", "1.0": "1.0"}
