@@ -146,12 +146,19 @@ def _class_names(model: Any) -> list[str] | None:
     return [str(c) for c in classifier.classes]
 
 
-_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?(e[-+][0-9]+)?")
 
 
 def class_value(name: str) -> float | None:
-    """The number a class name spells (a numeric label's class: '1', '0.0', '0.10000000149011612'), else None."""
-    return float(name) if _NUMBER.fullmatch(name) else None
+    """The number a class name spells as Python writes a numeric label's value ('1', '0.0', '-0.0',
+    '0.10000000149011612', '1e-05'), else None: a string label such as '01', '+1' or '1e3' is text, whatever
+    number it looks like."""
+    if not _NUMBER.fullmatch(name):
+        return None
+    if "." not in name and "e" not in name:
+        return float(int(name)) if str(int(name)) == name else None
+    value = float(name)
+    return value if str(value) == name else None
 
 
 def same_classes(own: list[str], names: list[str]) -> dict[str, str]:
@@ -379,10 +386,11 @@ def score(model_uri: str, data_dir: str | Path, split: str = "test", *, task: st
                               f"does not know ({', '.join(own)})")
     positive = DEFAULT_POSITIVE
     if task == BINARY and positive_class is not None:
-        if str(positive_class) not in index:
+        declared = same_classes([str(positive_class)], names).get(str(positive_class))  # 1 is the class 1.0
+        if declared is None:
             raise EvaluationError(f"the positive class {str(positive_class)!r} is none of the classes "
                                   f"{', '.join(names)}; declare one of them (gate.positive_class)")
-        positive = index[str(positive_class)]
+        positive = index[declared]
     labels = np.asarray([index[t] for t in truth], dtype=np.int64)
     proba = np.zeros((len(frame), len(names)), dtype=np.float64)
     for column, name in zip(prob_columns, own, strict=True):
@@ -534,8 +542,8 @@ def evaluate(run_id: str, *, data_dir: str | Path, model_name: str = DEFAULT_MOD
     return result
 
 
-# A challenger is scored over labels it never saw only while those are a minority of the split's rows (a rare class
-# tonight's training split lacked); more, and the labels are taken as encoded anew, an error that names them.
+# A challenger is scored over labels it never saw only while those are under half of the split's rows (a rare class
+# tonight's training split lacked); half or more, and the labels are taken as encoded anew: an error naming them.
 MIN_KNOWN_LABELS = 0.5
 
 
@@ -554,7 +562,7 @@ def _with_unseen_labels(model: Any, data_dir: str | Path, split: str, task: str,
         return None  # score() names what is wrong
     truth = label_names(frame[label_column], own)
     known = np.isin(truth, np.asarray(own, dtype=object))
-    if known.mean() < MIN_KNOWN_LABELS:  # not a rare class: labels encoded anew, or another table (score() says so)
+    if known.mean() <= MIN_KNOWN_LABELS:  # not a rare class: labels encoded anew, or another table (score() says so)
         return None
     extra = sorted(set(truth[~known]))
     return [*own, *extra] if extra else None

@@ -285,3 +285,7 @@ def test_label_names_match_a_class_by_its_text_first_then_by_value() -> None:
     assert list(label_names(pd.Series(["a", "b"]), ["a"])) == ["a", "b"]
     assert list(label_names(pd.Series([True, False]), ["1.0", "0.0"])) == ["True", "False"]  # no bool as number
     assert same_classes(["-0.0", "1.0", "x"], ["0.0", "1.0"]) == {"-0.0": "0.0", "1.0": "1.0"}
+    # only numbers as Python writes a label's value: string classes that look like numbers stay text (review
+    # rev-labels2: '01' was the class '1', '١' the class '1')
+    assert same_classes(["01", "+1", "1e3", "١", "1"], ["1", "1000.0"]) == {"1": "1"}
+    assert list(label_names(pd.Series([1.0, 2.0]), ["01", "2"])) == ["1.0", "2"]

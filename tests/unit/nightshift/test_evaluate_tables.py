@@ -336,3 +336,30 @@ def test_a_champion_named_minus_zero_before_names_were_normalised_is_still_compa
     assert result["champion"] is not None and not result["needs_approval"], result["reasons"]
     assert result["champion"]["classes"] == ["0.0", "1.0"]
     assert not result["passed"] and "vs champion" in result["reasons"][0]
+
+
+def test_a_binary_positive_class_is_matched_by_value_and_half_unknown_labels_are_an_error(
+        cancer: Path, tmp_path: Path) -> None:
+    """Review rev-labels2: `positive_class: 1` against float labels (classes 0.0 and 1.0) failed every night ("none
+    of the classes"); a split whose labels are half unknown was scored as if a rare class, though half or more
+    unknown is documented as labels encoded anew."""
+    from nightshift.errors import EvaluationError
+
+    floats = copy_data(cancer, tmp_path / "floats", lambda frame, split: frame.assign(
+        diagnosis=frame["diagnosis"].astype("float64")))
+    run = train(floats, tmp_path / "model", task="binary", label="diagnosis")
+    result = evaluate(run, data_dir=floats, model_name="positive", label_column="diagnosis",
+                      gate={"task": "binary", "primary": "f1", "floor": 0.5, "positive_class": "1"})
+    assert result["challenger"]["positive_class"] == "1.0" and result["passed"], result["reasons"]
+
+    wine = wine_table("cultivar")
+    data = write_splits(wine[wine.cultivar != 2], tmp_path / "two")
+    two = train(data, tmp_path / "two-model", task="multiclass", label="cultivar")
+    test = pd.read_parquet(data / "test.parquet")
+    half = pd.concat([test.iloc[:10], wine[wine.cultivar == 2].iloc[:10]]).reset_index(drop=True)
+    half.to_parquet(data / "test.parquet")
+    with pytest.raises(EvaluationError, match=r"holds \['2'\], classes the model does not know"):
+        evaluate(two, data_dir=data, model_name="half", label_column="cultivar", gate={"task": "multiclass"})
+    half.iloc[:11].to_parquet(data / "test.parquet")  # 10 known of 11: a rare class, scored as misses
+    result = evaluate(two, data_dir=data, model_name="half", label_column="cultivar", gate={"task": "multiclass"})
+    assert result["challenger"]["per_class_recall"]["2"] == 0.0
