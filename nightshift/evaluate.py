@@ -161,16 +161,22 @@ def class_value(name: str) -> float | None:
     return value if str(value) == name else None
 
 
-def same_classes(own: list[str], names: list[str]) -> dict[str, str]:
-    """{each of `own` class names: the one of `names` that is the same class}: the same text, else the same number
-    (a model trained before names were normalised has '-0.0' where a newer one has '0.0'; a float32 label's class
-    is '0.10000000149011612' where a float64 one's is '0.1' only if the values differ, and then they are not the
-    same class). Names with no match are left out."""
+def _by_value(names: list[str]) -> dict[float, str]:
+    """{number: the first of `names` that spells it} for the names that are numbers (`class_value`)."""
     by_value: dict[float, str] = {}
     for name in names:
         value = class_value(name)
         if value is not None:
             by_value.setdefault(value, name)
+    return by_value
+
+
+def same_classes(own: list[str], names: list[str]) -> dict[str, str]:
+    """{each of `own` class names: the one of `names` that is the same class}: the same text, else the same number
+    (a model trained before names were normalised has '-0.0' where a newer one has '0.0'; a float32 label's class
+    is '0.10000000149011612' where a float64 one's is '0.1' only if the values differ, and then they are not the
+    same class). Names with no match are left out."""
+    by_value = _by_value(names)
     matched: dict[str, str] = {}
     for name in own:
         if name in names:
@@ -191,11 +197,7 @@ def label_names(column: Any, names: list[str]) -> np.ndarray:
     text = np.asarray([str(v) for v in column.astype(object).tolist()], dtype=object)
     if not (pd.api.types.is_numeric_dtype(column.dtype) and not pd.api.types.is_bool_dtype(column.dtype)):
         return text
-    by_value: dict[float, str] = {}
-    for name in names:
-        value = class_value(name)
-        if value is not None:
-            by_value.setdefault(value, name)
+    by_value = _by_value(names)
     if not by_value:
         return text
     values = column.to_numpy(np.float64, na_value=np.nan).tolist()

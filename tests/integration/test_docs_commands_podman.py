@@ -14,28 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from nightshift.mpijob_local import podman
-from tests import images_build
 from tests.docs_commands import Reader, page_blocks, run_page
 from tests.integration.test_docs_commands import reader_env
-from tests.integration.test_run_mpijob_podman import IMAGE, MISSING
+from tests.integration.test_run_mpijob_podman import MISSING
+
+# Its autouse fixture `image`: this module's test waits for the run's image build, as that module's do.
+from tests.integration.test_run_mpijob_podman import image as image
 
 pytestmark = [pytest.mark.integration, pytest.mark.images]
 if MISSING:
     pytestmark.append(pytest.mark.skip(reason=MISSING))
 PAGE = "how-to/emulated-hosts.md"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def image() -> str:
-    """The trainer image, from this test run's one build (waited for; a failed build fails this test)."""
-    try:
-        images_build.ensure_images()
-    except images_build.ImagesBuildFailed as err:
-        pytest.fail(str(err))
-    lacking = podman.missing(podman.PodmanSettings.from_environment(), [IMAGE])
-    assert not lacking, lacking
-    return IMAGE
 
 
 @pytest.fixture
